@@ -1,0 +1,43 @@
+"""DraftService servicer: parse the request, call the engine, build the response."""
+
+from __future__ import annotations
+
+import grpc
+
+from draft_service.engine import CommitSpec, DraftEngine
+from specmesh.sampling import sampling_from_pb
+from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+
+def commit_from_pb(commit: draft_pb2.Commit) -> CommitSpec:
+    return CommitSpec(position=commit.position, token_ids=tuple(commit.token_ids))
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, engine: DraftEngine):
+        self.engine = engine
+
+    async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
+        forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
+                                            sampling_from_pb(request.sampling))
+        return draft_pb2.DraftOpenResponse(request_id=request.request_id,
+                                           length=len(request.prompt_token_ids), forward_ns=forward_ns)
+
+    async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext):
+        commit = commit_from_pb(request.commit) if request.HasField("commit") else None
+        proposal = await self.engine.propose(request.request_id, request.round, commit,
+                                             request.position, request.num_tokens)
+        return draft_pb2.ProposeResponse(
+            request_id=request.request_id, round=request.round, position=proposal.position,
+            token_ids=proposal.token_ids, distributions=proposal.distributions,
+            forward_ns=proposal.forward_ns)
+
+    async def Commit(self, request: draft_pb2.CommitRequest, context: grpc.aio.ServicerContext):
+        length = await self.engine.commit(request.request_id, request.round, commit_from_pb(request.commit))
+        return draft_pb2.CommitResponse(request_id=request.request_id, length=length)
+
+    async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))
+
+    async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        return self.engine.engine.describe()

@@ -1,0 +1,130 @@
+"""The `specmesh` command: serve the three services, or generate against a running server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import grpc
+
+from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, install_stop_flag
+from orchestrator.launcher import run_draft, run_orchestrator, run_target
+from orchestrator.loop import LoopConfig
+from orchestrator.server import OrchestratorOptions
+from specmesh.service import DTYPE_CHOICES, ServiceOptions
+from specmesh.v1 import generation_pb2, generation_pb2_grpc
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+FINISH_REASONS = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the draft, target and orchestrator services")
+    serve.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, directory, .gguf or hub id")
+    serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for target-only")
+    serve.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    serve.add_argument("--port", type=int, default=50051, help="client-facing port")
+    serve.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
+    serve.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
+    serve.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
+    serve.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
+                       help="auto: bfloat16 where the device computes it natively, else float32; "
+                            "the draft's precision never changes the output, only acceptance and speed")
+    serve.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s,
+                       help="seconds a draft round may take before the request goes target-only")
+    serve.add_argument("--greedy-draft", action="store_true",
+                       help="the draft proposes its argmax tokens (point masses) even when sampling")
+    generate = commands.add_parser("generate", help="stream a completion from a running server")
+    generate.add_argument("prompt")
+    generate.add_argument("--endpoint", default="127.0.0.1:50051")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--num-speculative-tokens", type=int, default=None)
+    generate.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
+    generate.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    group = ProcessGroup()
+    stop_flag = install_stop_flag()
+    target_options = ServiceOptions(model=args.target, host=args.host, device=args.device, dtype=args.target_dtype)
+    group.start("target", run_target, target_options)
+    names = {"target"}
+    if args.draft.lower() != "none":
+        draft_options = ServiceOptions(model=args.draft, host=args.host, device=args.draft_device or args.device,
+                                       dtype=args.draft_dtype)
+        group.start("draft", run_draft, draft_options, args.greedy_draft)
+        names.add("draft")
+    try:
+        ports = group.wait_ready(names, START_TIMEOUT_S)
+        options = OrchestratorOptions(
+            target_endpoint=f"{args.host}:{ports['target']}",
+            draft_endpoint=f"{args.host}:{ports['draft']}" if "draft" in ports else None,
+            loop=LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
+        group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}")
+        port = group.wait_ready({"orchestrator"}, START_TIMEOUT_S)["orchestrator"]
+    except RuntimeError as error:
+        print(f"specmesh serve: {error}", file=sys.stderr)
+        group.stop()
+        return 1
+    print(f"specmesh ready: client endpoint {args.host}:{port}", flush=True)
+    group.wait_any_exit(lambda: stop_flag[0])
+    group.stop()
+    return 0
+
+
+def generate_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens,
+                                             temperature=args.temperature, stop=args.stop)
+    for field in ("top_k", "top_p", "seed", "num_speculative_tokens"):
+        if getattr(args, field) is not None:
+            setattr(request, field, getattr(args, field))
+    if args.no_speculation:
+        request.speculation = False
+    return request
+
+
+async def generate(args: argparse.Namespace) -> int:
+    text, token_ids, last = [], [], None
+    async with grpc.aio.insecure_channel(args.endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            async for response in stub.Generate(generate_request(args), timeout=args.timeout):
+                text.append(response.text)
+                token_ids.extend(response.token_ids)
+                last = response
+                if not args.json:
+                    print(response.text, end="", flush=True)
+        except grpc.aio.AioRpcError as error:
+            print(f"\nspecmesh generate: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 2
+    if args.json:
+        stats = {f.name: getattr(last.stats, f.name) for f in last.stats.DESCRIPTOR.fields}
+        print(json.dumps({"text": "".join(text), "token_ids": token_ids,
+                          "finish_reason": FINISH_REASONS.get(last.finish_reason, ""), "stats": stats}))
+    else:
+        print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return asyncio.run(generate(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Thin async clients for the draft and target services, with a deadline on every call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+import grpc
+
+from specmesh.errors import SpecmeshError
+from specmesh.sampling import SamplingParams, sampling_to_pb
+from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 5.0
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+class UpstreamError(SpecmeshError):
+    """A service call failed; carries its status code through to the client."""
+
+    def __init__(self, service: str, error: grpc.aio.AioRpcError):
+        super().__init__(f"{service} service: {error.code().name}: {error.details()}")
+        self.code = error.code()
+
+
+def open_channel(endpoint: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
+               ("grpc.max_send_message_length", _MAX_MESSAGE)]
+    if credentials is not None:
+        return grpc.aio.secure_channel(endpoint, credentials, options=options)
+    return grpc.aio.insecure_channel(endpoint, options=options)
+
+
+class DraftClient:
+    def __init__(self, channel: grpc.aio.Channel):
+        self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+
+    async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
+
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                   timeout: float) -> draft_pb2.DraftOpenResponse:
+        return await self.stub.OpenSession(draft_pb2.DraftOpenRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_pb(sampling)), timeout=timeout)
+
+    async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
+                      position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
+        request = draft_pb2.ProposeRequest(request_id=request_id, round=round_number, position=position,
+                                           num_tokens=num_tokens, commit=commit)
+        return await self.stub.Propose(request, timeout=timeout)
+
+    async def close(self, request_id: str) -> None:
+        await _close_quietly("draft", self.stub.CloseSession, request_id)
+
+
+class TargetClient:
+    def __init__(self, channel: grpc.aio.Channel):
+        self.stub = target_pb2_grpc.TargetServiceStub(channel)
+
+    async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
+
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                   timeout: float) -> target_pb2.TargetOpenResponse:
+        request = target_pb2.TargetOpenRequest(request_id=request_id, prompt_token_ids=prompt,
+                                               sampling=sampling_to_pb(sampling))
+        return await _call_target(self.stub.OpenSession, request, timeout)
+
+    async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
+                     distributions: Sequence[common_pb2.TokenDistribution],
+                     timeout: float) -> target_pb2.VerifyResponse:
+        request = target_pb2.VerifyRequest(request_id=request_id, round=round_number, position=position,
+                                           draft_token_ids=draft_token_ids, draft_distributions=distributions)
+        return await _call_target(self.stub.Verify, request, timeout)
+
+    async def close(self, request_id: str) -> None:
+        await _close_quietly("target", self.stub.CloseSession, request_id)
+
+
+async def _call_target(method, request, timeout: float):
+    try:
+        return await method(request, timeout=timeout)
+    except grpc.aio.AioRpcError as error:
+        raise UpstreamError("target", error) from error
+
+
+async def _close_quietly(service: str, method, request_id: str) -> None:
+    """Closing is best effort: a dead service has already lost the session."""
+    try:
+        await method(common_pb2.CloseSessionRequest(request_id=request_id), timeout=CLOSE_TIMEOUT_S)
+    except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+        log.debug("closing %s session %s failed: %s", service, request_id, error)

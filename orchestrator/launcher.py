@@ -1,0 +1,135 @@
+"""`specmesh serve`: the draft service, the target service and the orchestrator as three processes.
+
+Each child reports its bound port (or its start-up error) on a queue; the parent
+prints one line with the client endpoint once all three are ready, and takes
+them all down when one dies or on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from orchestrator.server import OrchestratorOptions
+from specmesh.service import ServiceOptions
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 1800.0  # first start assembles and converts the embedded models
+
+
+@dataclass(frozen=True)
+class Ready:
+    name: str
+    port: int | None
+    error: str | None = None
+
+
+def run_draft(options: ServiceOptions, greedy_proposals: bool, ready: "mp.Queue[Ready]") -> None:
+    from draft_service.server import create_server
+    _run_service("draft", create_server, options, 1, ready, greedy_proposals=greedy_proposals)
+
+
+def run_target(options: ServiceOptions, ready: "mp.Queue[Ready]") -> None:
+    from target_service.server import create_server
+    _run_service("target", create_server, options, 0, ready)
+
+
+def _run_service(name, create_server, options, salt, ready, **server_kwargs) -> None:
+    from specmesh.service import load_engine, run_model_service
+    _configure_child_logging()
+    try:
+        engine = load_engine(options, generator_salt=salt)
+        asyncio.run(run_model_service(create_server, engine, options,
+                                      lambda port: ready.put(Ready(name, port)), **server_kwargs))
+    except Exception as error:  # noqa: BLE001 - reported to the parent, then exit
+        ready.put(Ready(name, None, f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+
+
+def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
+                     ready: "mp.Queue[Ready]") -> None:
+    _configure_child_logging()
+    try:
+        asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, ready))
+    except Exception as error:  # noqa: BLE001
+        ready.put(Ready("orchestrator", None, f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+
+
+async def _serve_orchestrator(tokenizer_spec, options, address, ready) -> None:
+    from orchestrator.server import create_server
+    from specmesh.models import load_tokenizer
+    from specmesh.server import serve_until_signal
+    server, port, health = await create_server(load_tokenizer(tokenizer_spec), options, address)
+    ready.put(Ready("orchestrator", port))
+    await serve_until_signal(server, health)
+
+
+def _configure_child_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
+
+
+class ProcessGroup:
+    """Children started with the spawn method, stopped together."""
+
+    def __init__(self):
+        self.context = mp.get_context("spawn")
+        self.ready: mp.Queue = self.context.Queue()
+        self.processes: list[mp.Process] = []
+
+    def start(self, name: str, target, *args) -> None:
+        process = self.context.Process(target=target, args=(*args, self.ready), name=name, daemon=False)
+        process.start()
+        self.processes.append(process)
+
+    def wait_ready(self, names: set[str], timeout_s: float) -> dict[str, int]:
+        """Ports of the named children; raises RuntimeError when one fails or exits first."""
+        ports: dict[str, int] = {}
+        deadline = time.monotonic() + timeout_s
+        while set(ports) != names:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {sorted(names - set(ports))} to start")
+            try:
+                ready = self.ready.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if ready.error:
+                raise RuntimeError(f"{ready.name} failed to start: {ready.error}")
+            ports[ready.name] = ready.port
+        return ports
+
+    def _check_alive(self) -> None:
+        for process in self.processes:
+            if process.exitcode is not None:
+                raise RuntimeError(f"{process.name} exited with code {process.exitcode} during start-up")
+
+    def wait_any_exit(self, stop_requested) -> None:
+        while not stop_requested() and all(p.is_alive() for p in self.processes):
+            time.sleep(0.5)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: each server shuts down gracefully
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+
+
+def install_stop_flag() -> list[bool]:
+    flag = [False]
+
+    def request_stop(signum, frame):
+        flag[0] = True
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    return flag

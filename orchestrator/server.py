@@ -1,0 +1,69 @@
+"""Start the orchestrator: connect to the services, check the tokenizers, serve Generation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+from transformers import PreTrainedTokenizerBase
+
+from orchestrator.clients import DraftClient, TargetClient, open_channel
+from orchestrator.loop import LoopConfig
+from orchestrator.servicer import Backends, GenerationServicer
+from orchestrator.validation import ModelLimits
+from specmesh import models
+from specmesh.server import start_server
+from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+STARTUP_TIMEOUT_S = 30.0
+
+
+class TokenizerMismatch(RuntimeError):
+    """Draft and target (or the orchestrator's tokenizer) disagree on the vocabulary."""
+
+
+@dataclass(frozen=True)
+class OrchestratorOptions:
+    target_endpoint: str
+    draft_endpoint: str | None  # None: serve target-only
+    loop: LoopConfig = LoopConfig()
+
+
+def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
+                       draft: common_pb2.ModelInfo | None) -> None:
+    """Refuse to start when draft and target would mean different things by a token id."""
+    if draft is not None and draft.vocab_fingerprint != target.vocab_fingerprint:
+        raise TokenizerMismatch(
+            f"draft model {draft.model!r} and target model {target.model!r} have different tokenizer "
+            f"vocabularies (fingerprints {draft.vocab_fingerprint[:12]} vs {target.vocab_fingerprint[:12]}); "
+            "speculative decoding needs a draft that shares the target's tokenizer")
+    if tokenizer_fingerprint != target.vocab_fingerprint:
+        raise TokenizerMismatch(
+            f"the orchestrator's tokenizer differs from the target model {target.model!r}'s")
+
+
+async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions) -> Backends:
+    target = TargetClient(open_channel(options.target_endpoint))
+    target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
+    draft, draft_info = None, None
+    if options.draft_endpoint:
+        draft = DraftClient(open_channel(options.draft_endpoint))
+        draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
+    check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
+    limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
+                         default_num_speculative_tokens=options.loop.num_speculative_tokens)
+    return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits)
+
+
+async def create_server(
+    tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, address: str = "127.0.0.1:0",
+    *, max_concurrent_rpcs: int | None = None,
+) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    backends = await connect_backends(tokenizer, options)
+    servicer = GenerationServicer(tokenizer, backends, options.loop)
+    return await start_server(lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs)

@@ -1,0 +1,107 @@
+"""Turn a client's GenerateRequest into a checked GenerationRequest.
+
+Every rule names the field it is about, so the client gets INVALID_ARGUMENT
+with a google.rpc BadRequest pointing at that field.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from orchestrator.loop import GenerationRequest
+from specmesh.errors import InvalidArgument
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import generation_pb2
+
+MAX_SPECULATIVE_TOKENS = 32
+DEFAULT_MAX_TOKENS = 256
+MAX_REQUEST_ID_LENGTH = 128
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    context_window: int
+    default_num_speculative_tokens: int
+
+
+def validate_request(request: generation_pb2.GenerateRequest, encode: Callable[[str], list[int]],
+                     limits: ModelLimits, time_remaining: float | None = None) -> GenerationRequest:
+    prompt_ids = _prompt_token_ids(request, encode, limits)
+    k = _num_speculative_tokens(request, limits)
+    return GenerationRequest(
+        request_id=_request_id(request),
+        prompt_token_ids=prompt_ids,
+        max_tokens=_max_tokens(request, len(prompt_ids), limits),
+        sampling=_sampling(request),
+        stop=_stop(request),
+        num_speculative_tokens=k,
+        deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+    )
+
+
+def _request_id(request: generation_pb2.GenerateRequest) -> str:
+    if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters")
+    return request.request_id or uuid.uuid4().hex
+
+
+def _prompt_token_ids(request: generation_pb2.GenerateRequest, encode: Callable[[str], list[int]],
+                      limits: ModelLimits) -> list[int]:
+    if request.prompt and request.prompt_token_ids:
+        raise InvalidArgument("prompt", "set prompt or prompt_token_ids, not both")
+    token_ids = list(request.prompt_token_ids) if request.prompt_token_ids else encode(request.prompt)
+    if not token_ids:
+        raise InvalidArgument("prompt", "must not be empty")
+    bad = [t for t in token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidArgument("prompt_token_ids", f"token id {bad[0]} outside [0, {limits.vocab_size})")
+    if len(token_ids) >= limits.context_window:
+        raise InvalidArgument("prompt", f"{len(token_ids)} tokens leave no room in the "
+                              f"{limits.context_window}-token context window")
+    return token_ids
+
+
+def _max_tokens(request: generation_pb2.GenerateRequest, prompt_length: int, limits: ModelLimits) -> int:
+    room = limits.context_window - prompt_length
+    if not request.HasField("max_tokens"):
+        return min(DEFAULT_MAX_TOKENS, room)
+    if request.max_tokens <= 0:
+        raise InvalidArgument("max_tokens", "must be at least 1")
+    if request.max_tokens > room:
+        raise InvalidArgument("max_tokens", f"prompt ({prompt_length} tokens) + max_tokens "
+                              f"({request.max_tokens}) exceeds the {limits.context_window}-token context window")
+    return request.max_tokens
+
+
+def _sampling(request: generation_pb2.GenerateRequest) -> SamplingParams:
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument("temperature", "must be a finite number >= 0")
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise InvalidArgument("top_p", "must be in (0, 1]")
+    top_k = request.top_k if request.HasField("top_k") else 0
+    if top_k < 0:
+        raise InvalidArgument("top_k", "must be >= 0 (0 disables top-k)")
+    seed = request.seed if request.HasField("seed") else None
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+def _num_speculative_tokens(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> int:
+    if request.HasField("speculation") and not request.speculation:
+        return 0
+    k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else 0
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument("num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+    return k or limits.default_num_speculative_tokens
+
+
+def _stop(request: generation_pb2.GenerateRequest) -> list[str]:
+    if any(not s for s in request.stop):
+        raise InvalidArgument("stop", "stop strings must not be empty")
+    return list(request.stop)

@@ -1,0 +1,206 @@
+"""Per-session KV caches over one causal LM, shared by the draft and target services.
+
+A session is one generation. Its `token_ids` are the sequence at absolute
+positions 0..len-1, and its KV cache covers a prefix of them. The cache always
+covers *fewer* tokens than the sequence: the newest token is fed by the next
+forward pass, which yields the logits that predict the token after it. Rolling
+back is a crop of the cache: positions past the new length are simply dropped.
+
+All model work runs on one worker thread per engine, so the gRPC event loop stays
+responsive and forward passes of different sessions never run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, TypeVar
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from specmesh import models
+from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
+from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.sampling import SamplingParams, make_generator
+from specmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Session:
+    request_id: str
+    token_ids: list[int]  # the sequence; token_ids[i] sits at position i
+    cache: DynamicCache
+    sampling: SamplingParams
+    generator: torch.Generator
+    round: int = 0  # highest round seen; older rounds are stale
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def cached_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def enter_round(self, round_number: int) -> None:
+        """Refuse work from a round older than one already seen (pipelined leftovers)."""
+        if round_number < self.round:
+            raise StaleRound(f"round {round_number} is stale: session is at round {self.round}")
+        self.round = round_number
+        self.last_used = time.monotonic()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_name: str
+    max_sessions: int = 256
+    generator_salt: int = 0  # keeps the draft's random stream apart from the target's
+    # Pad a forward of n > 1 new tokens to a multiple of this many rows. MKL's fp32
+    # GEMM on our AMD CPUs costs one full weight pass per row for 2, 3 and 5-7 rows,
+    # but one pass for 4 or 8 (see README, "Figures"). Trailing pad rows cannot
+    # change the real rows (attention is causal) and are cropped from the cache.
+    row_multiple: int = 1
+
+
+def default_row_multiple(device: str, dtype: torch.dtype) -> int:
+    return 4 if str(device).startswith("cpu") and dtype == torch.float32 else 1
+
+
+class ModelEngine:
+    """Owns a model, its tokenizer facts and the sessions' KV caches."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.context_window = models.context_window(model)
+        self.eos_token_ids = models.eos_token_ids(model, tokenizer)
+        self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
+        self.sessions: dict[str, Session] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Run model work on the engine's single worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    def describe(self) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo(
+            model=self.config.model_name,
+            vocab_size=self.vocab_size,
+            vocab_fingerprint=self.vocab_fingerprint,
+            eos_token_ids=self.eos_token_ids,
+            context_window=self.context_window,
+            device=str(self.device),
+            open_sessions=len(self.sessions),
+        )
+
+    def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidArgument(field_name, f"token id {token_id} outside [0, {self.vocab_size})")
+
+    def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Session:
+        """Register an empty-cache session for `prompt`; the caller prefills it."""
+        if not request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids", "must not be empty")
+        if len(prompt) >= self.context_window:
+            raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens leave no room in the "
+                                  f"{self.context_window}-token context window")
+        self.check_token_ids("prompt_token_ids", prompt)
+        if request_id in self.sessions:
+            raise SessionExists(request_id)
+        if len(self.sessions) >= self.config.max_sessions:
+            raise CapacityExhausted(f"{self.config.max_sessions} sessions already open")
+        session = Session(request_id, list(prompt), DynamicCache(), sampling,
+                          make_generator(sampling.seed, self.config.generator_salt))
+        self.sessions[request_id] = session
+        return session
+
+    def get(self, request_id: str) -> Session:
+        session = self.sessions.get(request_id)
+        if session is None:
+            raise SessionNotFound(request_id)
+        return session
+
+    def close(self, request_id: str) -> bool:
+        return self.sessions.pop(request_id, None) is not None
+
+    def reap_idle(self, max_idle_s: float) -> list[str]:
+        """Close sessions idle longer than max_idle_s (their orchestrator vanished)."""
+        now = time.monotonic()
+        stale = [rid for rid, s in self.sessions.items() if now - s.last_used > max_idle_s]
+        for request_id in stale:
+            self.close(request_id)
+        return stale
+
+    @torch.inference_mode()
+    def forward(self, session: Session, token_ids: Sequence[int],
+                keep_rows: int | None = None) -> tuple[torch.Tensor, int]:
+        """Feed token_ids at the positions after the cache; return (logits, ns).
+
+        logits [keep_rows, V] float32 on the CPU are those of the last keep_rows fed
+        tokens (all of them when None): the output projection over a 150k-token
+        vocabulary is costly, so rows nobody reads are not computed.
+        """
+        start = time.perf_counter_ns()
+        n = len(token_ids)
+        keep = n if keep_rows is None else max(1, min(keep_rows, n))
+        padding = self._row_padding(session, n)
+        input_ids = torch.tensor([list(token_ids) + [token_ids[-1]] * padding], dtype=torch.long,
+                                 device=self.device)  # [1, n + padding]
+        output = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
+                            logits_to_keep=self._logit_rows(n, keep, padding))
+        if padding:
+            session.cache.crop(-padding)
+        logits = output.logits[0, :keep].float().cpu()  # [keep, V]; .cpu() also waits for the device
+        session.last_used = time.monotonic()
+        return logits, time.perf_counter_ns() - start
+
+    def _row_padding(self, session: Session, n: int) -> int:
+        multiple = self.config.row_multiple
+        if n <= 1 or multiple <= 1:
+            return 0
+        padding = -n % multiple
+        fits = session.cached_length + n + padding <= self.context_window
+        return padding if fits else 0
+
+    def _logit_rows(self, n: int, keep: int, padding: int) -> torch.Tensor:
+        """Indices of the padded input's rows to project to logits, the `keep` real ones first.
+
+        The projection gets the same row-count padding as the forward itself. An
+        index tensor, not transformers' int form: the int form slices a view that
+        sends bf16 projections on CPU down a path 10x slower.
+        """
+        multiple = max(1, self.config.row_multiple)
+        rows = keep if keep == 1 else min(-(-keep // multiple) * multiple, keep + padding)
+        return torch.arange(n - keep, n - keep + rows, device=self.device)
+
+    def feed_uncached(self, session: Session, extra: Sequence[int] = (),
+                      keep_rows: int | None = None) -> tuple[torch.Tensor, int]:
+        """Forward the sequence's uncached tail plus `extra`; logits of the last keep_rows positions."""
+        tail = session.token_ids[session.cached_length:]
+        return self.forward(session, tail + list(extra), keep_rows)
+
+    def rollback(self, session: Session, position: int, append: Sequence[int] = ()) -> None:
+        """Truncate the sequence to `position` tokens, then append `append`.
+
+        The cache keeps every entry below `position` (those tokens are unchanged) but
+        never covers the newest token, which the next forward must feed.
+        """
+        if not 0 < position <= len(session.token_ids):
+            raise PositionMismatch(
+                f"cannot roll back to position {position}: sequence has {len(session.token_ids)} tokens")
+        self.check_token_ids("token_ids", append)
+        del session.token_ids[position:]
+        session.token_ids.extend(append)
+        keep = min(session.cached_length, position, len(session.token_ids) - 1)
+        surplus = session.cached_length - keep
+        if surplus > 0:
+            session.cache.crop(-surplus)  # negative = remove that many tokens from the end

@@ -1,0 +1,56 @@
+"""Domain errors raised by engines and mapped to gRPC status codes in one place.
+
+Engines and servicers raise these; `specmesh.server.ErrorInterceptor` turns them
+into statuses, so a bad request never becomes INTERNAL and never kills a server.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SpecmeshError(Exception):
+    """Base class; `code` is the gRPC status the error maps to."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecmeshError):
+    """A request field is malformed; `field` names it for the client."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, description: str):
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+
+
+class SessionNotFound(SpecmeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, request_id: str):
+        super().__init__(f"no session with request_id {request_id!r}")
+
+
+class SessionExists(SpecmeshError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+    def __init__(self, request_id: str):
+        super().__init__(f"a session with request_id {request_id!r} is already open")
+
+
+class PositionMismatch(SpecmeshError):
+    """The caller's idea of the sequence length differs from the session's."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StaleRound(SpecmeshError):
+    """A message for a round older than one the session has already seen."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class CapacityExhausted(SpecmeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED

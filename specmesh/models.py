@@ -1,0 +1,305 @@
+"""Model and tokenizer loading shared by the draft and target services.
+
+A model *spec* is one of (checked in this order):
+
+1. an embedded alias (see :data:`specmesh.embedded.EMBEDDED_MODELS`);
+2. an existing ``.gguf`` file;
+3. an existing directory (a transformers checkpoint, or a directory holding
+   exactly one ``.gguf`` file);
+4. a hub id of the form ``org/name`` that is not an existing path.
+
+Embedded models are GGUF files; transformers de-quantizes GGUF into torch
+tensors on every load, which takes about a minute on our 2-core CPUs. The first
+load therefore saves the converted fp32 model (safetensors, no pickle) and the
+tokenizer next to the assembled GGUF, and later loads read those instead.
+fp32 is stored because de-quantized values are exact in fp32 but not in bf16,
+so a cached load is bit-identical to a fresh GGUF load.
+
+torch and transformers are imported lazily (inside functions): importing them
+costs several seconds, and spec resolution, fingerprints and the fast test
+suite do not need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from specmesh.embedded import (EMBEDDED_MODELS, ModelIntegrityError, ModelNotFoundError,
+                               get_embedded, resolve_embedded)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "ModelIntegrityError", "ModelNotFoundError", "ResolvedSpec", "resolve_spec",
+    "load_model", "load_tokenizer", "vocab_fingerprint", "eos_token_ids", "context_window",
+]
+
+logger = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_MARKER = "specmesh-source.json"
+_FALLBACK_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """Where a spec points: ``source`` for ``from_pretrained`` plus optional ``gguf_file``."""
+
+    spec: str
+    kind: str  # "embedded" | "gguf" | "dir" | "hub"
+    source: str
+    gguf_file: str | None = None
+    alias: str | None = None
+
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """Keyword args common to every ``from_pretrained`` call for this spec."""
+        kwargs: dict[str, Any] = {"trust_remote_code": False}
+        if self.gguf_file is not None:
+            kwargs["gguf_file"] = self.gguf_file
+        return kwargs
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Extra args for loading the model (not the tokenizer).
+
+        GGUF weights are always de-quantized into a plain dense model: with the
+        optional ``kernels`` package transformers would otherwise keep packed
+        GGUF blocks on some devices, which changes numerics per machine and
+        cannot be saved to our converted cache.
+        """
+        if self.gguf_file is None:
+            return {}
+        from transformers import GgufConfig
+
+        return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _unknown(spec: str) -> ModelNotFoundError:
+    known = ", ".join(sorted(EMBEDDED_MODELS))
+    return ModelNotFoundError(
+        f"unknown model {spec!r}: not an embedded alias ({known}), not a directory, "
+        "not a .gguf file, and not a hub id of the form org/name"
+    )
+
+
+def resolve_spec(spec: str) -> ResolvedSpec:
+    """Classify a spec without loading anything (embedded aliases get assembled/verified)."""
+    if spec in EMBEDDED_MODELS:
+        gguf = resolve_embedded(spec)
+        return ResolvedSpec(spec, "embedded", str(gguf.parent), gguf.name, alias=spec)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ResolvedSpec(spec, "gguf", str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ResolvedSpec(spec, "gguf", str(path), ggufs[0].name)
+        return ResolvedSpec(spec, "dir", str(path))
+    if not path.exists() and _HUB_ID.fullmatch(spec):
+        return ResolvedSpec(spec, "hub", spec)
+    raise _unknown(spec)
+
+
+def _auto(name: str) -> Any:
+    """``AutoTokenizer`` / ``AutoModelForCausalLM``, imported only when needed."""
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def _from_pretrained(loader: Callable[..., Any], resolved: ResolvedSpec, **kwargs: Any) -> Any:
+    """Call a transformers loader, turning "cannot find it" failures into ModelNotFoundError."""
+    try:
+        return loader(resolved.source, **resolved.pretrained_kwargs(), **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"could not load model {resolved.spec!r} ({resolved.kind}) from {resolved.source}: {exc}"
+        ) from exc
+
+
+# --- converted cache for embedded GGUF models -------------------------------------------
+
+
+def _cache_dir_for(alias: str, what: str) -> Path:
+    """Directory of a derived artefact (``tokenizer`` or ``model``) next to the GGUF."""
+    gguf = resolve_embedded(alias)
+    return gguf.parent / f"{what}-{get_embedded(alias).sha256[:16]}"
+
+
+def _marker(alias: str) -> dict[str, str]:
+    """What a derived cache was built from; any change invalidates the cache."""
+    import torch
+    import transformers
+
+    return {"gguf_sha256": get_embedded(alias).sha256,
+            "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+
+
+def _cache_valid(path: Path, alias: str) -> bool:
+    """A cache dir is usable only if complete (marker written last) and built from our GGUF."""
+    try:
+        return json.loads((path / _MARKER).read_text(encoding="utf-8")) == _marker(alias)
+    except (OSError, ValueError):
+        return False
+
+
+def _publish_dir(build: Callable[[Path], None], final: Path, alias: str) -> None:
+    """Build a directory in a temp location, then swap it into place atomically.
+
+    Readers never observe a half-written cache; if another process publishes
+    first we keep theirs and drop ours.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        (tmp / _MARKER).write_text(json.dumps(_marker(alias), sort_keys=True), encoding="utf-8")
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        if final.exists():
+            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
+            os.replace(final, stale / final.name)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, final)
+    except OSError:
+        if not _cache_valid(final, alias):
+            raise
+        logger.info("another process published %s first; using it", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _embedded_tokenizer(alias: str) -> PreTrainedTokenizerBase:
+    """Tokenizer of an embedded model, from the cache (~0.5 s) or parsed from GGUF (~12 s)."""
+    cached = _cache_dir_for(alias, "tokenizer")
+    if _cache_valid(cached, alias):
+        return _auto("AutoTokenizer").from_pretrained(str(cached), trust_remote_code=False)
+    resolved = resolve_spec(alias)
+    logger.info("parsing tokenizer of %s from GGUF (first use)", alias)
+    tokenizer = _from_pretrained(_auto("AutoTokenizer").from_pretrained, resolved)
+    try:
+        _publish_dir(tokenizer.save_pretrained, cached, alias)
+    except OSError as exc:  # a read-only cache must not prevent serving
+        logger.warning("could not cache tokenizer of %s: %s", alias, exc)
+    return tokenizer
+
+
+def _embedded_model(alias: str, dtype: torch.dtype) -> PreTrainedModel:
+    """Model of an embedded alias, from the converted cache or de-quantized from GGUF."""
+    import torch
+
+    cached = _cache_dir_for(alias, "model")
+    if _cache_valid(cached, alias):
+        return _auto("AutoModelForCausalLM").from_pretrained(str(cached), dtype=dtype,
+                                                             trust_remote_code=False)
+    resolved = resolve_spec(alias)
+    logger.info("de-quantizing %s from GGUF (first use; cached afterwards)", alias)
+    model = _from_pretrained(_auto("AutoModelForCausalLM").from_pretrained, resolved,
+                             dtype=torch.float32, **resolved.model_kwargs())
+    # The GGUF metadata only carries <|im_end|>; restore upstream's generation eos list.
+    model.generation_config.eos_token_id = list(get_embedded(alias).eos_token_ids)
+    try:
+        _publish_dir(lambda d: model.save_pretrained(d, safe_serialization=True), cached, alias)
+    except (OSError, ValueError) as exc:  # ValueError: transformers refuses to serialize
+        logger.warning("could not cache converted model %s: %s", alias, exc)
+    return model.to(dtype)
+
+
+# --- public API --------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """Load only the tokenizer for ``spec`` (cheap: used for vocab checks and clients)."""
+    resolved = resolve_spec(spec)
+    if resolved.alias is not None:
+        return _embedded_tokenizer(resolved.alias)
+    return _from_pretrained(_auto("AutoTokenizer").from_pretrained, resolved)
+
+
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` for ``spec``: eval mode, no grads, on ``device`` in ``dtype``.
+
+    ``dtype=None`` means ``torch.float32`` (the default is spelled ``None`` only
+    so that importing this module does not import torch).
+    """
+    resolved = resolve_spec(spec)  # before importing torch: bad specs fail fast
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
+    if resolved.alias is not None:
+        tokenizer = _embedded_tokenizer(resolved.alias)
+        model = _embedded_model(resolved.alias, dtype)
+    else:
+        tokenizer = _from_pretrained(_auto("AutoTokenizer").from_pretrained, resolved)
+        model = _from_pretrained(_auto("AutoModelForCausalLM").from_pretrained, resolved,
+                                 dtype=dtype, **resolved.model_kwargs())
+    model = model.to(device=torch.device(device), dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    logger.info("loaded %s (%s) on %s as %s", spec, resolved.kind, device, dtype)
+    return model, tokenizer
+
+
+def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 over the sorted vocabulary and added tokens.
+
+    Draft and target must share token ids exactly or speculation silently
+    mismatches; comparing one short string across gRPC is the cheap check.
+    """
+    digest = hashlib.sha256()
+    for token, index in sorted(tokenizer.get_vocab().items()):
+        digest.update(json.dumps([token, index], ensure_ascii=False).encode("utf-8"))
+        digest.update(b"\n")
+    digest.update(b"--added--\n")
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for index in sorted(added):
+        token = added[index]
+        entry = [index, str(token), bool(getattr(token, "special", False))]
+        digest.update(json.dumps(entry, ensure_ascii=False).encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """Normalise an eos setting (None, int, or list of ints) into a list."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """All ids that end generation: generation_config's eos plus the tokenizer's, deduplicated.
+
+    Chat models often stop on a token (``<|im_end|>``) different from the
+    tokenizer's nominal eos, so both sources are needed.
+    """
+    generation_config = getattr(model, "generation_config", None)
+    ids = _as_id_list(getattr(generation_config, "eos_token_id", None))
+    if not ids:
+        ids = _as_id_list(getattr(model.config, "eos_token_id", None))
+    ids += _as_id_list(tokenizer.eos_token_id)
+    return list(dict.fromkeys(ids))
+
+
+def context_window(model: PreTrainedModel) -> int:
+    """Maximum sequence length the model supports (positions), with a conservative fallback."""
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    logger.warning("model config has no context length; assuming %d", _FALLBACK_CONTEXT)
+    return _FALLBACK_CONTEXT

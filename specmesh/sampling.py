@@ -1,0 +1,92 @@
+"""Sampling math shared by the draft and the target.
+
+Both sides turn logits into probabilities with the same function, so a draft
+distribution q and a target distribution p are comparable position by position.
+The order of the transforms follows transformers' `generate`: temperature, then
+top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specmesh.v1 import common_pb2
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        # Below this, logits / temperature overflows float32; argmax is the limit anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def truncates(self) -> bool:
+        """True when top-k or top-p can zero out part of the vocabulary."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def sampling_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p if sampling.top_p > 0 else 1.0,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                     top_p=params.top_p, seed=params.seed)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to `logits` [n, V]; return probs [n, V] in float32."""
+    if params.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use argmax")
+    scores = logits.float() / params.temperature  # [n, V]
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth_best = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        scores = scores.masked_fill(scores < kth_best, -math.inf)
+    if params.top_p < 1.0:
+        scores = _mask_outside_nucleus(scores, params.top_p)
+    return torch.softmax(scores, dim=-1)
+
+
+def _mask_outside_nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-likely set whose mass reaches top_p (always >= 1 token)."""
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [n, V]
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, V]
+    drop_sorted = mass_before >= top_p  # the token that crosses top_p is kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
+
+
+def make_generator(seed: int | None, salt: int = 0) -> torch.Generator:
+    """A per-session CPU generator, so seeded requests are reproducible.
+
+    `salt` separates the draft's stream from the target's under the same seed.
+    """
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed((seed * 1_000_003 + salt) % (2**63))
+    return generator
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from probs [V] (need not be normalised)."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))

@@ -1,0 +1,124 @@
+"""gRPC server plumbing shared by the three services.
+
+`start_server` binds (port 0 picks a free port, for tests), adds the standard
+health and reflection services, and installs `ErrorInterceptor`, the one place
+where domain errors become status codes (INVALID_ARGUMENT carries a google.rpc
+BadRequest naming the field) and anything unexpected becomes INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Callable, Iterable
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from specmesh.errors import InvalidArgument, SpecmeshError
+
+log = logging.getLogger(__name__)
+
+
+def error_status(error: SpecmeshError) -> grpc.Status:
+    """A rich status for `error`; INVALID_ARGUMENT names the offending field."""
+    status = status_pb2.Status(code=error.code.value[0], message=str(error))
+    if isinstance(error, InvalidArgument):
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.description)
+        ]))
+        status.details.append(detail)
+    return rpc_status.to_status(status)
+
+
+async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(error, SpecmeshError):
+        await context.abort_with_status(error_status(error))
+    log.exception("unexpected error in %s", method, exc_info=error)
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(error).__name__}")
+    await context.abort_with_status(rpc_status.to_status(status))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps SpecmeshError to its status code and any other exception to INTERNAL."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+        return handler
+
+    @staticmethod
+    def _wrap_unary(behaviour, method):
+        async def unary_unary(request, context):
+            try:
+                return await behaviour(request, context)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as error:  # noqa: BLE001 - this is the last resort
+                await _abort_for(error, context, method)
+        return unary_unary
+
+    @staticmethod
+    def _wrap_stream(behaviour, method):
+        async def unary_stream(request, context):
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as error:  # noqa: BLE001
+                await _abort_for(error, context, method)
+        return unary_stream
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    address: str,
+    *,
+    max_concurrent_rpcs: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health)."""
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
+                             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    register(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(names + [reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    await server.start()
+    for name in names + [""]:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health
+
+
+async def stop_server(server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float) -> None:
+    """Report NOT_SERVING, let in-flight calls finish for grace_s, then stop."""
+    await health.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+async def serve_until_signal(server: grpc.aio.Server, health: health_aio.HealthServicer,
+                             grace_s: float = 5.0) -> None:
+    """Block until SIGINT/SIGTERM, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await stop_server(server, health, grace_s)

@@ -1,0 +1,98 @@
+"""Run a model service (draft or target) as a process: load, serve, reap idle sessions."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import grpc
+import torch
+
+from specmesh import models
+from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
+from specmesh.server import serve_until_signal
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ["auto", *DTYPES]
+CreateServer = Callable[..., Awaitable[tuple[grpc.aio.Server, int, object]]]
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    max_sessions: int = 256
+    session_idle_timeout_s: float = 600.0
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    dtype: str = "float32"  # or "auto"; the draft may be faster in bf16: its precision never changes the output
+
+
+def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
+    parser.add_argument("--model", default=default_model, help="embedded alias, directory, .gguf file or hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--max-sessions", type=int, default=256)
+    parser.add_argument("--session-idle-timeout", type=float, default=600.0,
+                        help="seconds after which an untouched session is freed")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
+                        help="auto: bfloat16 where the device computes it natively, else float32")
+
+
+def options_from_args(args: argparse.Namespace) -> ServiceOptions:
+    return ServiceOptions(model=args.model, host=args.host, port=args.port, device=args.device,
+                          max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout,
+                          dtype=args.dtype)
+
+
+def native_bf16(device: str) -> bool:
+    """Whether `device` computes bf16 natively (then bf16 beats fp32; emulated, it loses)."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
+            flags = cpuinfo.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return DTYPES[name]
+
+
+def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
+    if options.num_threads:
+        torch.set_num_threads(options.num_threads)
+    dtype = resolve_dtype(options.dtype, options.device)
+    model, tokenizer = models.load_model(options.model, device=options.device, dtype=dtype)
+    config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions, generator_salt=generator_salt,
+                          row_multiple=default_row_multiple(options.device, dtype))
+    return ModelEngine(model, tokenizer, config)
+
+
+async def reap_idle_sessions(engine: ModelEngine, idle_timeout_s: float) -> None:
+    """Free sessions whose orchestrator disappeared without closing them."""
+    while True:
+        await asyncio.sleep(max(1.0, idle_timeout_s / 4))
+        for request_id in engine.reap_idle(idle_timeout_s):
+            log.info("freed idle session %s", request_id)
+
+
+async def run_model_service(create_server: CreateServer, engine: ModelEngine, options: ServiceOptions,
+                            on_ready: Callable[[int], None], **server_kwargs) -> None:
+    server, port, health = await create_server(engine, f"{options.host}:{options.port}", **server_kwargs)
+    reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
+    on_ready(port)
+    try:
+        await serve_until_signal(server, health)
+    finally:
+        reaper.cancel()

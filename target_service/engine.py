@@ -1,0 +1,111 @@
+"""Target-side session logic: prefill with the first token, and verification rounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specmesh.distributions import decode_distribution
+from specmesh.engine import ModelEngine, Session
+from specmesh.errors import InvalidArgument, PositionMismatch
+from specmesh.sampling import SamplingParams, logits_to_probs, sample_token
+from specmesh.v1 import common_pb2
+from target_service.rejection_sampler import Verdict, verify_greedy, verify_sampled
+
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Opened:
+    token_id: int  # first generated token, at position len(prompt)
+    committed_length: int
+    forward_ns: int
+
+
+@dataclass(frozen=True)
+class Verification:
+    verdict: Verdict
+    committed_length: int
+    forward_ns: int
+
+
+class TargetEngine:
+    """Keeps each session's committed sequence; the KV cache covers all but its last token."""
+
+    def __init__(self, engine: ModelEngine):
+        self.engine = engine
+
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Opened:
+        session = self.engine.new_session(request_id, prompt, sampling)
+        try:
+            return await self.engine.run(self._prefill, session)
+        except BaseException:
+            self.engine.close(request_id)
+            raise
+
+    def _prefill(self, session: Session) -> Opened:
+        logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+        token_id = self._next_token(session, logits)
+        session.token_ids.append(token_id)
+        return Opened(token_id, len(session.token_ids), forward_ns)
+
+    def _next_token(self, session: Session, logits: torch.Tensor) -> int:
+        """logits [1, V] -> a token from the target alone."""
+        if session.sampling.greedy:
+            return int(logits[0].argmax())
+        return sample_token(logits_to_probs(logits, session.sampling)[0], session.generator)
+
+    async def verify(
+        self,
+        request_id: str,
+        round_number: int,
+        position: int,
+        draft_token_ids: Sequence[int],
+        draft_distributions: Sequence[common_pb2.TokenDistribution],
+    ) -> Verification:
+        session = self.engine.get(request_id)
+        self._check_draft(session, position, draft_token_ids, draft_distributions)
+        session.enter_round(round_number)
+        return await self.engine.run(self._verify, session, list(draft_token_ids), draft_distributions)
+
+    def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],
+                     draft_distributions: Sequence[common_pb2.TokenDistribution]) -> None:
+        if len(draft_token_ids) > MAX_DRAFT_TOKENS:
+            raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} tokens")
+        self.engine.check_token_ids("draft_token_ids", draft_token_ids)
+        if draft_distributions and len(draft_distributions) != len(draft_token_ids):
+            raise InvalidArgument("draft_distributions", "need one distribution per draft token, or none")
+        if position != len(session.token_ids):
+            raise PositionMismatch(
+                f"position {position} is not the committed length {len(session.token_ids)}")
+        if position + len(draft_token_ids) >= self.engine.context_window:
+            raise InvalidArgument("draft_token_ids", "draft runs past the context window")
+
+    def _verify(self, session: Session, draft_ids: list[int],
+                draft_distributions: Sequence[common_pb2.TokenDistribution]) -> Verification:
+        k = len(draft_ids)
+        draft_probs = self._decode_draft_probs(draft_distributions)  # [k, V] or None
+        # [k+1, V]: row i predicts position `position + i`
+        logits, forward_ns = self.engine.feed_uncached(session, draft_ids, keep_rows=k + 1)
+        draft_tensor = torch.tensor(draft_ids, dtype=torch.long)  # [k]
+        if session.sampling.greedy:
+            verdict = verify_greedy(logits, draft_tensor)
+        else:
+            target_probs = logits_to_probs(logits, session.sampling)  # [k+1, V]
+            verdict = verify_sampled(target_probs, draft_tensor, draft_probs, session.generator)
+        position = len(session.token_ids)
+        self.engine.rollback(session, position,
+                             draft_ids[: verdict.accepted_count] + [verdict.next_token_id])
+        return Verification(verdict, len(session.token_ids), forward_ns)
+
+    def _decode_draft_probs(
+            self, distributions: Sequence[common_pb2.TokenDistribution]) -> torch.Tensor | None:
+        if not distributions:
+            return None
+        try:
+            rows = [decode_distribution(d, self.engine.vocab_size) for d in distributions]
+        except ValueError as error:
+            raise InvalidArgument("draft_distributions", str(error)) from error
+        return torch.stack(rows)  # [k, V]

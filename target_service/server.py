@@ -1,0 +1,22 @@
+"""Create the target service's gRPC server over a loaded model."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+
+from specmesh.engine import ModelEngine
+from specmesh.server import start_server
+from specmesh.v1 import target_pb2, target_pb2_grpc
+from target_service.engine import TargetEngine
+from target_service.servicer import TargetServicer
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
+                        max_concurrent_rpcs: int | None = None,
+                        ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    servicer = TargetServicer(TargetEngine(engine))
+    return await start_server(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs)

@@ -1,0 +1,39 @@
+"""TargetService servicer: parse the request, call the engine, build the response."""
+
+from __future__ import annotations
+
+import grpc
+
+from specmesh.sampling import sampling_from_pb
+from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.engine import TargetEngine
+
+KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
+
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+
+    async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
+        opened = await self.engine.open(request.request_id, list(request.prompt_token_ids),
+                                        sampling_from_pb(request.sampling))
+        return target_pb2.TargetOpenResponse(
+            request_id=request.request_id, token_id=opened.token_id,
+            committed_length=opened.committed_length, forward_ns=opened.forward_ns)
+
+    async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
+        result = await self.engine.verify(request.request_id, request.round, request.position,
+                                          list(request.draft_token_ids), list(request.draft_distributions))
+        return target_pb2.VerifyResponse(
+            request_id=request.request_id, round=request.round,
+            accepted_count=result.verdict.accepted_count, next_token_id=result.verdict.next_token_id,
+            next_token_kind=KIND[result.verdict.bonus], committed_length=result.committed_length,
+            forward_ns=result.forward_ns)
+
+    async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
+        return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))
+
+    async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        return self.engine.engine.describe()

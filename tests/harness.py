@@ -1,0 +1,99 @@
+"""Start the three real gRPC servers in-process on 127.0.0.1:0 over tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from draft_service.server import create_server as create_draft_server
+from orchestrator.loop import LoopConfig
+from orchestrator.server import OrchestratorOptions, create_server as create_orchestrator_server
+from specmesh import models
+from specmesh.engine import EngineConfig, ModelEngine
+from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
+from target_service.server import create_server as create_target_server
+
+
+@functools.lru_cache(maxsize=16)
+def load(model_dir: str, device: str):
+    """Models are read-only once loaded, so tests share them across stacks."""
+    return models.load_model(model_dir, device=device)
+
+
+def make_engine(model_dir: Path | str, device: str = "cpu", salt: int = 0, row_multiple: int = 1) -> ModelEngine:
+    model, tokenizer = load(str(model_dir), device)
+    return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir), generator_salt=salt,
+                                                      row_multiple=row_multiple))
+
+
+@dataclass
+class Stack:
+    target_engine: ModelEngine
+    draft_engine: ModelEngine | None
+    target_port: int
+    draft_port: int | None
+    port: int
+    servers: dict[str, grpc.aio.Server] = field(default_factory=dict)
+    channel: grpc.aio.Channel | None = None
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel)
+
+    async def generate(self, **fields) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
+        """Run one Generate stream; return (token ids, text, last response)."""
+        token_ids, text, last = [], [], None
+        async for response in self.stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=120):
+            token_ids.extend(response.token_ids)
+            text.append(response.text)
+            last = response
+        return token_ids, "".join(text), last
+
+    async def open_sessions(self) -> tuple[int, int]:
+        target = target_pb2_grpc.TargetServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{self.target_port}"))
+        info = await target.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=10)
+        draft_count = len(self.draft_engine.sessions) if self.draft_engine else 0
+        return info.open_sessions, draft_count
+
+    async def wait_sessions_freed(self, timeout_s: float = 10.0) -> tuple[int, int]:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        counts = await self.open_sessions()
+        while counts != (0, 0) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            counts = await self.open_sessions()
+        return counts
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        for server in self.servers.values():
+            await server.stop(None)
+
+
+async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int = 2,
+                      greedy_proposals: bool = False, draft_timeout_s: float = 10.0) -> Stack:
+    target_engine = make_engine(target_dir, device, salt=0)
+    target_server, target_port, _ = await create_target_server(target_engine)
+    servers = {"target": target_server}
+    draft_engine, draft_port = None, None
+    if draft_dir is not None:
+        draft_engine = make_engine(draft_dir, device, salt=1)
+        servers["draft"], draft_port, _ = await create_draft_server(draft_engine,
+                                                                   greedy_proposals=greedy_proposals)
+    options = OrchestratorOptions(
+        target_endpoint=f"127.0.0.1:{target_port}",
+        draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
+        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s))
+    _, tokenizer = load(str(target_dir), device)
+    servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options)
+    stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers)
+    stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return stack
+
+
+def draft_stub(stack: Stack) -> draft_pb2_grpc.DraftServiceStub:
+    return draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft_port}"))

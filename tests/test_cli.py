@@ -1,0 +1,59 @@
+"""The `specmesh` command as a user runs it: serve in one process, generate from another."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def specmesh(*args: str) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", *args]
+
+
+def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(specmesh("serve", "--port", "0", *args), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    lines = []
+    for line in process.stdout:  # the ready line comes once all three services are up
+        lines.append(line)
+        found = re.search(r"specmesh ready: client endpoint (\S+)", line)
+        if found:
+            return process, found.group(1)
+    raise AssertionError("serve exited before it was ready:\n" + "".join(lines[-30:]))
+
+
+def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
+    process, endpoint = start_serve("--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                                    "--num-speculative-tokens", "3")
+    try:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        done = subprocess.run(specmesh("generate", "--endpoint", endpoint, "--max-tokens", "12", "--json",
+                                       "def add(a, b):"), capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert set(result) == {"text", "token_ids", "finish_reason", "stats"}
+        assert 0 < len(result["token_ids"]) <= 12 and result["finish_reason"] in ("stop", "length")
+        assert {"draft_tokens", "accepted_tokens", "acceptance_rate", "rounds", "target_forward_passes",
+                "ttft_ms", "tpot_ms", "e2e_ms"} <= set(result["stats"])
+        assert result["stats"]["draft_tokens"] > 0
+        bad = subprocess.run(specmesh("generate", "--endpoint", endpoint, "--max-tokens", "0", "hi"),
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+
+
+def test_unknown_model_fails_fast(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(specmesh("serve", "--port", "0", "--target", str(tmp_path / "nope"), "--draft", "none"),
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "target failed to start" in done.stderr and "nope" in done.stderr

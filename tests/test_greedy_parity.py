@@ -1,0 +1,64 @@
+"""Greedy speculative output equals the target's own `generate`, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+
+import pytest
+import torch
+
+from harness import load, start_stack
+from tiny_models import TINY_PROMPTS
+
+MAX_TOKENS = 32
+CASES = [  # (target fixture, draft fixture, how the draft relates to the target)
+    ("tiny_llama_dir", "tiny_llama_dir", "identical"),
+    ("tiny_llama_dir", "tiny_llama_perturbed_dir", "partial"),
+    ("tiny_llama_dir", "tiny_llama_unrelated_dir", "unrelated"),
+    ("tiny_qwen2_dir", "tiny_qwen2_draft_dir", "partial"),
+]
+
+
+@functools.lru_cache(maxsize=64)
+def target_greedy(model_dir: str, device: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    """The target's own greedy generate, cut after the first EOS as specmesh does."""
+    model, tokenizer = load(model_dir, device)
+    prompt_ids = tokenizer.encode(prompt)
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    generated = output[0, len(prompt_ids):].tolist()
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    for index, token_id in enumerate(generated):
+        if token_id in eos:
+            return tuple(generated[: index + 1])
+    return tuple(generated)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("target_name, draft_name, relation", CASES)
+async def test_greedy_parity(request, device, k, target_name, draft_name, relation):
+    target_dir = str(request.getfixturevalue(target_name))
+    stack = await start_stack(target_dir, request.getfixturevalue(draft_name), k=k, device=device)
+    try:  # all prompts at once: sessions interleave on both services
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                         for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+    drafted = accepted = 0
+    for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt
+        assert not last.stats.draft_fallback
+        drafted += last.stats.draft_tokens
+        accepted += last.stats.accepted_tokens
+        if relation == "identical":
+            assert last.stats.acceptance_rate == 1.0
+            # k drafted + 1 bonus per round; only the last round may be shorter
+            assert last.stats.rounds == math.ceil((len(token_ids) - 1) / (k + 1))
+    if relation == "partial":  # the rate falls with k: late positions need every earlier one accepted
+        assert 0 < accepted < drafted and (k > 2 or accepted / drafted > 0.2)
+    if relation == "unrelated":
+        assert accepted / drafted < 0.3

@@ -1,0 +1,82 @@
+"""After any sequence of propose / verify / commit, both KV caches equal a fresh prefill."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service.engine import CommitSpec, DraftEngine
+from harness import make_engine
+from specmesh.sampling import SamplingParams
+from target_service.engine import TargetEngine
+
+
+def next_logits_cached(engine, request_id: str) -> torch.Tensor:
+    session = engine.get(request_id)
+    return engine.feed_uncached(session)[0][-1]  # [V]
+
+
+def next_logits_fresh(engine, token_ids: list[int]) -> torch.Tensor:
+    session = engine.new_session("fresh", token_ids, SamplingParams(0.0))
+    try:
+        return engine.feed_uncached(session)[0][-1]  # [V]
+    finally:
+        engine.close("fresh")
+
+
+@pytest.mark.parametrize("row_multiple", [1, 4], ids=["unpadded", "rows-padded-to-4"])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_caches_match_fresh_prefill(tiny_llama_dir, tiny_llama_perturbed_dir, device, seed, temperature,
+                                          row_multiple):
+    rng = random.Random(seed)
+    target = TargetEngine(make_engine(tiny_llama_dir, device, row_multiple=row_multiple))
+    draft = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, salt=1, row_multiple=row_multiple))
+    sampling = SamplingParams(temperature, seed=seed)
+    prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]
+    opened = await target.open("r", prompt, sampling)
+    await draft.open("r", prompt, sampling)
+    sequence, agreed = prompt + [opened.token_id], len(prompt)
+    for round_number in range(1, 12):
+        commit = CommitSpec(agreed, tuple(sequence[agreed:]))
+        if rng.random() < 0.3:  # a stand-alone commit, then a proposal without one
+            await draft.commit("r", round_number, commit)
+            commit = None
+        proposal = await draft.propose("r", round_number, commit, len(sequence), rng.randrange(1, 7))
+        result = await target.verify("r", round_number, len(sequence), proposal.token_ids,
+                                     proposal.distributions)
+        accepted = result.verdict.accepted_count
+        agreed = len(sequence) + accepted
+        sequence += proposal.token_ids[:accepted] + [result.verdict.next_token_id]
+        assert result.committed_length == len(sequence)
+    await draft.commit("r", 99, CommitSpec(agreed, tuple(sequence[agreed:])))
+    for engine in (target.engine, draft.engine):
+        assert engine.get("r").token_ids == sequence
+        assert torch.allclose(next_logits_cached(engine, "r"), next_logits_fresh(engine, sequence), atol=1e-4)
+
+
+async def test_rollback_to_earlier_position(tiny_llama_dir, device):
+    engine = make_engine(tiny_llama_dir, device, row_multiple=4)
+    session = engine.new_session("r", [5, 6, 7, 8, 9, 10], SamplingParams(0.0))
+    engine.feed_uncached(session)  # caches all six
+    engine.rollback(session, 3, [42, 43])
+    assert session.token_ids == [5, 6, 7, 42, 43]
+    assert session.cached_length == 3  # positions below 3 kept, the newest token never cached
+    assert torch.allclose(engine.feed_uncached(session)[0][-1], next_logits_fresh(engine, [5, 6, 7, 42, 43]),
+                          atol=1e-4)
+
+
+async def test_padded_forward_equals_unpadded(tiny_llama_dir, device):
+    padded, plain = make_engine(tiny_llama_dir, device, row_multiple=4), make_engine(tiny_llama_dir, device)
+    sessions = [engine.new_session("r", [5, 6, 7], SamplingParams(0.0)) for engine in (padded, plain)]
+    steps = [([8, 9], None), ([10], None), ([11, 12, 13, 14, 15], None),  # 2 -> 4 rows, 1 row, 5 -> 8 rows
+             ([16, 17, 18], 2), ([19, 20, 21, 22, 23, 24], 1), ([25, 26], 2)]  # and only the last rows' logits
+    for new_tokens, keep in steps:
+        (padded_logits, _), (plain_logits, _) = (padded.forward(sessions[0], new_tokens, keep),
+                                                 plain.forward(sessions[1], new_tokens))
+        plain_logits = plain_logits[-(keep or len(new_tokens)):]
+        assert padded_logits.shape == plain_logits.shape == (keep or len(new_tokens), padded.vocab_size)
+        assert torch.allclose(padded_logits, plain_logits, atol=1e-4)
+        assert sessions[0].cached_length == sessions[1].cached_length

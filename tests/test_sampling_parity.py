@@ -1,0 +1,79 @@
+"""End to end through the three services: sampled output follows the target's distribution.
+
+The second generated token is the first one decided by the rejection sampler
+(the first comes from the target's prefill), so its empirical distribution over
+many seeded generations must approach the target's exact marginal
+P(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1) -- for drafts that send their
+distributions (dense or sparse) and for drafts that send ids only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from harness import load, start_stack
+from specmesh.sampling import SamplingParams, logits_to_probs
+
+PROMPT = "def add(a, b):"
+SAMPLES = 1000
+CASES = [  # (sampling, the draft proposes point masses)
+    (SamplingParams(1.0), False),  # dense fp16 distributions on the wire
+    (SamplingParams(0.8, top_k=12, top_p=0.9), False),  # sparse distributions
+    (SamplingParams(1.0), True),  # ids only
+]
+
+
+def exact_second_token_marginal(model_dir: str, device: str, params: SamplingParams) -> torch.Tensor:
+    model, tokenizer = load(model_dir, device)
+    prompt_ids = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        first = logits_to_probs(model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1:].cpu(),
+                                params)[0]  # [V]
+        vocab = first.numel()
+        batch = torch.cat([torch.tensor(prompt_ids).repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        second = logits_to_probs(model(batch.to(model.device)).logits[:, -1].cpu(), params)  # [V, V]
+        first[tokenizer.eos_token_id] = 0.0  # a generation that ends at its first token has no second
+    return (first / first.sum()) @ second  # [V]
+
+
+async def second_token_counts(stack, params: SamplingParams, seeds: range, vocab: int) -> torch.Tensor:
+    limit = asyncio.Semaphore(24)
+
+    async def one(seed: int) -> int:
+        async with limit:
+            token_ids, _, _ = await stack.generate(prompt=PROMPT, max_tokens=2, temperature=params.temperature,
+                                                   top_k=params.top_k, top_p=params.top_p, seed=seed,
+                                                   num_speculative_tokens=2)
+        return token_ids[1] if len(token_ids) > 1 else None
+    tokens = [t for t in await asyncio.gather(*(one(seed) for seed in seeds)) if t is not None]
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).float()
+
+
+def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+@pytest.mark.parametrize("params, point_mass", CASES, ids=["dense", "sparse", "ids-only"])
+async def test_second_token_follows_target_distribution(tiny_llama_dir, tiny_llama_perturbed_dir, device,
+                                                        params, point_mass):
+    exact = exact_second_token_marginal(str(tiny_llama_dir), device, params)
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2, device=device,
+                              greedy_proposals=point_mass)
+    try:
+        counts = await second_token_counts(stack, params, range(SAMPLES), exact.numel())
+    finally:
+        await stack.stop()
+    tv = total_variation(counts, exact)
+    # Within the noise of SAMPLES exact draws (this shrinks like 1/sqrt(samples)) ...
+    assert tv < 2 * expected_sampling_tv(exact, int(counts.sum())), tv
+    # ... and far from other distributions, which no number of samples would close.
+    references = torch.softmax(torch.randn(5, exact.numel(), generator=torch.Generator().manual_seed(3)) * 2, -1)
+    assert min(total_variation(counts, ref) for ref in references) > 4 * tv
+
+
+def expected_sampling_tv(probs: torch.Tensor, samples: int) -> float:
+    """E[TV(empirical, probs)] over `samples` draws: 0.5 * sum_v sqrt(2 p (1 - p) / (pi n))."""
+    return 0.5 * float(torch.sqrt(2 * probs * (1 - probs) / torch.pi).sum()) / samples ** 0.5
