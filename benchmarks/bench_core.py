@@ -85,13 +85,14 @@ def phase_specmesh(args) -> tuple[Run, list[Run]]:
     group = ProcessGroup()
     try:
         group.start("target", run_target, ServiceOptions(model=args.target, device=args.device,
-                                                         dtype=args.target_dtype))
+                                                         dtype=args.target_dtype), None)
         group.start("draft", run_draft, ServiceOptions(model=args.draft, device=args.draft_device or args.device,
                                                        dtype=args.draft_dtype), False)
-        ports = group.wait_ready({"target", "draft"}, START_TIMEOUT_S)
-        options = OrchestratorOptions(f"127.0.0.1:{ports['target']}", f"127.0.0.1:{ports['draft']}")
-        group.start("orchestrator", run_orchestrator, args.target, options, "127.0.0.1:0")
-        endpoint = f"127.0.0.1:{group.wait_ready({'orchestrator'}, START_TIMEOUT_S)['orchestrator']}"
+        ready = group.wait_ready({"target", "draft"}, START_TIMEOUT_S)
+        options = OrchestratorOptions(f"127.0.0.1:{ready['target'].port}", f"127.0.0.1:{ready['draft'].port}")
+        group.start("orchestrator", run_orchestrator, args.target, options, "127.0.0.1:0",
+                    ServiceOptions(model=args.target))
+        endpoint = f"127.0.0.1:{group.wait_ready({'orchestrator'}, START_TIMEOUT_S)['orchestrator'].port}"
         asyncio.run(run_specmesh(endpoint, PROMPTS[:1], 8, True, args.k[0]))  # warm-up
         baseline = asyncio.run(run_specmesh(endpoint, args.prompts, args.max_tokens, False, 0))
         speculative = [asyncio.run(run_specmesh(endpoint, args.prompts, args.max_tokens, True, k)) for k in args.k]

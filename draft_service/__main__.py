@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from draft_service.server import create_server
-from specmesh.service import add_service_arguments, load_engine, options_from_args, run_model_service
+from specmesh.service import add_service_arguments, announce, load_engine, options_from_args, run_model_service
 
 
 def main() -> None:
@@ -19,9 +19,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(levelname)s %(message)s")
     options = options_from_args(args)
     engine = load_engine(options, generator_salt=1)
-    asyncio.run(run_model_service(create_server, engine, options,
-                                  lambda port: print(f"draft service listening on {options.host}:{port}",
-                                                     flush=True),
+    asyncio.run(run_model_service("draft", create_server, engine, options,
+                                  lambda port, metrics_port: announce("draft", options.host, port, metrics_port),
                                   greedy_proposals=args.greedy_proposals))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from draft_service.engine import CommitSpec, DraftEngine
+from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -14,12 +15,14 @@ def commit_from_pb(commit: draft_pb2.Commit) -> CommitSpec:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine: DraftEngine):
+    def __init__(self, engine: DraftEngine, metrics: ServiceMetrics):
         self.engine = engine
+        self.metrics = metrics
 
     async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
                                             sampling_from_pb(request.sampling))
+        self.metrics.observe_forward("prefill", forward_ns)
         return draft_pb2.DraftOpenResponse(request_id=request.request_id,
                                            length=len(request.prompt_token_ids), forward_ns=forward_ns)
 
@@ -27,6 +30,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None
         proposal = await self.engine.propose(request.request_id, request.round, commit,
                                              request.position, request.num_tokens)
+        self.metrics.observe_forward("propose", proposal.forward_ns)
         return draft_pb2.ProposeResponse(
             request_id=request.request_id, round=request.round, position=proposal.position,
             token_ids=proposal.token_ids, distributions=proposal.distributions,

@@ -4,13 +4,13 @@ python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import sys
 
+from orchestrator.launcher import Ready, run_orchestrator
 from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions, create_server
-from specmesh.models import load_tokenizer
-from specmesh.server import serve_until_signal
+from orchestrator.server import OrchestratorOptions
+from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 
 def main() -> None:
@@ -22,17 +22,27 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
     parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s)
+    add_telemetry_arguments(parser, default_metrics_port=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     options = OrchestratorOptions(args.target, args.draft, LoopConfig(
         num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
-    asyncio.run(_serve(args.tokenizer, options, f"{args.host}:{args.port}"))
+    telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
+                               trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio)
+    run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
 
 
-async def _serve(tokenizer_spec: str, options: OrchestratorOptions, address: str) -> None:
-    server, port, health = await create_server(load_tokenizer(tokenizer_spec), options, address)
-    print(f"orchestrator listening on {address.rsplit(':', 1)[0]}:{port}", flush=True)
-    await serve_until_signal(server, health)
+class _Announce:
+    """Receives the launcher's readiness report and prints it."""
+
+    def __init__(self, host: str):
+        self.host = host
+
+    def put(self, ready: Ready) -> None:
+        if ready.error:
+            print(f"orchestrator failed to start: {ready.error}", file=sys.stderr, flush=True)
+        else:
+            announce("orchestrator", self.host, ready.port, ready.metrics_port)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ import sys
 
 import grpc
 
+from orchestrator import stats_view
 from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, install_stop_flag
-from orchestrator.launcher import run_draft, run_orchestrator, run_target
+from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchestrator, run_target
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
-from specmesh.service import DTYPE_CHOICES, ServiceOptions
+from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a draft round may take before the request goes target-only")
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
+    add_telemetry_arguments(serve, default_metrics_port=9400)
+    serve.add_argument("--disagreement-log", default=None, metavar="PATH",
+                       help="append the target's rejected draft tokens to this JSONL file")
+    serve.add_argument("--disagreement-log-rate", type=float, default=100.0,
+                       help="at most this many disagreement records per second")
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--endpoint", default="127.0.0.1:50051")
@@ -53,36 +59,55 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     generate.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    stats_view.add_parser(commands)
     return parser
 
 
 def serve(args: argparse.Namespace) -> int:
     group = ProcessGroup()
     stop_flag = install_stop_flag()
-    target_options = ServiceOptions(model=args.target, host=args.host, device=args.device, dtype=args.target_dtype)
-    group.start("target", run_target, target_options)
+    telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio)
+    metrics_ports = _metrics_ports(args.metrics_port)
+    disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
+        if args.disagreement_log else None
+    group.start("target", run_target, ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
+                                                     metrics_port=metrics_ports["target"], **telemetry),
+                disagreement_log)
     names = {"target"}
     if args.draft.lower() != "none":
-        draft_options = ServiceOptions(model=args.draft, host=args.host, device=args.draft_device or args.device,
-                                       dtype=args.draft_dtype)
+        draft_options = ServiceOptions(model=args.draft, device=args.draft_device or args.device,
+                                       dtype=args.draft_dtype, metrics_port=metrics_ports["draft"], **telemetry)
         group.start("draft", run_draft, draft_options, args.greedy_draft)
         names.add("draft")
     try:
-        ports = group.wait_ready(names, START_TIMEOUT_S)
+        ready = group.wait_ready(names, START_TIMEOUT_S)
         options = OrchestratorOptions(
-            target_endpoint=f"{args.host}:{ports['target']}",
-            draft_endpoint=f"{args.host}:{ports['draft']}" if "draft" in ports else None,
+            target_endpoint=f"{args.host}:{ready['target'].port}",
+            draft_endpoint=f"{args.host}:{ready['draft'].port}" if "draft" in ready else None,
             loop=LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
-        group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}")
-        port = group.wait_ready({"orchestrator"}, START_TIMEOUT_S)["orchestrator"]
+        group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}",
+                    ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"], **telemetry))
+        ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))
     except RuntimeError as error:
         print(f"specmesh serve: {error}", file=sys.stderr)
         group.stop()
         return 1
-    print(f"specmesh ready: client endpoint {args.host}:{port}", flush=True)
+    print(f"specmesh ready: client endpoint {args.host}:{ready['orchestrator'].port}", flush=True)
+    metrics = [f"{name} http://{args.host}:{r.metrics_port}/metrics" for name, r in sorted(ready.items())
+               if r.metrics_port is not None]
+    if metrics:
+        print("metrics: " + ", ".join(metrics), flush=True)
     group.wait_any_exit(lambda: stop_flag[0])
     group.stop()
     return 0
+
+
+def _metrics_ports(base: int | None) -> dict[str, int | None]:
+    """The orchestrator on `base`, the target and the draft on the next two (0: any free ports)."""
+    if base is None or base < 0:
+        return dict.fromkeys(("orchestrator", "target", "draft"))
+    offsets = {"orchestrator": 0, "target": 1, "draft": 2}
+    return {name: base + offset if base else 0 for name, offset in offsets.items()}
 
 
 def generate_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
@@ -123,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "stats":
+        return args.handler(args)
     return asyncio.run(generate(args))
 
 

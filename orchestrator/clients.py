@@ -25,12 +25,13 @@ class UpstreamError(SpecmeshError):
         self.code = error.code()
 
 
-def open_channel(endpoint: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+def open_channel(endpoint: str, credentials: grpc.ChannelCredentials | None = None,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
     options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                ("grpc.max_send_message_length", _MAX_MESSAGE)]
     if credentials is not None:
-        return grpc.aio.secure_channel(endpoint, credentials, options=options)
-    return grpc.aio.insecure_channel(endpoint, options=options)
+        return grpc.aio.secure_channel(endpoint, credentials, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
 
 
 class DraftClient:

@@ -27,7 +27,14 @@ START_TIMEOUT_S = 1800.0  # first start assembles and converts the embedded mode
 class Ready:
     name: str
     port: int | None
+    metrics_port: int | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class DisagreementLogOptions:
+    path: str
+    max_per_second: float = 100.0
 
 
 def run_draft(options: ServiceOptions, greedy_proposals: bool, ready: "mp.Queue[Ready]") -> None:
@@ -35,9 +42,12 @@ def run_draft(options: ServiceOptions, greedy_proposals: bool, ready: "mp.Queue[
     _run_service("draft", create_server, options, 1, ready, greedy_proposals=greedy_proposals)
 
 
-def run_target(options: ServiceOptions, ready: "mp.Queue[Ready]") -> None:
+def run_target(options: ServiceOptions, disagreement_log: DisagreementLogOptions | None,
+               ready: "mp.Queue[Ready]") -> None:
+    from target_service.disagreements import DisagreementLog
     from target_service.server import create_server
-    _run_service("target", create_server, options, 0, ready)
+    log_ = DisagreementLog(disagreement_log.path, disagreement_log.max_per_second) if disagreement_log else None
+    _run_service("target", create_server, options, 0, ready, disagreements=log_)
 
 
 def _run_service(name, create_server, options, salt, ready, **server_kwargs) -> None:
@@ -45,30 +55,44 @@ def _run_service(name, create_server, options, salt, ready, **server_kwargs) -> 
     _configure_child_logging()
     try:
         engine = load_engine(options, generator_salt=salt)
-        asyncio.run(run_model_service(create_server, engine, options,
-                                      lambda port: ready.put(Ready(name, port)), **server_kwargs))
+        asyncio.run(run_model_service(name, create_server, engine, options,
+                                      lambda port, metrics_port: ready.put(Ready(name, port, metrics_port)),
+                                      **server_kwargs))
     except Exception as error:  # noqa: BLE001 - reported to the parent, then exit
-        ready.put(Ready(name, None, f"{type(error).__name__}: {error}"))
+        ready.put(Ready(name, None, error=f"{type(error).__name__}: {error}"))
         sys.exit(1)
 
 
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
-                     ready: "mp.Queue[Ready]") -> None:
+                     telemetry: ServiceOptions, ready: "mp.Queue[Ready]") -> None:
+    """`telemetry` carries the orchestrator's metrics port and tracing settings."""
     _configure_child_logging()
     try:
-        asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, ready))
+        asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, telemetry, ready))
     except Exception as error:  # noqa: BLE001
-        ready.put(Ready("orchestrator", None, f"{type(error).__name__}: {error}"))
+        ready.put(Ready("orchestrator", None, error=f"{type(error).__name__}: {error}"))
         sys.exit(1)
 
 
-async def _serve_orchestrator(tokenizer_spec, options, address, ready) -> None:
+async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: ServiceOptions, ready) -> None:
     from orchestrator.server import create_server
+    from specmesh.metrics import OrchestratorMetrics, serve_metrics
     from specmesh.models import load_tokenizer
     from specmesh.server import serve_until_signal
-    server, port, health = await create_server(load_tokenizer(tokenizer_spec), options, address)
-    ready.put(Ready("orchestrator", port))
-    await serve_until_signal(server, health)
+    from specmesh.telemetry import make_tracer_provider
+    provider = make_tracer_provider("specmesh-orchestrator", telemetry.trace_exporter, telemetry.trace_sample_ratio)
+    metrics = OrchestratorMetrics()
+    metrics_port = None
+    if telemetry.metrics_port is not None and telemetry.metrics_port >= 0:
+        metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
+    server, port, health = await create_server(load_tokenizer(tokenizer_spec), options, address,
+                                               tracer_provider=provider, metrics=metrics)
+    ready.put(Ready("orchestrator", port, metrics_port))
+    try:
+        await serve_until_signal(server, health)
+    finally:
+        if provider is not None:
+            provider.shutdown()
 
 
 def _configure_child_logging() -> None:
@@ -88,9 +112,9 @@ class ProcessGroup:
         process.start()
         self.processes.append(process)
 
-    def wait_ready(self, names: set[str], timeout_s: float) -> dict[str, int]:
-        """Ports of the named children; raises RuntimeError when one fails or exits first."""
-        ports: dict[str, int] = {}
+    def wait_ready(self, names: set[str], timeout_s: float) -> dict[str, Ready]:
+        """Readiness of the named children; raises RuntimeError when one fails or exits first."""
+        ports: dict[str, Ready] = {}
         deadline = time.monotonic() + timeout_s
         while set(ports) != names:
             if time.monotonic() > deadline:
@@ -102,7 +126,7 @@ class ProcessGroup:
                 continue
             if ready.error:
                 raise RuntimeError(f"{ready.name} failed to start: {ready.error}")
-            ports[ready.name] = ready.port
+            ports[ready.name] = ready
         return ports
 
     def _check_alive(self) -> None:

@@ -14,14 +14,16 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
 import grpc
 
+from opentelemetry import trace
+
 from orchestrator.clients import DraftClient, TargetClient
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import draft_pb2
+from specmesh.v1 import draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class GenerationRequest:
     stop: list[str]
     num_speculative_tokens: int  # 0 = target-only
     deadline: float | None = None  # time.monotonic() by which the client gives up
+    prompt_class: str = ""  # metrics label chosen by the client
 
 
 @dataclass
@@ -54,15 +57,18 @@ class LoopStats:
     round_tokens: int = 0  # tokens committed by verification rounds
     target_forward_passes: int = 0
     draft_fallback: bool = False
-    started: float = field(default_factory=time.monotonic)
 
 
 class SpeculativeGeneration:
     """Yields committed tokens, a list per round, until max_tokens or an EOS token."""
 
     def __init__(self, request: GenerationRequest, target: TargetClient, draft: DraftClient | None,
-                 eos_token_ids: set[int], config: LoopConfig):
+                 eos_token_ids: set[int], config: LoopConfig,
+                 on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
+                 tracer: trace.Tracer | None = None):
         self.request = request
+        self.tracer = tracer or trace.NoOpTracer()
+        self.on_round = on_round  # (drafted, accepted) after every verification round
         self.target = target
         self.draft = draft if request.num_speculative_tokens > 0 else None
         self.eos_token_ids = eos_token_ids
@@ -108,12 +114,16 @@ class SpeculativeGeneration:
     async def _open(self) -> list[int]:
         """Prefill both models; the target's first token does not wait for the draft."""
         request = self.request
-        if self.draft is not None:
-            self._draft_opening = asyncio.ensure_future(self.draft.open(
-                self.session_id, request.prompt_token_ids, request.sampling,
-                timeout=self._timeout(self.config.draft_timeout_s)))
-        opened = await self.target.open(self.session_id, request.prompt_token_ids, request.sampling,
-                                        timeout=self._timeout(self.config.target_timeout_s))
+        with self.tracer.start_as_current_span("specmesh.prefill", attributes={
+                "specmesh.request_id": self.session_id,
+                "specmesh.prompt_tokens": len(request.prompt_token_ids)}) as span:
+            if self.draft is not None:
+                self._draft_opening = asyncio.ensure_future(self.draft.open(
+                    self.session_id, request.prompt_token_ids, request.sampling,
+                    timeout=self._timeout(self.config.draft_timeout_s)))
+            opened = await self.target.open(self.session_id, request.prompt_token_ids, request.sampling,
+                                            timeout=self._timeout(self.config.target_timeout_s))
+            span.set_attribute("specmesh.target_forward_ns", opened.forward_ns)
         self.stats.target_forward_passes += 1
         self.draft_agreed = len(request.prompt_token_ids)
         self.sequence.append(opened.token_id)
@@ -121,15 +131,19 @@ class SpeculativeGeneration:
 
     async def _run_round(self) -> list[int]:
         self._round += 1
-        remaining = self.request.max_tokens - self.generated
-        k = min(self.request.num_speculative_tokens, remaining - 1)
-        proposal = await self._propose(k) if self.draft is not None and k > 0 else None
-        draft_ids = list(proposal.token_ids) if proposal else []
         position = len(self.sequence)
-        verified = await self.target.verify(
-            self.session_id, self._round, position, draft_ids,
-            list(proposal.distributions) if proposal else [],
-            timeout=self._timeout(self.config.target_timeout_s))
+        with self.tracer.start_as_current_span("specmesh.round", attributes={
+                "specmesh.request_id": self.session_id, "specmesh.round": self._round,
+                "specmesh.position": position}) as span:
+            remaining = self.request.max_tokens - self.generated
+            k = min(self.request.num_speculative_tokens, remaining - 1)
+            proposal = await self._propose(k) if self.draft is not None and k > 0 else None
+            draft_ids = list(proposal.token_ids) if proposal else []
+            verified = await self.target.verify(
+                self.session_id, self._round, position, draft_ids,
+                list(proposal.distributions) if proposal else [],
+                timeout=self._timeout(self.config.target_timeout_s))
+            _describe_round(span, proposal, verified)
         accepted = verified.accepted_count
         batch = draft_ids[:accepted] + [verified.next_token_id]
         if proposal is not None:
@@ -144,6 +158,7 @@ class SpeculativeGeneration:
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.round_tokens += committed
+        self.on_round(drafted, accepted)
 
     async def _propose(self, k: int) -> draft_pb2.ProposeResponse | None:
         """Ask the draft for k tokens, or give up on the draft and return None."""
@@ -184,6 +199,25 @@ class SpeculativeGeneration:
         _spawn(self.target.close(self.session_id))
         if self.draft is not None:
             _spawn(self.draft.close(self.session_id))
+
+
+def _describe_round(span: trace.Span, proposal: draft_pb2.ProposeResponse | None,
+                    verified: target_pb2.VerifyResponse) -> None:
+    """What one round did, on its span: the facts only the responses know."""
+    if not span.is_recording():
+        return
+    span.set_attributes({
+        "specmesh.proposed": len(proposal.token_ids) if proposal else 0,
+        "specmesh.accepted": verified.accepted_count,
+        "specmesh.next_token": "bonus" if verified.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS
+        else "recovered",
+        "specmesh.committed_length": verified.committed_length,
+        "specmesh.target_forward_ns": verified.forward_ns,
+        "specmesh.verify_response_bytes": verified.ByteSize(),
+    })
+    if proposal is not None:
+        span.set_attributes({"specmesh.draft_forward_ns": proposal.forward_ns,
+                             "specmesh.propose_response_bytes": proposal.ByteSize()})
 
 
 _background: set[asyncio.Task] = set()

@@ -7,14 +7,18 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
+from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient, open_channel
 from orchestrator.loop import LoopConfig
 from orchestrator.servicer import Backends, GenerationServicer
 from orchestrator.validation import ModelLimits
+
 from specmesh import models
+from specmesh.metrics import OrchestratorMetrics
 from specmesh.server import start_server
+from specmesh.telemetry import client_interceptors, tracer
 from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,24 +50,29 @@ def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
             f"the orchestrator's tokenizer differs from the target model {target.model!r}'s")
 
 
-async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions) -> Backends:
-    target = TargetClient(open_channel(options.target_endpoint))
+async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions,
+                           tracer_provider: TracerProvider | None = None) -> Backends:
+    interceptors = client_interceptors(tracer_provider)
+    target = TargetClient(open_channel(options.target_endpoint, interceptors=interceptors))
     target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     draft, draft_info = None, None
     if options.draft_endpoint:
-        draft = DraftClient(open_channel(options.draft_endpoint))
+        draft = DraftClient(open_channel(options.draft_endpoint, interceptors=interceptors))
         draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=options.loop.num_speculative_tokens)
-    return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits)
+    return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
+                    model=target_info.model)
 
 
 async def create_server(
     tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, address: str = "127.0.0.1:0",
-    *, max_concurrent_rpcs: int | None = None,
+    *, max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
+    metrics: OrchestratorMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    backends = await connect_backends(tokenizer, options)
-    servicer = GenerationServicer(tokenizer, backends, options.loop)
+    backends = await connect_backends(tokenizer, options, tracer_provider)
+    servicer = GenerationServicer(tokenizer, backends, options.loop, metrics, tracer(tracer_provider))
     return await start_server(lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs)
+                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
+                              tracer_provider=tracer_provider)

@@ -1,4 +1,4 @@
-"""The client-facing Generation service: validate, run the loop, stream deltas."""
+"""The client-facing Generation service: validate, run the loop, stream deltas, record."""
 
 from __future__ import annotations
 
@@ -7,13 +7,17 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.loop import LoopConfig, LoopStats, SpeculativeGeneration
+from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculativeGeneration
 from orchestrator.validation import ModelLimits, validate_request
+from specmesh.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
+
+FINISH_REASON_NAMES = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclass
@@ -22,40 +26,65 @@ class Backends:
     draft: DraftClient | None  # None: target-only serving
     eos_token_ids: set[int]
     limits: ModelLimits
+    model: str  # the target model's name, for metrics and traces
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, backends: Backends, config: LoopConfig):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, backends: Backends, config: LoopConfig,
+                 metrics: OrchestratorMetrics | None = None, tracer: trace.Tracer | None = None):
         self.tokenizer = tokenizer
         self.backends = backends
         self.config = config
+        self.metrics = metrics or OrchestratorMetrics()
+        self.tracer = tracer
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        started = time.monotonic()
         checked = validate_request(request, self.encode, self.backends.limits, context.time_remaining())
+        recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class)
+        recorder.admitted()
+        span = trace.get_current_span()  # the Generate server span: the root of this request's trace
+        _describe_request(span, checked, self.backends.model)
         generation = SpeculativeGeneration(checked, self.backends.target, self.backends.draft,
-                                           self.backends.eos_token_ids, self.config)
+                                           self.backends.eos_token_ids, self.config, on_round=recorder.round,
+                                           tracer=self.tracer)
+        try:
+            async for response in self._stream(checked, generation, recorder, started):
+                if response.finish_reason:
+                    _describe_outcome(span, response, self.backends.model)
+                yield response
+        finally:
+            recorder.abandoned()  # no-op once finished
+
+    async def _stream(self, checked: GenerationRequest, generation: SpeculativeGeneration,
+                      recorder: RequestRecorder, started: float):
         detokenizer = IncrementalDetokenizer(self.tokenizer, checked.prompt_token_ids, checked.stop)
-        first_token_at = None
-        completion_tokens = 0
+        first_token_at, completion_tokens = None, 0
         async with contextlib.aclosing(generation.tokens()) as batches:
             async for batch in batches:
-                first_token_at = first_token_at or time.monotonic()
+                now = time.monotonic()
                 text, consumed = detokenizer.add(batch)
                 batch = batch[:consumed]
                 completion_tokens += len(batch)
+                if first_token_at is None:
+                    first_token_at = now
+                    recorder.first_token(now - started, now)
+                else:
+                    recorder.streamed(len(batch), now)
+                response = generation_pb2.GenerateResponse(request_id=checked.request_id, token_ids=batch,
+                                                           text=text)
                 finish = self._finish_reason(generation, detokenizer, batch)
-                response = generation_pb2.GenerateResponse(request_id=checked.request_id, token_ids=batch)
                 if finish:
-                    response.text = text + detokenizer.finish()
+                    response.text += detokenizer.finish()
                     response.finish_reason = finish
-                    response.stats.CopyFrom(_stats(generation.stats, first_token_at, completion_tokens,
+                    response.stats.CopyFrom(_stats(generation.stats, started, first_token_at, completion_tokens,
                                                    len(checked.prompt_token_ids)))
+                    _record_finish(recorder, response)
                     yield response
                     return
-                response.text = text
                 yield response
 
     def _finish_reason(self, generation: SpeculativeGeneration, detokenizer: IncrementalDetokenizer,
@@ -67,11 +96,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.FINISH_REASON_UNSPECIFIED
 
 
-def _stats(stats: LoopStats, first_token_at: float, completion_tokens: int,
+def _stats(stats: LoopStats, started: float, first_token_at: float, completion_tokens: int,
            prompt_tokens: int) -> generation_pb2.GenerationStats:
-    now = time.monotonic()
-    ttft_ms = (first_token_at - stats.started) * 1e3
-    e2e_ms = (now - stats.started) * 1e3
+    ttft_ms = (first_token_at - started) * 1e3
+    e2e_ms = (time.monotonic() - started) * 1e3
     return generation_pb2.GenerationStats(
         draft_tokens=stats.draft_tokens,
         accepted_tokens=stats.accepted_tokens,
@@ -86,3 +114,41 @@ def _stats(stats: LoopStats, first_token_at: float, completion_tokens: int,
         draft_fallback=stats.draft_fallback,
         tokens_per_round=stats.round_tokens / stats.rounds if stats.rounds else 0.0,
     )
+
+
+def _record_finish(recorder: RequestRecorder, response: generation_pb2.GenerateResponse) -> None:
+    stats = response.stats
+    recorder.finished(
+        FINISH_REASON_NAMES[response.finish_reason], stats.prompt_tokens, stats.completion_tokens,
+        stats.target_forward_passes, stats.draft_fallback,
+        stats.acceptance_rate if stats.draft_tokens else None,
+        stats.tpot_ms / 1e3 if stats.completion_tokens > 1 else None, stats.e2e_ms / 1e3)
+
+
+def _describe_request(span: trace.Span, request: GenerationRequest, model: str) -> None:
+    """GenAI semantic-convention attributes of the request on the root span."""
+    if not span.is_recording():
+        return
+    span.set_attributes({
+        "gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "specmesh",
+        "gen_ai.request.model": model, "gen_ai.request.max_tokens": request.max_tokens,
+        "gen_ai.request.temperature": request.sampling.temperature, "gen_ai.request.top_p": request.sampling.top_p,
+        "gen_ai.request.top_k": request.sampling.top_k, "gen_ai.response.id": request.request_id,
+        "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+        "specmesh.num_speculative_tokens": request.num_speculative_tokens,
+        "specmesh.prompt_class": request.prompt_class,
+    })
+
+
+def _describe_outcome(span: trace.Span, response: generation_pb2.GenerateResponse, model: str) -> None:
+    if not span.is_recording():
+        return
+    stats = response.stats
+    span.set_attributes({
+        "gen_ai.response.model": model,
+        "gen_ai.response.finish_reasons": [FINISH_REASON_NAMES[response.finish_reason]],
+        "gen_ai.usage.output_tokens": stats.completion_tokens,
+        "specmesh.draft_tokens": stats.draft_tokens, "specmesh.accepted_tokens": stats.accepted_tokens,
+        "specmesh.rounds": stats.rounds, "specmesh.target_forward_passes": stats.target_forward_passes,
+        "specmesh.draft_fallback": stats.draft_fallback, "specmesh.ttft_ms": stats.ttft_ms,
+    })

@@ -7,6 +7,7 @@ with a google.rpc BadRequest pointing at that field.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from specmesh.v1 import generation_pb2
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_MAX_TOKENS = 256
 MAX_REQUEST_ID_LENGTH = 128
+PROMPT_CLASS = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a metrics label: bounded, no free text
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ def validate_request(request: generation_pb2.GenerateRequest, encode: Callable[[
     k = _num_speculative_tokens(request, limits)
     return GenerationRequest(
         request_id=_request_id(request),
+        prompt_class=_prompt_class(request),
         prompt_token_ids=prompt_ids,
         max_tokens=_max_tokens(request, len(prompt_ids), limits),
         sampling=_sampling(request),
@@ -48,6 +51,12 @@ def _request_id(request: generation_pb2.GenerateRequest) -> str:
     if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters")
     return request.request_id or uuid.uuid4().hex
+
+
+def _prompt_class(request: generation_pb2.GenerateRequest) -> str:
+    if request.prompt_class and not PROMPT_CLASS.fullmatch(request.prompt_class):
+        raise InvalidArgument("prompt_class", "1-64 characters from [A-Za-z0-9_.-]")
+    return request.prompt_class
 
 
 def _prompt_token_ids(request: generation_pb2.GenerateRequest, encode: Callable[[str], list[int]],

@@ -20,8 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
+from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.errors import InvalidArgument, SpecmeshError
+from specmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,12 @@ async def start_server(
     *,
     max_concurrent_rpcs: int | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health)."""
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], maximum_concurrent_rpcs=max_concurrent_rpcs,
+    # Tracing outermost, so a span also covers (and records) the errors mapped below it.
+    interceptors = [*server_interceptors(tracer_provider), ErrorInterceptor()]
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
                              options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
     register(server)
     health = health_aio.HealthServicer()

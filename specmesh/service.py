@@ -13,7 +13,9 @@ import torch
 
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
+from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.server import serve_until_signal
+from specmesh.telemetry import make_tracer_provider
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,6 +33,9 @@ class ServiceOptions:
     session_idle_timeout_s: float = 600.0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     dtype: str = "float32"  # or "auto"; the draft may be faster in bf16: its precision never changes the output
+    metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
+    trace_exporter: str | None = None  # otlp, console or none; None = from OTEL_* environment variables
+    trace_sample_ratio: float | None = None  # None = from OTEL_TRACES_SAMPLER[_ARG], else every trace
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -43,12 +48,24 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="seconds after which an untouched session is freed")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                         help="auto: bfloat16 where the device computes it natively, else float32")
+    add_telemetry_arguments(parser, default_metrics_port=None)
+
+
+def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
+    parser.add_argument("--metrics-port", type=int, default=default_metrics_port,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port, "
+                             "-1 = off)")
+    parser.add_argument("--trace-exporter", choices=["otlp", "console", "none"], default=None,
+                        help="default: OTEL_TRACES_EXPORTER, or otlp when OTEL_EXPORTER_OTLP_ENDPOINT is set")
+    parser.add_argument("--trace-sample-ratio", type=float, default=None,
+                        help="fraction of requests traced (parent-based); default: OTEL_TRACES_SAMPLER_ARG or 1")
 
 
 def options_from_args(args: argparse.Namespace) -> ServiceOptions:
     return ServiceOptions(model=args.model, host=args.host, port=args.port, device=args.device,
                           max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout,
-                          dtype=args.dtype)
+                          dtype=args.dtype, metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
+                          trace_sample_ratio=args.trace_sample_ratio)
 
 
 def native_bf16(device: str) -> bool:
@@ -79,6 +96,11 @@ def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
     return ModelEngine(model, tokenizer, config)
 
 
+def announce(service: str, host: str, port: int, metrics_port: int | None) -> None:
+    metrics = f", metrics http://{host}:{metrics_port}/metrics" if metrics_port is not None else ""
+    print(f"{service} listening on {host}:{port}{metrics}", flush=True)
+
+
 async def reap_idle_sessions(engine: ModelEngine, idle_timeout_s: float) -> None:
     """Free sessions whose orchestrator disappeared without closing them."""
     while True:
@@ -87,12 +109,22 @@ async def reap_idle_sessions(engine: ModelEngine, idle_timeout_s: float) -> None
             log.info("freed idle session %s", request_id)
 
 
-async def run_model_service(create_server: CreateServer, engine: ModelEngine, options: ServiceOptions,
-                            on_ready: Callable[[int], None], **server_kwargs) -> None:
-    server, port, health = await create_server(engine, f"{options.host}:{options.port}", **server_kwargs)
+async def run_model_service(service: str, create_server: CreateServer, engine: ModelEngine,
+                            options: ServiceOptions, on_ready: Callable[[int, int | None], None],
+                            **server_kwargs) -> None:
+    """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
+    provider = make_tracer_provider(f"specmesh-{service}", options.trace_exporter, options.trace_sample_ratio)
+    metrics = ServiceMetrics.for_engine(service, engine)
+    metrics_port = None
+    if options.metrics_port is not None and options.metrics_port >= 0:
+        metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
+    server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
+                                               metrics=metrics, **server_kwargs)
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
-    on_ready(port)
+    on_ready(port, metrics_port)
     try:
         await serve_until_signal(server, health)
     finally:
         reaper.cancel()
+        if provider is not None:
+            provider.shutdown()  # flush the spans still batched

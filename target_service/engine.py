@@ -12,6 +12,7 @@ from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
 from specmesh.sampling import SamplingParams, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
+from target_service.disagreements import Disagreement, DisagreementLog, context_hash
 from target_service.rejection_sampler import Verdict, verify_greedy, verify_sampled
 
 MAX_DRAFT_TOKENS = 32
@@ -34,8 +35,9 @@ class Verification:
 class TargetEngine:
     """Keeps each session's committed sequence; the KV cache covers all but its last token."""
 
-    def __init__(self, engine: ModelEngine):
+    def __init__(self, engine: ModelEngine, disagreements: DisagreementLog | None = None):
         self.engine = engine
+        self.disagreements = disagreements
 
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Opened:
         session = self.engine.new_session(request_id, prompt, sampling)
@@ -96,9 +98,28 @@ class TargetEngine:
             target_probs = logits_to_probs(logits, session.sampling)  # [k+1, V]
             verdict = verify_sampled(target_probs, draft_tensor, draft_probs, session.generator)
         position = len(session.token_ids)
+        if self.disagreements is not None and verdict.accepted_count < k:
+            self._log_rejection(session, position, draft_ids, verdict, logits, draft_probs)
         self.engine.rollback(session, position,
                              draft_ids[: verdict.accepted_count] + [verdict.next_token_id])
         return Verification(verdict, len(session.token_ids), forward_ns)
+
+    def _log_rejection(self, session: Session, position: int, draft_ids: list[int], verdict: Verdict,
+                       logits: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+        """logits [k+1, V]; draft_probs [k, V] or None."""
+        row = verdict.accepted_count
+        draft_token, target_token = draft_ids[row], verdict.next_token_id
+        # Under greedy the distribution is the model's own (temperature 1).
+        p = (torch.softmax(logits[row], -1) if session.sampling.greedy
+             else logits_to_probs(logits[row:row + 1], session.sampling)[0])  # [V]
+        q = draft_probs[row] if draft_probs is not None else None  # [V]
+        self.disagreements.record(Disagreement(
+            request_id=session.request_id, round=session.round, position=position + row,
+            context_hash=context_hash(session.token_ids + draft_ids[:row]),
+            draft_token_id=draft_token, target_token_id=target_token,
+            target_prob_of_draft_token=float(p[draft_token]), target_prob_of_target_token=float(p[target_token]),
+            draft_prob_of_draft_token=None if q is None else float(q[draft_token]),
+            draft_prob_of_target_token=None if q is None else float(q[target_token])))
 
     def _decode_draft_probs(
             self, distributions: Sequence[common_pb2.TokenDistribution]) -> torch.Tensor | None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
+from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.engine import ModelEngine
+from specmesh.metrics import ServiceMetrics
 from specmesh.server import start_server
 from specmesh.v1 import target_pb2, target_pb2_grpc
+from target_service.disagreements import DisagreementLog
 from target_service.engine import TargetEngine
 from target_service.servicer import TargetServicer
 
@@ -15,8 +18,11 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
-                        max_concurrent_rpcs: int | None = None,
+                        max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
+                        metrics: ServiceMetrics | None = None, disagreements: DisagreementLog | None = None,
                         ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    servicer = TargetServicer(TargetEngine(engine))
+    metrics = metrics or ServiceMetrics.for_engine("target", engine)
+    servicer = TargetServicer(TargetEngine(engine, disagreements), metrics)
     return await start_server(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
-                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs)
+                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
+                              tracer_provider=tracer_provider)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
@@ -13,12 +14,14 @@ KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIN
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine):
+    def __init__(self, engine: TargetEngine, metrics: ServiceMetrics):
         self.engine = engine
+        self.metrics = metrics
 
     async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
         opened = await self.engine.open(request.request_id, list(request.prompt_token_ids),
                                         sampling_from_pb(request.sampling))
+        self.metrics.observe_forward("prefill", opened.forward_ns)
         return target_pb2.TargetOpenResponse(
             request_id=request.request_id, token_id=opened.token_id,
             committed_length=opened.committed_length, forward_ns=opened.forward_ns)
@@ -26,6 +29,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         result = await self.engine.verify(request.request_id, request.round, request.position,
                                           list(request.draft_token_ids), list(request.draft_distributions))
+        self.metrics.observe_forward("verify", result.forward_ns)
         return target_pb2.VerifyResponse(
             request_id=request.request_id, round=request.round,
             accepted_count=result.verdict.accepted_count, next_token_id=result.verdict.next_token_id,

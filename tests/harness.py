@@ -14,6 +14,7 @@ from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions, create_server as create_orchestrator_server
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine
+from specmesh.metrics import OrchestratorMetrics
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 from target_service.server import create_server as create_target_server
 
@@ -75,9 +76,10 @@ class Stack:
 
 
 async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int = 2,
-                      greedy_proposals: bool = False, draft_timeout_s: float = 10.0) -> Stack:
+                      greedy_proposals: bool = False, draft_timeout_s: float = 10.0,
+                      metrics: OrchestratorMetrics | None = None, disagreements=None) -> Stack:
     target_engine = make_engine(target_dir, device, salt=0)
-    target_server, target_port, _ = await create_target_server(target_engine)
+    target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements)
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
@@ -89,7 +91,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
         loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s))
     _, tokenizer = load(str(target_dir), device)
-    servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options)
+    servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics)
     stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers)
     stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     return stack

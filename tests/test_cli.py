@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,22 +18,25 @@ def specmesh(*args: str) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", *args]
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
+def start_serve(*args: str, expect_metrics: bool = False) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start `specmesh serve`; return the process, the client endpoint and the lines printed until ready."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     process = subprocess.Popen(specmesh("serve", "--port", "0", *args), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    lines = []
+    lines, endpoint = [], None
     for line in process.stdout:  # the ready line comes once all three services are up
-        lines.append(line)
+        lines.append(line.strip())
         found = re.search(r"specmesh ready: client endpoint (\S+)", line)
-        if found:
-            return process, found.group(1)
-    raise AssertionError("serve exited before it was ready:\n" + "".join(lines[-30:]))
+        endpoint = found.group(1) if found else endpoint
+        if endpoint and (not expect_metrics or line.startswith("metrics: ")):
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+            return process, endpoint, lines
+    raise AssertionError("serve exited before it was ready:\n" + "\n".join(lines[-30:]))
 
 
 def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
-    process, endpoint = start_serve("--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-                                    "--num-speculative-tokens", "3")
+    process, endpoint, _ = start_serve("--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                                       "--num-speculative-tokens", "3", "--metrics-port", "-1")
     try:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         done = subprocess.run(specmesh("generate", "--endpoint", endpoint, "--max-tokens", "12", "--json",

@@ -17,7 +17,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "num_speculative_tokens", "speculation", "request_id")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "num_speculative_tokens", "speculation", "request_id", "prompt_class")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CLASS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -40,7 +41,8 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     speculation: bool
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., speculation: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    prompt_class: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., speculation: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_class: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_rate", "rounds", "target_forward_passes", "ttft_ms", "tpot_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "draft_fallback", "tokens_per_round")

@@ -1,0 +1,179 @@
+"""Prometheus metrics, one registry per process.
+
+Names follow vLLM's spec-decode series (`vllm:spec_decode_num_drafts`, ...)
+under our own `specmesh_` prefix, so existing dashboards translate directly.
+Labels: `model` (the target model of the orchestrator, the served model of a
+service) and, on request-level series, the client-supplied `prompt_class`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+POSITION_BUCKETS = tuple(range(33))  # rejection positions 0..32 within a round
+RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+REQUEST = ("model", "prompt_class")
+
+
+class OrchestratorMetrics:
+    """What the speculative loop and the Generation service count."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry or CollectorRegistry()
+        self.registry = r
+        self.num_drafts = Counter("specmesh_spec_decode_num_drafts", "Rounds that verified at least one draft "
+                                  "token", REQUEST, registry=r)
+        self.num_draft_tokens = Counter("specmesh_spec_decode_num_draft_tokens", "Draft tokens proposed", REQUEST,
+                                        registry=r)
+        self.num_accepted_tokens = Counter("specmesh_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           REQUEST, registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "specmesh_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the round",
+            (*REQUEST, "position"), registry=r)
+        self.rejection_position = Histogram(
+            "specmesh_spec_decode_rejection_position", "Position in the round of the first rejected draft token",
+            REQUEST, buckets=POSITION_BUCKETS, registry=r)
+        self.target_forward_passes = Counter("specmesh_target_forward_passes", "Target forward passes (prefill "
+                                             "included)", REQUEST, registry=r)
+        self.target_forward_passes_saved = Counter(
+            "specmesh_target_forward_passes_saved", "Output tokens minus target forward passes: what speculation "
+            "saved over target-only decoding", REQUEST, registry=r)
+        self.draft_fallbacks = Counter("specmesh_draft_fallbacks", "Requests that lost their draft and finished "
+                                       "target-only", REQUEST, registry=r)
+        self.request_acceptance_rate = Histogram("specmesh_request_acceptance_rate", "Acceptance rate per request",
+                                                 REQUEST, buckets=RATE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens", REQUEST, registry=r)
+        self.generation_tokens = Counter("specmesh_generation_tokens", "Generated tokens", REQUEST, registry=r)
+        self.requests = Counter("specmesh_requests", "Finished requests", (*REQUEST, "finish_reason"), registry=r)
+        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time to first token", REQUEST,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("specmesh_time_per_output_token_seconds", "Mean time per output token after the "
+                              "first, per request", REQUEST, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specmesh_inter_token_latency_seconds", "Time between consecutive streamed "
+                             "responses, divided among the tokens each carries", REQUEST, buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("specmesh_e2e_request_latency_seconds", "End-to-end request latency", REQUEST,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests_running = Gauge("specmesh_requests_running", "Requests streaming tokens", ("model",),
+                                      registry=r)
+        self.requests_waiting = Gauge("specmesh_requests_waiting", "Requests admitted, waiting for their first "
+                                      "token", ("model",), registry=r)
+        prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+
+
+class ServiceMetrics:
+    """What a draft or target service counts."""
+
+    def __init__(self, service: str, model: str, registry: CollectorRegistry | None = None):
+        r = registry or CollectorRegistry()
+        self.registry = r
+        self.labels = {"service": service, "model": model}
+        self.forward_seconds = Histogram("specmesh_forward_seconds", "Model forward time per call",
+                                         ("service", "model", "op"), buckets=LATENCY_BUCKETS, registry=r)
+        self.sessions_open = Gauge("specmesh_sessions_open", "Open sessions (KV caches)", ("service", "model"),
+                                   registry=r)
+        self.device_memory = Gauge("specmesh_device_memory_bytes", "Accelerator memory allocated by the model "
+                                   "and its KV caches (GPU only)", ("service", "model", "device"), registry=r)
+        prometheus_client.ProcessCollector(registry=r)
+
+    @classmethod
+    def for_engine(cls, service: str, engine, registry: CollectorRegistry | None = None) -> "ServiceMetrics":
+        """Metrics of a service over `engine` (a specmesh.engine.ModelEngine), its gauges read at scrape time."""
+        metrics = cls(service, engine.config.model_name, registry)
+        metrics.sessions_open.labels(**metrics.labels).set_function(lambda: len(engine.sessions))
+        if engine.device.type == "cuda":
+            import torch
+            metrics.device_memory.labels(**metrics.labels, device=str(engine.device)).set_function(
+                lambda: torch.cuda.memory_allocated(engine.device))
+        return metrics
+
+    def observe_forward(self, op: str, forward_ns: int) -> None:
+        self.forward_seconds.labels(**self.labels, op=op).observe(forward_ns / 1e9)
+
+
+_servers_lock = threading.Lock()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
+    """Expose `registry` at http://host:port/metrics (port 0 = any); return the bound port."""
+    with _servers_lock:
+        server, _ = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    return server.server_port
+
+
+class RequestRecorder:
+    """One request's contribution to OrchestratorMetrics, labelled once.
+
+    Lifecycle: admitted -> first_token -> streamed ... -> finished (always called,
+    also on errors and cancellation, so the running/waiting gauges stay true).
+    """
+
+    def __init__(self, metrics: OrchestratorMetrics, model: str, prompt_class: str):
+        self.metrics = metrics
+        self.model = model
+        self.labels = {"model": model, "prompt_class": prompt_class}
+        self.state = "new"
+        self.last_stream_at: float | None = None
+
+    def admitted(self) -> None:
+        self.metrics.requests_waiting.labels(model=self.model).inc()
+        self.state = "waiting"
+
+    def first_token(self, ttft_s: float, now: float) -> None:
+        self.metrics.requests_waiting.labels(model=self.model).dec()
+        self.metrics.requests_running.labels(model=self.model).inc()
+        self.metrics.ttft.labels(**self.labels).observe(ttft_s)
+        self.state, self.last_stream_at = "running", now
+
+    def streamed(self, tokens: int, now: float) -> None:
+        """A response after the first carrying `tokens` tokens; each gets an equal share of the gap."""
+        if self.last_stream_at is not None and tokens:
+            gap = (now - self.last_stream_at) / tokens
+            for _ in range(tokens):
+                self.metrics.itl.labels(**self.labels).observe(gap)
+        self.last_stream_at = now
+
+    def round(self, drafted: int, accepted: int) -> None:
+        if not drafted:
+            return
+        m, labels = self.metrics, self.labels
+        m.num_drafts.labels(**labels).inc()
+        m.num_draft_tokens.labels(**labels).inc(drafted)
+        m.num_accepted_tokens.labels(**labels).inc(accepted)
+        for position in range(accepted):
+            m.num_accepted_tokens_per_pos.labels(**labels, position=str(position)).inc()
+        if accepted < drafted:
+            m.rejection_position.labels(**labels).observe(accepted)
+
+    def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, target_passes: int,
+                 draft_fallback: bool, acceptance_rate: float | None, tpot_s: float | None, e2e_s: float) -> None:
+        m, labels = self.metrics, self.labels
+        self._leave_gauges()
+        m.requests.labels(**labels, finish_reason=finish_reason).inc()
+        m.prompt_tokens.labels(**labels).inc(prompt_tokens)
+        m.generation_tokens.labels(**labels).inc(completion_tokens)
+        m.target_forward_passes.labels(**labels).inc(target_passes)
+        m.target_forward_passes_saved.labels(**labels).inc(max(0, completion_tokens - target_passes))
+        if draft_fallback:
+            m.draft_fallbacks.labels(**labels).inc()
+        if acceptance_rate is not None:
+            m.request_acceptance_rate.labels(**labels).observe(acceptance_rate)
+        if tpot_s is not None:
+            m.tpot.labels(**labels).observe(tpot_s)
+        m.e2e.labels(**labels).observe(e2e_s)
+
+    def abandoned(self) -> None:
+        """The request ended without finishing (error or cancellation)."""
+        self._leave_gauges()
+
+    def _leave_gauges(self) -> None:
+        if self.state == "waiting":
+            self.metrics.requests_waiting.labels(model=self.model).dec()
+        elif self.state == "running":
+            self.metrics.requests_running.labels(model=self.model).dec()
+        self.state = "done"

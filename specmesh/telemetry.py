@@ -1,0 +1,104 @@
+"""OpenTelemetry tracing for the three services.
+
+One trace per request: the orchestrator's server span for Generate is the root.
+Under it, a `specmesh.prefill` span and one `specmesh.round` span per round
+carry what the responses said (tokens proposed and accepted, recovered or bonus,
+forward ns of each model, response bytes); under those, the gRPC
+instrumentation's client spans for OpenSession/Propose/Verify carry what the
+requests said (request id, round, position, tokens, request bytes), and the
+draft's and target's server spans are children of those across processes (the
+context travels in gRPC metadata). A slow request can be read round by round.
+
+The exporter follows the standard environment: OTEL_TRACES_EXPORTER (otlp,
+console or none; otlp by default when OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT is
+set, else none), OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL (grpc or http/protobuf),
+OTEL_TRACES_SAMPLER[_ARG]; a ratio given in code or on the command line wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from google.protobuf.message import Message
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+log = logging.getLogger(__name__)
+UNTRACED = filters.negate(filters.any_of(filters.service_name("grpc.health.v1.Health"),
+                                         filters.service_prefix("grpc.reflection")))
+# request field -> client span attribute, for whichever request has the field
+_FIELDS = {"request_id": "specmesh.request_id", "round": "specmesh.round", "position": "specmesh.position",
+           "num_tokens": "specmesh.num_tokens"}
+_COUNTED = {"prompt_token_ids": "specmesh.prompt_tokens", "draft_token_ids": "specmesh.draft_tokens",
+            "draft_distributions": "specmesh.draft_distributions"}
+
+
+def _span_exporter(name: str) -> SpanExporter | None:
+    if name == "console":
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        return None
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                              os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter()
+
+
+def default_exporter_name() -> str:
+    if "OTEL_TRACES_EXPORTER" in os.environ:
+        return os.environ["OTEL_TRACES_EXPORTER"].split(",")[0].strip().lower()
+    has_endpoint = any(os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT",
+                                                   "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return "otlp" if has_endpoint else "none"
+
+
+def make_tracer_provider(service_name: str, exporter: str | SpanExporter | None = None,
+                         sample_ratio: float | None = None) -> TracerProvider | None:
+    """A provider exporting this process's spans, or None when tracing is off."""
+    span_exporter = exporter if isinstance(exporter, SpanExporter) else _span_exporter(
+        exporter or default_exporter_name())
+    if span_exporter is None:
+        return None
+    sampler = ParentBased(TraceIdRatioBased(sample_ratio)) if sample_ratio is not None else None
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=sampler)
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    log.info("tracing %s with %s", service_name, type(span_exporter).__name__)
+    return provider
+
+
+def tracer(provider: TracerProvider | None) -> trace.Tracer:
+    return trace.get_tracer("specmesh", tracer_provider=provider or trace.NoOpTracerProvider())
+
+
+def server_interceptors(provider: TracerProvider | None) -> list:
+    return [aio_server_interceptor(tracer_provider=provider, filter_=UNTRACED)] if provider else []
+
+
+def client_interceptors(provider: TracerProvider | None) -> list:
+    if provider is None:
+        return []
+    # No response hook: for unary calls the instrumentation hands it the status details,
+    # not the response; the orchestrator's round spans carry what the responses say.
+    return aio_client_interceptors(tracer_provider=provider, filter_=UNTRACED, request_hook=_describe_request)
+
+
+def _describe_request(span: trace.Span, message: Message) -> None:
+    """Span attributes from whichever of the known fields the request has."""
+    if not span.is_recording() or not isinstance(message, Message):
+        return
+    present = {field.name for field in message.DESCRIPTOR.fields}
+    for field, attribute in _FIELDS.items():
+        if field in present:
+            span.set_attribute(attribute, getattr(message, field))
+    for field, attribute in _COUNTED.items():
+        if field in present:
+            span.set_attribute(attribute, len(getattr(message, field)))
+    span.set_attribute("rpc.request.bytes", message.ByteSize())

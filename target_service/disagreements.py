@@ -1,0 +1,76 @@
+"""Optional JSONL log of rejected draft tokens, to feed draft tuning.
+
+One line per rejection: where it happened (request, round, absolute position
+and a hash of the context before it), which token the draft proposed and which
+the target committed instead, and how likely each model found each token.
+Fine-tuning the draft on exactly these contexts raises acceptance. Writes are
+rate-limited (a token bucket), so a bad draft cannot flood the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    request_id: str
+    round: int
+    position: int  # absolute position of the rejected draft token
+    context_hash: str  # sha256 of the token ids at positions [0, position), first 16 hex digits
+    draft_token_id: int
+    target_token_id: int  # the recovered token committed instead
+    target_prob_of_draft_token: float  # p(draft token) under the target's (sampling) distribution
+    target_prob_of_target_token: float
+    draft_prob_of_draft_token: float | None  # q; None when the draft sent ids only
+    draft_prob_of_target_token: float | None
+
+
+def context_hash(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+class DisagreementLog:
+    """Appends Disagreement records as JSON lines, at most `max_per_second` on average."""
+
+    def __init__(self, path: Path | str, max_per_second: float = 100.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.path = Path(path)
+        self.rate = max_per_second
+        self.capacity = max(1.0, max_per_second)  # burst size
+        self.tokens = self.capacity
+        self.clock = clock
+        self.refilled_at = clock()
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def record(self, disagreement: Disagreement) -> bool:
+        """Write one line unless over the rate; return whether it was written."""
+        with self._lock:
+            if not self._take_token():
+                self.dropped += 1
+                return False
+            line = {"time": time.time(), **asdict(disagreement)}
+            self._file.write(json.dumps(line) + "\n")
+            self._file.flush()
+            return True
+
+    def _take_token(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self.refilled_at) * self.rate)
+        self.refilled_at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
