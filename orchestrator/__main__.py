@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="qwen2.5-coder-1.5b", help="the target model's spec")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
     parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
     parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s)
     add_telemetry_arguments(parser, default_metrics_port=None)
@@ -28,7 +29,8 @@ def main() -> None:
     options = OrchestratorOptions(args.target, args.draft, LoopConfig(
         num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
-                               trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio)
+                               trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
+                               http_port=args.http_port)
     run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
 
 

@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, directory, .gguf or hub id")
     serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for target-only")
     serve.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    serve.add_argument("--port", type=int, default=50051, help="client-facing port")
+    serve.add_argument("--port", type=int, default=50051, help="client-facing gRPC port")
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
     serve.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
     serve.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
@@ -86,13 +88,16 @@ def serve(args: argparse.Namespace) -> int:
             draft_endpoint=f"{args.host}:{ready['draft'].port}" if "draft" in ready else None,
             loop=LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
         group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}",
-                    ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"], **telemetry))
+                    ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
+                                   http_port=args.http_port, **telemetry))
         ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))
     except RuntimeError as error:
         print(f"specmesh serve: {error}", file=sys.stderr)
         group.stop()
         return 1
-    print(f"specmesh ready: client endpoint {args.host}:{ready['orchestrator'].port}", flush=True)
+    orchestrator = ready["orchestrator"]
+    http = f", OpenAI API http://{args.host}:{orchestrator.http_port}/v1" if orchestrator.http_port else ""
+    print(f"specmesh ready: client endpoint {args.host}:{orchestrator.port}{http}", flush=True)
     metrics = [f"{name} http://{args.host}:{r.metrics_port}/metrics" for name, r in sorted(ready.items())
                if r.metrics_port is not None]
     if metrics:

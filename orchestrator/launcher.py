@@ -29,6 +29,7 @@ class Ready:
     port: int | None
     metrics_port: int | None = None
     error: str | None = None
+    http_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address:
 
 
 async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: ServiceOptions, ready) -> None:
-    from orchestrator.server import create_server
+    from orchestrator.http_api import create_app, start_http_server, stop_http_server
+    from orchestrator.server import create_servicer, serve_grpc
     from specmesh.metrics import OrchestratorMetrics, serve_metrics
     from specmesh.models import load_tokenizer
     from specmesh.server import serve_until_signal
@@ -85,12 +87,18 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     metrics_port = None
     if telemetry.metrics_port is not None and telemetry.metrics_port >= 0:
         metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
-    server, port, health = await create_server(load_tokenizer(tokenizer_spec), options, address,
-                                               tracer_provider=provider, metrics=metrics)
-    ready.put(Ready("orchestrator", port, metrics_port))
+    servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
+                                     metrics=metrics)
+    server, port, health = await serve_grpc(servicer, address, tracer_provider=provider)
+    http = None
+    if telemetry.http_port is not None and telemetry.http_port >= 0:
+        http = await start_http_server(create_app(servicer), telemetry.host, telemetry.http_port)
+    ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:
         await serve_until_signal(server, health)
     finally:
+        if http is not None:
+            await stop_http_server(http[0], http[2])
         if provider is not None:
             provider.shutdown()
 

@@ -66,13 +66,27 @@ async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: Orchestr
                     model=target_info.model)
 
 
+async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, *,
+                          tracer_provider: TracerProvider | None = None,
+                          metrics: OrchestratorMetrics | None = None) -> GenerationServicer:
+    """Connect to the services and check them; the result serves gRPC and HTTP alike."""
+    backends = await connect_backends(tokenizer, options, tracer_provider)
+    return GenerationServicer(tokenizer, backends, options.loop, metrics, tracer(tracer_provider))
+
+
+async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0", *,
+                     max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
+                     ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    return await start_server(lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
+                              tracer_provider=tracer_provider)
+
+
 async def create_server(
     tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, address: str = "127.0.0.1:0",
     *, max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
     metrics: OrchestratorMetrics | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    backends = await connect_backends(tokenizer, options, tracer_provider)
-    servicer = GenerationServicer(tokenizer, backends, options.loop, metrics, tracer(tracer_provider))
-    return await start_server(lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
-                              tracer_provider=tracer_provider)
+    servicer = await create_servicer(tokenizer, options, tracer_provider=tracer_provider, metrics=metrics)
+    return await serve_grpc(servicer, address, max_concurrent_rpcs=max_concurrent_rpcs,
+                            tracer_provider=tracer_provider)

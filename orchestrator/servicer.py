@@ -42,11 +42,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.tokenizer.encode(prompt) if prompt else []
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        async for response in self.generate(request, context.time_remaining()):
+            yield response
+
+    async def generate(self, request: generation_pb2.GenerateRequest, time_remaining: float | None = None):
+        """The Generate stream, for any front end (gRPC here, HTTP in orchestrator.http_api).
+
+        Raises InvalidArgument before the first response when the request is bad.
+        """
         started = time.monotonic()
-        checked = validate_request(request, self.encode, self.backends.limits, context.time_remaining())
+        checked = validate_request(request, self.encode, self.backends.limits, time_remaining)
         recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class)
         recorder.admitted()
-        span = trace.get_current_span()  # the Generate server span: the root of this request's trace
+        span = trace.get_current_span()  # the front end's server span: the root of this request's trace
         _describe_request(span, checked, self.backends.model)
         generation = SpeculativeGeneration(checked, self.backends.target, self.backends.draft,
                                            self.backends.eos_token_ids, self.config, on_round=recorder.round,

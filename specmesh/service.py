@@ -36,6 +36,7 @@ class ServiceOptions:
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     trace_exporter: str | None = None  # otlp, console or none; None = from OTEL_* environment variables
     trace_sample_ratio: float | None = None  # None = from OTEL_TRACES_SAMPLER[_ARG], else every trace
+    http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API (0 = any free port); None = off
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,12 +22,12 @@ def specmesh(*args: str) -> list[str]:
 def start_serve(*args: str, expect_metrics: bool = False) -> tuple[subprocess.Popen, str, list[str]]:
     """Start `specmesh serve`; return the process, the client endpoint and the lines printed until ready."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(specmesh("serve", "--port", "0", *args), stdout=subprocess.PIPE,
+    process = subprocess.Popen(specmesh("serve", "--port", "0", "--http-port", "0", *args), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     lines, endpoint = [], None
     for line in process.stdout:  # the ready line comes once all three services are up
         lines.append(line.strip())
-        found = re.search(r"specmesh ready: client endpoint (\S+)", line)
+        found = re.search(r"specmesh ready: client endpoint ([^\s,]+)", line)
         endpoint = found.group(1) if found else endpoint
         if endpoint and (not expect_metrics or line.startswith("metrics: ")):
             threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
@@ -35,7 +36,7 @@ def start_serve(*args: str, expect_metrics: bool = False) -> tuple[subprocess.Po
 
 
 def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
-    process, endpoint, _ = start_serve("--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+    process, endpoint, lines = start_serve("--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
                                        "--num-speculative-tokens", "3", "--metrics-port", "-1")
     try:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -48,6 +49,9 @@ def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
         assert {"draft_tokens", "accepted_tokens", "acceptance_rate", "rounds", "target_forward_passes",
                 "ttft_ms", "tpot_ms", "e2e_ms"} <= set(result["stats"])
         assert result["stats"]["draft_tokens"] > 0
+        http = re.search(r"OpenAI API (\S+)", "\n".join(lines)).group(1)
+        models = json.loads(urllib.request.urlopen(f"{http}/models", timeout=30).read())
+        assert models["data"][0]["id"] == str(tiny_llama_dir)
         bad = subprocess.run(specmesh("generate", "--endpoint", endpoint, "--max-tokens", "0", "hi"),
                              capture_output=True, text=True, env=env, timeout=60)
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr

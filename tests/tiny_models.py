@@ -29,6 +29,8 @@ EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|bos|>"
 
 DEFAULT_VOCAB_SIZE = 320
+CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant:\n{% endif %}")
 # Scale applied to the (randomly initialised) lm_head so that typical max
 # softmax probability lands in ~0.2-0.6 for a vocabulary of ~320.
 DEFAULT_LOGIT_SCALE = 3.5
@@ -146,6 +148,7 @@ def build_tokenizer(
         bos_token=BOS_TOKEN,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE  # so /v1/chat/completions can be tested
     fast.save_pretrained(str(dest))
     return fast
 

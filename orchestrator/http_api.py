@@ -1,0 +1,296 @@
+"""OpenAI-compatible HTTP API (FastAPI) over the same generation path as the gRPC service.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (the target tokenizer's
+chat template), GET /v1/models, GET /health. `stream: true` answers with
+server-sent events ending in `data: [DONE]`. Errors use OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`: 400 naming the parameter,
+404 for an unknown model, 503/504 when the target service fails or times out.
+Responses carry `usage` and, as an extra field, the speculation `stats`. A client
+that disconnects cancels its generation, which frees both services' sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from orchestrator.clients import UpstreamError
+from orchestrator.servicer import FINISH_REASON_NAMES, GenerationServicer
+from specmesh.errors import InvalidArgument
+from specmesh.v1 import generation_pb2
+
+PARAMETER_NAMES = {"prompt_token_ids": "prompt"}  # our field -> the OpenAI parameter a client sent
+UPSTREAM_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INVALID_ARGUMENT: 400,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+
+
+class SamplingFields(BaseModel):
+    """Parameters shared by both endpoints; unknown OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    # specmesh extensions
+    top_k: int | None = None
+    num_speculative_tokens: int | None = None
+    speculation: bool | None = None
+    prompt_class: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+
+
+def generate_request(body: SamplingFields, **prompt: Any) -> generation_pb2.GenerateRequest:
+    """The gRPC request for an OpenAI body; validation happens once, in the shared path."""
+    if body.n != 1:
+        raise OpenAIError(400, "only n=1 is supported", "n")
+    request = generation_pb2.GenerateRequest(stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
+                                             prompt_class=body.prompt_class or "", **prompt)
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    for field, value in (("max_tokens", max_tokens), ("temperature", body.temperature), ("top_p", body.top_p),
+                         ("top_k", body.top_k), ("seed", body.seed), ("speculation", body.speculation),
+                         ("num_speculative_tokens", body.num_speculative_tokens)):
+        if value is not None:
+            if field == "seed" and value < 0:
+                raise OpenAIError(400, "seed: must be >= 0", "seed")
+            setattr(request, field, value)
+    return request
+
+
+def completion_prompt(body: CompletionRequest) -> dict[str, Any]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return {"prompt_token_ids": prompt}
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise OpenAIError(400, "exactly one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    return {"prompt": prompt}
+
+
+class OpenAIFrontEnd:
+    """Turns OpenAI requests into Generate streams and the stream back into OpenAI objects."""
+
+    def __init__(self, servicer: GenerationServicer):
+        self.servicer = servicer
+        self.model = servicer.backends.model
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model}`",
+                              "model", "model_not_found")
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        tokenizer = self.servicer.tokenizer
+        if not body.messages:
+            raise OpenAIError(400, "messages: must not be empty", "messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise OpenAIError(400, f"model `{self.model}` has no chat template; use /v1/completions", "messages")
+        encoded = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+                                                add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = encoded["input_ids"]
+        return {"prompt_token_ids": list(ids[0] if ids and isinstance(ids[0], list) else ids)}
+
+    async def open_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator:
+        """Start generating; bad parameters raise here, before any byte is sent."""
+        stream = self.servicer.generate(request)
+        try:
+            first = await anext(stream)
+        except InvalidArgument as error:
+            raise OpenAIError(400, str(error), PARAMETER_NAMES.get(error.field, error.field)) from error
+        return _prepend(first, stream)
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    async with contextlib.aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
+def usage(stats: generation_pb2.GenerationStats) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+
+
+def speculation_stats(stats: generation_pb2.GenerationStats) -> dict[str, Any]:
+    return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+
+
+def choice(chat: bool, text: str, finish: str | None, delta: bool, first: bool = False) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    if not delta:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    content = {"role": "assistant", "content": text} if first else {"content": text}
+    return {"index": 0, "delta": content, "finish_reason": finish}
+
+
+def envelope(front: OpenAIFrontEnd, request_id: str, chat: bool, chunk: bool) -> dict[str, Any]:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": front.model}
+
+
+async def collect(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, request_id: str) -> dict[str, Any]:
+    text, last = [], None
+    async for response in stream:
+        text.append(response.text)
+        last = response
+    finish = FINISH_REASON_NAMES.get(last.finish_reason)
+    return {**envelope(front, request_id, chat, chunk=False), "choices": [choice(chat, "".join(text), finish, False)],
+            "usage": usage(last.stats), "stats": speculation_stats(last.stats)}
+
+
+async def events(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, request_id: str,
+                 include_usage: bool) -> AsyncIterator[str]:
+    """SSE lines; cancelled (and so the generation with it) when the client goes away."""
+    first = True
+    async for response in stream:
+        finish = FINISH_REASON_NAMES.get(response.finish_reason)
+        if response.text or finish or first:
+            data = {**envelope(front, request_id, chat, chunk=True),
+                    "choices": [choice(chat, response.text, finish, True, first)]}
+            if finish:
+                data["stats"] = speculation_stats(response.stats)
+                if include_usage:
+                    data["usage"] = usage(response.stats)
+            yield f"data: {json.dumps(data)}\n\n"
+            first = False
+    yield "data: [DONE]\n\n"
+
+
+async def answer(front: OpenAIFrontEnd, http_request: Request, body: SamplingFields,
+                 request: generation_pb2.GenerateRequest, chat: bool):
+    stream = await front.open_stream(request)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if body.stream:
+        include_usage = bool((getattr(body, "stream_options", None) or {}).get("include_usage"))
+        return StreamingResponse(events(front, stream, chat, request_id, include_usage),
+                                 media_type="text/event-stream")
+    return JSONResponse(await _unless_disconnected(http_request, collect(front, stream, chat, request_id)))
+
+
+async def _unless_disconnected(http_request: Request, work):
+    """Run `work`, cancelling it if the client disconnects first (frees the sessions)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if await http_request.is_disconnected():
+            task.cancel()
+        await asyncio.wait([task], timeout=0.1)
+    return task.result()
+
+
+def create_app(servicer: GenerationServicer) -> FastAPI:
+    front = OpenAIFrontEnd(servicer)
+    app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": front.model, "object": "model", "created": front.created,
+                                            "owned_by": "specmesh"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http_request: Request):
+        front.check_model(body.model)
+        return await answer(front, http_request, body, generate_request(body, **completion_prompt(body)), False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request):
+        front.check_model(body.model)
+        return await answer(front, http_request, body, generate_request(body, **front.chat_prompt(body)), True)
+
+    install_error_handlers(app)
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = location[0] if location else None
+        return OpenAIError(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid')}", param).response()
+
+    @app.exception_handler(UpstreamError)
+    async def upstream_error(request: Request, error: UpstreamError):
+        return OpenAIError(UPSTREAM_STATUS.get(error.code, 503), str(error), kind="server_error").response()
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside our event loop: the process's own signal handling stays in charge."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def start_http_server(app: FastAPI, host: str, port: int) -> tuple[_EmbeddedServer, int, asyncio.Task]:
+    """Serve `app` on host:port (0 = any free port); return (server, bound port, serving task)."""
+    server = _EmbeddedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises the start-up error
+            raise RuntimeError("HTTP server stopped during start-up")
+        await asyncio.sleep(0.02)
+    return server, server.servers[0].sockets[0].getsockname()[1], task
+
+
+async def stop_http_server(server: _EmbeddedServer, task: asyncio.Task) -> None:
+    server.should_exit = True
+    await task

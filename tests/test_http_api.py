@@ -1,0 +1,113 @@
+"""The OpenAI-compatible HTTP API, driven by the `openai` client library against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from harness import load, start_stack
+from orchestrator.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.server import OrchestratorOptions, create_servicer
+from tiny_models import TINY_PROMPTS
+
+
+@pytest.fixture
+async def api(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """(stack, openai client, base url) with the HTTP API over the stack's services."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    servicer = await create_servicer(tokenizer, OrchestratorOptions(
+        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}"))
+    server, port, task = await start_http_server(create_app(servicer), "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}/v1"
+    client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+    yield stack, client, base
+    await client.close()
+    await stop_http_server(server, task)
+    await stack.stop()
+
+
+async def test_completion_matches_grpc_and_reports_usage(api, tiny_llama_dir):
+    stack, client, _ = api
+    prompt = TINY_PROMPTS[0]
+    token_ids, text, last = await stack.generate(prompt=prompt, max_tokens=20, temperature=0.0)
+    completion = await client.completions.create(model=str(tiny_llama_dir), prompt=prompt, max_tokens=20,
+                                                 temperature=0)
+    assert completion.choices[0].text == text
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    assert completion.usage.completion_tokens == len(token_ids)
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + len(token_ids)
+    assert completion.model_extra["stats"]["draft_tokens"] > 0
+
+
+async def test_streamed_completion_equals_unstreamed(api):
+    _, client, _ = api
+    whole = await client.completions.create(model=None, prompt=TINY_PROMPTS[1], max_tokens=24, temperature=0)
+    pieces, finish = [], None
+    async for chunk in await client.completions.create(prompt=TINY_PROMPTS[1], max_tokens=24, temperature=0,
+                                                       model="", stream=True):
+        pieces.append(chunk.choices[0].text)
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text and finish == whole.choices[0].finish_reason
+
+
+async def test_chat_completion_streaming_and_not(api, tiny_llama_dir):
+    _, client, _ = api
+    messages = [{"role": "user", "content": "write a function"}]
+    reply = await client.chat.completions.create(model=str(tiny_llama_dir), messages=messages, max_tokens=16,
+                                                 temperature=0)
+    assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens > 0
+    streamed = ""
+    async for chunk in await client.chat.completions.create(model=str(tiny_llama_dir), messages=messages,
+                                                            max_tokens=16, temperature=0, stream=True):
+        streamed += chunk.choices[0].delta.content or ""
+    assert streamed == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 2.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt": ""}, "prompt"), ({"n": 2}, "n"), ({"max_tokens": "many"}, "max_tokens"),
+])
+async def test_bad_parameters_are_400_naming_the_parameter(api, params, param):
+    _, client, _ = api
+    fields = {"model": "", "prompt": "hi", "max_tokens": 4, **params}
+    with pytest.raises(openai.BadRequestError) as raised:
+        await client.completions.create(**fields)
+    assert raised.value.status_code == 400 and raised.value.body["param"] == param
+    assert raised.value.body["type"] == "invalid_request_error"
+
+
+async def test_unknown_model_is_404_and_models_lists_the_served_one(api, tiny_llama_dir):
+    _, client, _ = api
+    with pytest.raises(openai.NotFoundError) as raised:
+        await client.completions.create(model="gpt-nope", prompt="hi", max_tokens=4)
+    assert raised.value.body["code"] == "model_not_found"
+    assert [m.id async for m in client.models.list()] == [str(tiny_llama_dir)]
+
+
+async def test_disconnecting_client_frees_both_sessions(api):
+    stack, _, base = api
+    async with httpx.AsyncClient(timeout=30) as http:
+        body = {"prompt": "def f(x):", "max_tokens": 200, "temperature": 0, "stream": True}
+        async with http.stream("POST", f"{base}/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one event received, then hang up
+        assert response.status_code == 200
+    assert await stack.wait_sessions_freed() == (0, 0)
+
+
+async def test_disconnect_during_unstreamed_completion_frees_sessions(api):
+    stack, _, base = api
+    async with httpx.AsyncClient(timeout=30) as http:
+        request = asyncio.ensure_future(http.post(f"{base}/completions", json={
+            "prompt": "def f(x):", "max_tokens": 240, "temperature": 0}))
+        for _ in range(100):  # wait until the generation is under way
+            if (await stack.open_sessions())[0]:
+                break
+            await asyncio.sleep(0.01)
+        request.cancel()
+    assert await stack.wait_sessions_freed() == (0, 0)
