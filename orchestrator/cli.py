@@ -15,7 +15,7 @@ from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchest
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments
-from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     generate.add_argument("--json", action="store_true", help="print one JSON object at the end")
     stats_view.add_parser(commands)
+    speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
+    speculation.add_argument("state", choices=["on", "off", "status"])
+    speculation.add_argument("--endpoint", default="127.0.0.1:50051")
     return parser
 
 
@@ -149,12 +152,30 @@ async def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def set_speculation(args: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(args.endpoint) as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        try:
+            if args.state == "status":
+                state = await stub.GetSpeculation(admin_pb2.GetSpeculationRequest(), timeout=10)
+            else:
+                state = await stub.SetSpeculation(admin_pb2.SetSpeculationRequest(enabled=args.state == "on"),
+                                                  timeout=10)
+        except grpc.aio.AioRpcError as error:
+            print(f"specmesh speculation: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 2
+    print(f"speculation {'on' if state.enabled else 'off'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "stats":
         return args.handler(args)
+    if args.command == "speculation":
+        return asyncio.run(set_speculation(args))
     return asyncio.run(generate(args))
 
 

@@ -37,6 +37,13 @@ class LoopConfig:
     target_timeout_s: float = 120.0  # per-call deadline on the target
 
 
+class SpeculationSwitch:
+    """The server-wide kill switch; every generation reads it at the start of each round."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -65,9 +72,10 @@ class SpeculativeGeneration:
     def __init__(self, request: GenerationRequest, target: TargetClient, draft: DraftClient | None,
                  eos_token_ids: set[int], config: LoopConfig,
                  on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
-                 tracer: trace.Tracer | None = None):
+                 tracer: trace.Tracer | None = None, switch: SpeculationSwitch | None = None):
         self.request = request
         self.tracer = tracer or trace.NoOpTracer()
+        self.switch = switch or SpeculationSwitch()
         self.on_round = on_round  # (drafted, accepted) after every verification round
         self.target = target
         self.draft = draft if request.num_speculative_tokens > 0 else None
@@ -136,7 +144,8 @@ class SpeculativeGeneration:
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
             remaining = self.request.max_tokens - self.generated
-            k = min(self.request.num_speculative_tokens, remaining - 1)
+            k = min(self.request.num_speculative_tokens, remaining - 1) if self.switch.enabled else 0
+            # Off, the draft keeps its session: the next commit catches it up if speculation returns.
             proposal = await self._propose(k) if self.draft is not None and k > 0 else None
             draft_ids = list(proposal.token_ids) if proposal else []
             verified = await self.target.verify(

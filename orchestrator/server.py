@@ -12,17 +12,18 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient, open_channel
 from orchestrator.loop import LoopConfig
-from orchestrator.servicer import Backends, GenerationServicer
+from orchestrator.servicer import AdminServicer, Backends, GenerationServicer
 from orchestrator.validation import ModelLimits
 
 from specmesh import models
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.server import start_server
 from specmesh.telemetry import client_interceptors, tracer
-from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 STARTUP_TIMEOUT_S = 30.0
 
 
@@ -77,9 +78,11 @@ async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: Orchestra
 async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0", *,
                      max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
                      ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    return await start_server(lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-                              [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
-                              tracer_provider=tracer_provider)
+    def register(server: grpc.aio.Server) -> None:
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch), server)
+    return await start_server(register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address,
+                              max_concurrent_rpcs=max_concurrent_rpcs, tracer_provider=tracer_provider)
 
 
 async def create_server(

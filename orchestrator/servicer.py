@@ -12,10 +12,10 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculativeGeneration
+from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.validation import ModelLimits, validate_request
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
-from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 FINISH_REASON_NAMES = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -31,12 +31,14 @@ class Backends:
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: PreTrainedTokenizerBase, backends: Backends, config: LoopConfig,
-                 metrics: OrchestratorMetrics | None = None, tracer: trace.Tracer | None = None):
+                 metrics: OrchestratorMetrics | None = None, tracer: trace.Tracer | None = None,
+                 switch: SpeculationSwitch | None = None):
         self.tokenizer = tokenizer
         self.backends = backends
         self.config = config
         self.metrics = metrics or OrchestratorMetrics()
         self.tracer = tracer
+        self.switch = switch or SpeculationSwitch()
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
@@ -58,7 +60,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         _describe_request(span, checked, self.backends.model)
         generation = SpeculativeGeneration(checked, self.backends.target, self.backends.draft,
                                            self.backends.eos_token_ids, self.config, on_round=recorder.round,
-                                           tracer=self.tracer)
+                                           tracer=self.tracer, switch=self.switch)
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 if response.finish_reason:
@@ -102,6 +104,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if generation.generated >= generation.request.max_tokens:
             return generation_pb2.FINISH_REASON_LENGTH
         return generation_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """The operator's kill switch for speculation."""
+
+    def __init__(self, switch: SpeculationSwitch):
+        self.switch = switch
+
+    async def SetSpeculation(self, request: admin_pb2.SetSpeculationRequest, context: grpc.aio.ServicerContext):
+        self.switch.enabled = request.enabled
+        return admin_pb2.SpeculationState(enabled=self.switch.enabled)
+
+    async def GetSpeculation(self, request: admin_pb2.GetSpeculationRequest, context: grpc.aio.ServicerContext):
+        return admin_pb2.SpeculationState(enabled=self.switch.enabled)
 
 
 def _stats(stats: LoopStats, started: float, first_token_at: float, completion_tokens: int,
