@@ -7,6 +7,7 @@ import grpc
 from draft_service.engine import CommitSpec, DraftEngine
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
+from specmesh.telemetry import annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
@@ -23,6 +24,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
                                             sampling_from_pb(request.sampling))
         self.metrics.observe_forward("prefill", forward_ns)
+        annotate_current_span(forward_ns=forward_ns)
         return draft_pb2.DraftOpenResponse(request_id=request.request_id,
                                            length=len(request.prompt_token_ids), forward_ns=forward_ns)
 
@@ -31,6 +33,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         proposal = await self.engine.propose(request.request_id, request.round, commit,
                                              request.position, request.num_tokens)
         self.metrics.observe_forward("propose", proposal.forward_ns)
+        annotate_current_span(forward_ns=proposal.forward_ns, proposed=len(proposal.token_ids))
         return draft_pb2.ProposeResponse(
             request_id=request.request_id, round=request.round, position=proposal.position,
             token_ids=proposal.token_ids, distributions=proposal.distributions,

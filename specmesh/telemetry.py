@@ -102,3 +102,10 @@ def _describe_request(span: trace.Span, message: Message) -> None:
         if field in present:
             span.set_attribute(attribute, len(getattr(message, field)))
     span.set_attribute("rpc.request.bytes", message.ByteSize())
+
+
+def annotate_current_span(**attributes) -> None:
+    """Add `specmesh.*` attributes to the current span (a service's server span) when it records."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes({f"specmesh.{name}": value for name, value in attributes.items()})

@@ -6,6 +6,7 @@ import grpc
 
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
+from specmesh.telemetry import annotate_current_span
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
@@ -22,6 +23,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         opened = await self.engine.open(request.request_id, list(request.prompt_token_ids),
                                         sampling_from_pb(request.sampling))
         self.metrics.observe_forward("prefill", opened.forward_ns)
+        annotate_current_span(forward_ns=opened.forward_ns)
         return target_pb2.TargetOpenResponse(
             request_id=request.request_id, token_id=opened.token_id,
             committed_length=opened.committed_length, forward_ns=opened.forward_ns)
@@ -30,6 +32,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         result = await self.engine.verify(request.request_id, request.round, request.position,
                                           list(request.draft_token_ids), list(request.draft_distributions))
         self.metrics.observe_forward("verify", result.forward_ns)
+        annotate_current_span(forward_ns=result.forward_ns, accepted=result.verdict.accepted_count,
+                              next_token="bonus" if result.verdict.bonus else "recovered")
         return target_pb2.VerifyResponse(
             request_id=request.request_id, round=request.round,
             accepted_count=result.verdict.accepted_count, next_token_id=result.verdict.next_token_id,

@@ -119,6 +119,9 @@ def check_trace(collector: Collector, stats: generation_pb2.GenerationStats) -> 
     verifies = [attributes(s) for s in clients.values() if s.name.endswith("TargetService/Verify")]
     assert sorted(v["specmesh.round"] for v in verifies) == list(range(1, stats.rounds + 1))
     assert all(v["rpc.request.bytes"] > 0 and "specmesh.position" in v for v in verifies)
+    served_verifies = [attributes(s) for service, s in remote if s.name.endswith("TargetService/Verify")]
+    assert sum(v["specmesh.accepted"] for v in served_verifies) == stats.accepted_tokens
+    assert all(v["specmesh.forward_ns"] > 0 for v in served_verifies)
     assert not any("Health" in s.name for _, s in collector.spans)
 
 
