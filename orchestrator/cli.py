@@ -14,12 +14,12 @@ from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, install_stop_fl
 from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchestrator, run_target
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
+from orchestrator.servicer import FINISH_REASON_NAMES
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-FINISH_REASONS = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ async def generate(args: argparse.Namespace) -> int:
     if args.json:
         stats = {f.name: getattr(last.stats, f.name) for f in last.stats.DESCRIPTOR.fields}
         print(json.dumps({"text": "".join(text), "token_ids": token_ids,
-                          "finish_reason": FINISH_REASONS.get(last.finish_reason, ""), "stats": stats}))
+                          "finish_reason": FINISH_REASON_NAMES.get(last.finish_reason, ""), "stats": stats}))
     else:
         print()
     return 0

@@ -84,9 +84,7 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     from specmesh.telemetry import make_tracer_provider
     provider = make_tracer_provider("specmesh-orchestrator", telemetry.trace_exporter, telemetry.trace_sample_ratio)
     metrics = OrchestratorMetrics()
-    metrics_port = None
-    if telemetry.metrics_port is not None and telemetry.metrics_port >= 0:
-        metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
+    metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
     servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
                                      metrics=metrics)
     server, port, health = await serve_grpc(servicer, address, tracer_provider=provider)

@@ -99,8 +99,13 @@ class ServiceMetrics:
 _servers_lock = threading.Lock()
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Expose `registry` at http://host:port/metrics (port 0 = any); return the bound port."""
+def serve_metrics(registry: CollectorRegistry, host: str, port: int | None) -> int | None:
+    """Expose `registry` at http://host:port/metrics (0 = any free port); return the bound port.
+
+    A port of None or below 0 means metrics are off: nothing is served and None is returned.
+    """
+    if port is None or port < 0:
+        return None
     with _servers_lock:
         server, _ = prometheus_client.start_http_server(port, addr=host, registry=registry)
     return server.server_port

@@ -116,9 +116,7 @@ async def run_model_service(service: str, create_server: CreateServer, engine: M
     """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
     provider = make_tracer_provider(f"specmesh-{service}", options.trace_exporter, options.trace_sample_ratio)
     metrics = ServiceMetrics.for_engine(service, engine)
-    metrics_port = None
-    if options.metrics_port is not None and options.metrics_port >= 0:
-        metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
+    metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
     server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
                                                metrics=metrics, **server_kwargs)
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
