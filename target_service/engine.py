@@ -92,26 +92,26 @@ class TargetEngine:
         # [k+1, V]: row i predicts position `position + i`
         logits, forward_ns = self.engine.feed_uncached(session, draft_ids, keep_rows=k + 1)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.long)  # [k]
-        if session.sampling.greedy:
+        target_probs = None if session.sampling.greedy else logits_to_probs(logits, session.sampling)  # [k+1, V]
+        if target_probs is None:
             verdict = verify_greedy(logits, draft_tensor)
         else:
-            target_probs = logits_to_probs(logits, session.sampling)  # [k+1, V]
             verdict = verify_sampled(target_probs, draft_tensor, draft_probs, session.generator)
         position = len(session.token_ids)
         if self.disagreements is not None and verdict.accepted_count < k:
-            self._log_rejection(session, position, draft_ids, verdict, logits, draft_probs)
+            row = verdict.accepted_count
+            # Under greedy the logged distribution is the model's own (temperature 1).
+            p = torch.softmax(logits[row], -1) if target_probs is None else target_probs[row]  # [V]
+            self._log_rejection(session, position, draft_ids, verdict, p, draft_probs)
         self.engine.rollback(session, position,
                              draft_ids[: verdict.accepted_count] + [verdict.next_token_id])
         return Verification(verdict, len(session.token_ids), forward_ns)
 
     def _log_rejection(self, session: Session, position: int, draft_ids: list[int], verdict: Verdict,
-                       logits: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
-        """logits [k+1, V]; draft_probs [k, V] or None."""
+                       p: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+        """p [V]: the target's distribution at the rejected row; draft_probs [k, V] or None."""
         row = verdict.accepted_count
         draft_token, target_token = draft_ids[row], verdict.next_token_id
-        # Under greedy the distribution is the model's own (temperature 1).
-        p = (torch.softmax(logits[row], -1) if session.sampling.greedy
-             else logits_to_probs(logits[row:row + 1], session.sampling)[0])  # [V]
         q = draft_probs[row] if draft_probs is not None else None  # [V]
         self.disagreements.record(Disagreement(
             request_id=session.request_id, round=session.round, position=position + row,
