@@ -56,6 +56,12 @@ class GenerationRequest:
     prompt_class: str = ""  # metrics label chosen by the client
 
 
+@dataclass(frozen=True)
+class RoundTiming:
+    draft_s: float  # wall time of the Propose call (0 in a target-only round)
+    verify_s: float  # wall time of the Verify call
+
+
 @dataclass
 class LoopStats:
     draft_tokens: int = 0
@@ -143,16 +149,19 @@ class SpeculativeGeneration:
         with self.tracer.start_as_current_span("specmesh.round", attributes={
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
-            remaining = self.request.max_tokens - self.generated
-            k = min(self.request.num_speculative_tokens, remaining - 1) if self.switch.enabled else 0
+            k = self._choose_k()
             # Off, the draft keeps its session: the next commit catches it up if speculation returns.
-            proposal = await self._propose(k) if self.draft is not None and k > 0 else None
+            started = time.monotonic()
+            proposal = await self._propose(k) if k > 0 else None
+            proposed = time.monotonic()
             draft_ids = list(proposal.token_ids) if proposal else []
             verified = await self.target.verify(
                 self.session_id, self._round, position, draft_ids,
                 list(proposal.distributions) if proposal else [],
                 timeout=self._timeout(self.config.target_timeout_s))
             _describe_round(span, proposal, verified)
+        self._observe_round(RoundTiming(draft_s=proposed - started, verify_s=time.monotonic() - proposed),
+                            len(draft_ids), verified.accepted_count)
         accepted = verified.accepted_count
         batch = draft_ids[:accepted] + [verified.next_token_id]
         if proposal is not None:
@@ -160,6 +169,16 @@ class SpeculativeGeneration:
         self.sequence.extend(batch)
         self._count_round(len(draft_ids), accepted, len(batch))
         return batch
+
+    def _choose_k(self) -> int:
+        """Draft tokens for the next round; 0 means a target-only round."""
+        if self.draft is None or not self.switch.enabled:
+            return 0
+        remaining = self.request.max_tokens - self.generated
+        return max(0, min(self.request.num_speculative_tokens, remaining - 1))
+
+    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
+        """Hook for policies that learn from each round's wall-clock costs and outcome."""
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1
