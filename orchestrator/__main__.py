@@ -8,8 +8,7 @@ import logging
 import sys
 
 from orchestrator.launcher import Ready, run_orchestrator
-from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions
+from orchestrator.server import OrchestratorOptions, add_loop_arguments, loop_config
 from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 
@@ -21,13 +20,11 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
-    parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
-    parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s)
+    add_loop_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
-    options = OrchestratorOptions(args.target, args.draft, LoopConfig(
-        num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
+    options = OrchestratorOptions(args.target, args.draft, loop_config(args))
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                                http_port=args.http_port)

@@ -12,8 +12,7 @@ import grpc
 from orchestrator import stats_view
 from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, install_stop_flag
 from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchestrator, run_target
-from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions
+from orchestrator.server import OrchestratorOptions, add_loop_arguments, loop_config
 from orchestrator.servicer import FINISH_REASON_NAMES
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -32,15 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051, help="client-facing gRPC port")
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
-    serve.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
+    add_loop_arguments(serve)
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
     serve.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     serve.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
     serve.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
                        help="auto: bfloat16 where the device computes it natively, else float32; "
                             "the draft's precision never changes the output, only acceptance and speed")
-    serve.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s,
-                       help="seconds a draft round may take before the request goes target-only")
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
     add_telemetry_arguments(serve, default_metrics_port=9400)
@@ -89,7 +86,7 @@ def serve(args: argparse.Namespace) -> int:
         options = OrchestratorOptions(
             target_endpoint=f"{args.host}:{ready['target'].port}",
             draft_endpoint=f"{args.host}:{ready['draft'].port}" if "draft" in ready else None,
-            loop=LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
+            loop=loop_config(args))
         group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}",
                     ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
                                    http_port=args.http_port, **telemetry))

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 import grpc
 
@@ -33,6 +33,9 @@ class LoopConfig:
     # Server default k. On our 2-core CPUs an 8-row verification costs ~1.5 single-token
     # passes and acceptance of the embedded pair is ~0.85, so k=7 measured best (README).
     num_speculative_tokens: int = 7
+    # Adaptive: k per round from observed acceptance and costs, up to the request's k
+    # (orchestrator.policy). Requests that name their k, or sample with a seed, keep it fixed.
+    adaptive_k: bool = True
     draft_timeout_s: float = 5.0  # per-round deadline on the draft; past it, target-only
     target_timeout_s: float = 120.0  # per-call deadline on the target
 
@@ -51,9 +54,16 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
-    num_speculative_tokens: int  # 0 = target-only
+    num_speculative_tokens: int  # 0 = target-only; with adaptive k, the most per round
+    fixed_k: bool = False  # the client asked for exactly num_speculative_tokens
     deadline: float | None = None  # time.monotonic() by which the client gives up
     prompt_class: str = ""  # metrics label chosen by the client
+
+
+class DraftLengthPolicy(Protocol):
+    def choose(self, k_max: int) -> int: ...
+
+    def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,8 +88,10 @@ class SpeculativeGeneration:
     def __init__(self, request: GenerationRequest, target: TargetClient, draft: DraftClient | None,
                  eos_token_ids: set[int], config: LoopConfig,
                  on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
-                 tracer: trace.Tracer | None = None, switch: SpeculationSwitch | None = None):
+                 tracer: trace.Tracer | None = None, switch: SpeculationSwitch | None = None,
+                 policy: "DraftLengthPolicy | None" = None):
         self.request = request
+        self.policy = policy  # None: every round drafts the request's k
         self.tracer = tracer or trace.NoOpTracer()
         self.switch = switch or SpeculationSwitch()
         self.on_round = on_round  # (drafted, accepted) after every verification round
@@ -150,6 +162,7 @@ class SpeculativeGeneration:
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
             k = self._choose_k()
+            span.set_attribute("specmesh.draft_length", k)
             # Off, the draft keeps its session: the next commit catches it up if speculation returns.
             started = time.monotonic()
             proposal = await self._propose(k) if k > 0 else None
@@ -175,10 +188,13 @@ class SpeculativeGeneration:
         if self.draft is None or not self.switch.enabled:
             return 0
         remaining = self.request.max_tokens - self.generated
-        return max(0, min(self.request.num_speculative_tokens, remaining - 1))
+        k_max = max(0, min(self.request.num_speculative_tokens, remaining - 1))
+        return self.policy.choose(k_max) if self.policy is not None else k_max
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
-        """Hook for policies that learn from each round's wall-clock costs and outcome."""
+        """Policies learn from each round's wall-clock costs and outcome."""
+        if self.policy is not None:
+            self.policy.observe(timing, drafted, accepted)
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1

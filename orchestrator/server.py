@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 
@@ -25,6 +26,22 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 STARTUP_TIMEOUT_S = 30.0
+
+
+def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """The speculative loop's flags, shared by `specmesh serve` and `python -m orchestrator`."""
+    parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens,
+                        help="draft tokens per round; with the adaptive policy, the most per round")
+    parser.add_argument("--speculation-policy", choices=("adaptive", "fixed"), default="adaptive",
+                        help="adaptive: choose k per round from measured acceptance and costs, 0 when "
+                             "speculation does not pay; fixed: always --num-speculative-tokens")
+    parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s,
+                        help="seconds a draft round may take before the request goes target-only")
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
+                      adaptive_k=args.speculation_policy == "adaptive")
 
 
 class TokenizerMismatch(RuntimeError):

@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.detokenizer import IncrementalDetokenizer
+from orchestrator.policy import AdaptiveDraftLength, AdaptiveSpeculation
 from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.validation import ModelLimits, validate_request
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
@@ -39,6 +40,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or OrchestratorMetrics()
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
+        self.adaptive = AdaptiveSpeculation()
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
@@ -60,7 +62,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         _describe_request(span, checked, self.backends.model)
         generation = SpeculativeGeneration(checked, self.backends.target, self.backends.draft,
                                            self.backends.eos_token_ids, self.config, on_round=recorder.round,
-                                           tracer=self.tracer, switch=self.switch)
+                                           tracer=self.tracer, switch=self.switch,
+                                           policy=self._draft_length_policy(checked))
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 if response.finish_reason:
@@ -68,6 +71,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield response
         finally:
             recorder.abandoned()  # no-op once finished
+
+    def _draft_length_policy(self, checked: GenerationRequest) -> AdaptiveDraftLength | None:
+        """Adaptive k unless the client fixed k, or seeded sampling must stay reproducible."""
+        seeded = checked.sampling.seed is not None and not checked.sampling.greedy
+        if not self.config.adaptive_k or checked.fixed_k or seeded:
+            return None
+        return self.adaptive.for_request(checked.prompt_class)
 
     async def _stream(self, checked: GenerationRequest, generation: SpeculativeGeneration,
                       recorder: RequestRecorder, started: float):

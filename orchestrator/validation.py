@@ -43,6 +43,7 @@ def validate_request(request: generation_pb2.GenerateRequest, encode: Callable[[
         sampling=_sampling(request),
         stop=_stop(request),
         num_speculative_tokens=k,
+        fixed_k=request.HasField("num_speculative_tokens") and request.num_speculative_tokens > 0,
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
     )
 

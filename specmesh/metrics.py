@@ -38,6 +38,9 @@ class OrchestratorMetrics:
         self.rejection_position = Histogram(
             "specmesh_spec_decode_rejection_position", "Position in the round of the first rejected draft token",
             REQUEST, buckets=POSITION_BUCKETS, registry=r)
+        self.draft_length = Histogram(
+            "specmesh_spec_decode_draft_length", "Draft tokens proposed per round (0: a target-only round, "
+            "chosen by the adaptive policy or the kill switch)", REQUEST, buckets=POSITION_BUCKETS, registry=r)
         self.target_forward_passes = Counter("specmesh_target_forward_passes", "Target forward passes (prefill "
                                              "included)", REQUEST, registry=r)
         self.target_forward_passes_saved = Counter(
@@ -144,9 +147,10 @@ class RequestRecorder:
         self.last_stream_at = now
 
     def round(self, drafted: int, accepted: int) -> None:
+        m, labels = self.metrics, self.labels
+        m.draft_length.labels(**labels).observe(drafted)
         if not drafted:
             return
-        m, labels = self.metrics, self.labels
         m.num_drafts.labels(**labels).inc()
         m.num_draft_tokens.labels(**labels).inc(drafted)
         m.num_accepted_tokens.labels(**labels).inc(accepted)
