@@ -71,9 +71,9 @@ def hf_generate(pair: PeerPair, prompt_ids: list[int], max_tokens: int, k: int, 
     generation config), as the orchestrator does with those fields unset.
     """
     input_ids = torch.tensor([prompt_ids], device=pair.target.device)  # [1, prompt_len]
-    kwargs = {"do_sample": temperature > 0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+    kwargs = {"do_sample": temperature > 0, "repetition_penalty": 1.0}
     if temperature > 0:
-        kwargs["temperature"] = temperature
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         if seed is not None:
             torch.manual_seed(seed)
     if pair.draft is not None:
