@@ -14,7 +14,7 @@ import pytest
 
 from harness import load, start_stack
 from orchestrator.bench.metrics import percentile
-from orchestrator.bench.prompts import PromptFileError, load_jsonl, select_prompts, BUILTIN
+from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.runner import arrival_times
 from orchestrator.cli import main as specmesh_main
 from orchestrator.http_api import create_app, start_http_server, stop_http_server
