@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, run_draft, run_orchestrator, run_target
+from orchestrator.bench.peer import PeerPair, hf_generate
+from orchestrator.launcher import ProcessGroup, StackOptions, start_stack
 from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions
-from specmesh import models
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, resolve_dtype
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
@@ -84,15 +83,11 @@ async def run_specmesh(endpoint: str, prompts: list[str], max_tokens: int, specu
 def phase_specmesh(args) -> tuple[Run, list[Run]]:
     group = ProcessGroup()
     try:
-        group.start("target", run_target, ServiceOptions(model=args.target, device=args.device,
-                                                         dtype=args.target_dtype), None)
-        group.start("draft", run_draft, ServiceOptions(model=args.draft, device=args.draft_device or args.device,
-                                                       dtype=args.draft_dtype), False)
-        ready = group.wait_ready({"target", "draft"}, START_TIMEOUT_S)
-        options = OrchestratorOptions(f"127.0.0.1:{ready['target'].port}", f"127.0.0.1:{ready['draft'].port}")
-        group.start("orchestrator", run_orchestrator, args.target, options, "127.0.0.1:0",
-                    ServiceOptions(model=args.target))
-        endpoint = f"127.0.0.1:{group.wait_ready({'orchestrator'}, START_TIMEOUT_S)['orchestrator'].port}"
+        options = StackOptions(
+            target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype),
+            draft=ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype),
+            loop=LoopConfig(), address="127.0.0.1:0", orchestrator=ServiceOptions(model=args.target))
+        endpoint = f"127.0.0.1:{start_stack(group, options)['orchestrator'].port}"
         asyncio.run(run_specmesh(endpoint, PROMPTS[:1], 8, True, args.k[0]))  # warm-up
         baseline = asyncio.run(run_specmesh(endpoint, args.prompts, args.max_tokens, False, 0))
         speculative = [asyncio.run(run_specmesh(endpoint, args.prompts, args.max_tokens, True, k)) for k in args.k]
@@ -103,36 +98,26 @@ def phase_specmesh(args) -> tuple[Run, list[Run]]:
 
 def phase_transformers(args) -> tuple[Run, Run]:
     draft_device = args.draft_device or args.device
-    target, tokenizer = models.load_model(args.target, device=args.device,
-                                          dtype=resolve_dtype(args.target_dtype, args.device))
-    draft, _ = models.load_model(args.draft, device=draft_device, dtype=resolve_dtype(args.draft_dtype, draft_device))
+    pair = PeerPair.load(args.target, args.draft, args.device, draft_device,
+                         resolve_dtype(args.target_dtype, args.device), resolve_dtype(args.draft_dtype, draft_device))
+    target_only = PeerPair(pair.target, None, pair.tokenizer)
     baseline, assisted = Run("transformers target-only"), Run(f"transformers assisted (k={args.assisted_k})")
-    generate(target, None, tokenizer, PROMPTS[:1], 8, Run("warm-up"), 0)
-    generate(target, None, tokenizer, args.prompts, args.max_tokens, baseline, 0)
-    generate(target, draft, tokenizer, args.prompts, args.max_tokens, assisted, args.assisted_k)
-    del target, draft
+    generate(target_only, PROMPTS[:1], 8, Run("warm-up"), 0)
+    generate(target_only, args.prompts, args.max_tokens, baseline, 0)
+    generate(pair, args.prompts, args.max_tokens, assisted, args.assisted_k)
+    del pair, target_only
     gc.collect()
     return baseline, assisted
 
 
-@torch.inference_mode()
-def generate(target, draft, tokenizer, prompts, max_tokens, run: Run, k: int) -> None:
-    eos = set(models.eos_token_ids(target, tokenizer))
+def generate(pair: PeerPair, prompts, max_tokens, run: Run, k: int) -> None:
+    """Greedy transformers `generate` per prompt (assisted when the pair has a draft), timed."""
     for prompt in prompts:
-        input_ids = torch.tensor([tokenizer.encode(prompt)], device=target.device)
-        kwargs = {}
-        if draft is not None:
-            draft.generation_config.num_assistant_tokens = k
-            draft.generation_config.num_assistant_tokens_schedule = "constant"
-            kwargs["assistant_model"] = draft
         start = time.perf_counter()
-        output = target.generate(input_ids, max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **kwargs)
+        generated = hf_generate(pair, pair.tokenizer.encode(prompt), max_tokens, k)
         run.seconds.append(time.perf_counter() - start)
-        generated = output[0, input_ids.shape[1]:].tolist()
-        cut = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
-        run.tokens.append(cut)
-        run.outputs.append(generated[:cut])
+        run.tokens.append(len(generated))
+        run.outputs.append(generated)
 
 
 def report(runs: list[Run], baselines: dict[str, Run], args) -> dict:

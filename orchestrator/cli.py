@@ -10,34 +10,23 @@ import sys
 import grpc
 
 from orchestrator import stats_view
-from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, install_stop_flag
-from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchestrator, run_target
-from orchestrator.server import OrchestratorOptions, add_loop_arguments, loop_config
+from orchestrator.bench import args as bench_args
+from orchestrator.launcher import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
+from orchestrator.launcher import install_stop_flag, start_stack
+from orchestrator.server import loop_config
 from orchestrator.servicer import FINISH_REASON_NAMES
-from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments
+from specmesh.service import ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start the draft, target and orchestrator services")
-    serve.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, directory, .gguf or hub id")
-    serve.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for target-only")
+    add_model_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address every service binds")
     serve.add_argument("--port", type=int, default=50051, help="client-facing gRPC port")
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
-    add_loop_arguments(serve)
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
-    serve.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
-    serve.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
-    serve.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
-                       help="auto: bfloat16 where the device computes it natively, else float32; "
-                            "the draft's precision never changes the output, only acceptance and speed")
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
     add_telemetry_arguments(serve, default_metrics_port=9400)
@@ -59,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     generate.add_argument("--json", action="store_true", help="print one JSON object at the end")
     stats_view.add_parser(commands)
+    bench_args.add_parser(commands)
     speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
     speculation.add_argument("state", choices=["on", "off", "status"])
     speculation.add_argument("--endpoint", default="127.0.0.1:50051")
@@ -72,25 +62,21 @@ def serve(args: argparse.Namespace) -> int:
     metrics_ports = _metrics_ports(args.metrics_port)
     disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
         if args.disagreement_log else None
-    group.start("target", run_target, ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                                                     metrics_port=metrics_ports["target"], **telemetry),
-                disagreement_log)
-    names = {"target"}
+    draft = None
     if args.draft.lower() != "none":
-        draft_options = ServiceOptions(model=args.draft, device=args.draft_device or args.device,
-                                       dtype=args.draft_dtype, metrics_port=metrics_ports["draft"], **telemetry)
-        group.start("draft", run_draft, draft_options, args.greedy_draft)
-        names.add("draft")
+        draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
+                               metrics_port=metrics_ports["draft"], **telemetry)
+    options = StackOptions(
+        target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
+                              metrics_port=metrics_ports["target"], **telemetry),
+        draft=draft,
+        loop=loop_config(args),
+        address=f"{args.host}:{args.port}",
+        orchestrator=ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
+                                    http_port=args.http_port, **telemetry),
+        greedy_draft=args.greedy_draft, disagreement_log=disagreement_log)
     try:
-        ready = group.wait_ready(names, START_TIMEOUT_S)
-        options = OrchestratorOptions(
-            target_endpoint=f"{args.host}:{ready['target'].port}",
-            draft_endpoint=f"{args.host}:{ready['draft'].port}" if "draft" in ready else None,
-            loop=loop_config(args))
-        group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}",
-                    ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
-                                   http_port=args.http_port, **telemetry))
-        ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))
+        ready = start_stack(group, options)
     except RuntimeError as error:
         print(f"specmesh serve: {error}", file=sys.stderr)
         group.stop()
@@ -171,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "stats":
         return args.handler(args)
+    if args.command == "bench":
+        from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking
+        return run_bench(args)
     if args.command == "speculation":
         return asyncio.run(set_speculation(args))
     return asyncio.run(generate(args))

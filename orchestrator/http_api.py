@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from orchestrator.clients import UpstreamError
 from orchestrator.servicer import FINISH_REASON_NAMES, GenerationServicer
 from specmesh.errors import InvalidArgument
+from specmesh.models import chat_token_ids
 from specmesh.v1 import generation_pb2
 
 PARAMETER_NAMES = {"prompt_token_ids": "prompt"}  # our field -> the OpenAI parameter a client sent
@@ -133,10 +134,8 @@ class OpenAIFrontEnd:
             raise OpenAIError(400, "messages: must not be empty", "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise OpenAIError(400, f"model `{self.model}` has no chat template; use /v1/completions", "messages")
-        encoded = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
-                                                add_generation_prompt=True, tokenize=True, return_dict=True)
-        ids = encoded["input_ids"]
-        return {"prompt_token_ids": list(ids[0] if ids and isinstance(ids[0], list) else ids)}
+        return {"prompt_token_ids": chat_token_ids(tokenizer, [{"role": m.role, "content": m.text()}
+                                                               for m in body.messages])}
 
     async def open_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator:
         """Start generating; bad parameters raise here, before any byte is sent."""

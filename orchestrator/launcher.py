@@ -7,6 +7,7 @@ them all down when one dies or on Ctrl-C.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import multiprocessing as mp
@@ -16,11 +17,14 @@ import sys
 import time
 from dataclasses import dataclass
 
-from orchestrator.server import OrchestratorOptions
-from specmesh.service import ServiceOptions
+from orchestrator.loop import LoopConfig
+from orchestrator.server import OrchestratorOptions, add_loop_arguments
+from specmesh.service import DTYPE_CHOICES, ServiceOptions
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # first start assembles and converts the embedded models
+DEFAULT_TARGET = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,54 @@ class Ready:
 class DisagreementLogOptions:
     path: str
     max_per_second: float = 100.0
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model pair and where it runs: shared by `specmesh serve` and `specmesh bench`."""
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, directory, .gguf or hub id")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for target-only")
+    add_loop_arguments(parser)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
+    parser.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
+    parser.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
+    parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="auto: bfloat16 where the device computes it natively, else float32; "
+                             "the draft's precision never changes the output, only acceptance and speed")
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    """Everything `start_stack` needs: both services, the loop, and where the orchestrator listens."""
+
+    target: ServiceOptions
+    draft: ServiceOptions | None  # None: target-only
+    loop: LoopConfig
+    address: str  # the orchestrator's client-facing host:port
+    orchestrator: ServiceOptions  # its metrics and HTTP ports and tracing settings
+    greedy_draft: bool = False
+    disagreement_log: DisagreementLogOptions | None = None
+
+
+def start_stack(group: "ProcessGroup", options: StackOptions) -> dict[str, Ready]:
+    """Start target and draft, then the orchestrator over them; readiness by name.
+
+    Raises RuntimeError when a child fails to start (the caller stops the group).
+    """
+    group.start("target", run_target, options.target, options.disagreement_log)
+    names = {"target"}
+    if options.draft is not None:
+        group.start("draft", run_draft, options.draft, options.greedy_draft)
+        names.add("draft")
+    ready = group.wait_ready(names, START_TIMEOUT_S)
+    host = options.target.host
+    orchestrator = OrchestratorOptions(
+        target_endpoint=f"{host}:{ready['target'].port}",
+        draft_endpoint=f"{options.draft.host}:{ready['draft'].port}" if "draft" in ready else None,
+        loop=options.loop)
+    group.start("orchestrator", run_orchestrator, options.target.model, orchestrator, options.address,
+                options.orchestrator)
+    ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))
+    return ready
 
 
 def run_draft(options: ServiceOptions, greedy_proposals: bool, ready: "mp.Queue[Ready]") -> None:

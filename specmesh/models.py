@@ -250,6 +250,16 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None
     return model, tokenizer
 
 
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt ids of chat `messages` ({"role", "content"}) through the tokenizer's chat template,
+    ending with the assistant's generation prompt. Raises ValueError without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = encoded["input_ids"]
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
 def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """SHA-256 over the sorted vocabulary and added tokens.
 

@@ -1,0 +1,173 @@
+"""`specmesh bench`: run the sweep, the A/B and the peer, then report.
+
+Order: start the stack (unless --endpoint), warm up, then for every configuration
+(max concurrency x temperature) speculation on and, with --ab, off right after it
+on the same prompts; stop the stack; then the peer (--peer) in this process, one
+request at a time, beside every configuration of max concurrency 1 (it has no
+batching), so the served models and the peer's never compete for the CPU or memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from orchestrator.bench.clients import make_client
+from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, speedups
+from orchestrator.bench.plots import write_plots
+from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
+from orchestrator.bench.report import machine_info, print_report, write_json
+from orchestrator.bench.runner import Configuration, LoadSettings, run_load, warm_up
+from orchestrator.launcher import ProcessGroup, StackOptions, start_stack
+from orchestrator.server import loop_config
+from specmesh.service import ServiceOptions
+
+Runs = dict[tuple[str, str], tuple[list[RequestRecord], float]]  # (configuration, mode) -> (records, seconds)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        prompts = select_prompts(prompt_pool(args.kinds, args.prompt_file), args.num_prompts, args.seed)
+    except (PromptFileError, OSError) as error:
+        print(f"specmesh bench: {error}", file=sys.stderr)
+        return 2
+    if args.endpoint is None and args.draft.lower() == "none":
+        print("specmesh bench: needs a draft model (--draft) to measure speculation", file=sys.stderr)
+        return 2
+    configurations = [Configuration(c, t) for t in (args.temperature or [None]) for c in args.max_concurrency]
+    load = LoadSettings(args.max_tokens, args.request_rate, args.seed, None, args.timeout, not args.no_progress,
+                        args.seeded_requests)
+    started_at = datetime.now(timezone.utc)
+    try:
+        endpoint, runs = serve_phase(args, prompts, configurations, load)
+    except RuntimeError as error:
+        print(f"specmesh bench: {error}", file=sys.stderr)
+        return 1
+    if args.peer:
+        runs.update(peer_phase(args, prompts, configurations, load))
+    result = build_result(args, prompts, configurations, runs, endpoint, started_at)
+    result_dir = Path(args.result_dir or Path("bench-results") / started_at.strftime("%Y%m%d-%H%M%S"))
+    result_dir.mkdir(parents=True, exist_ok=True)
+    write_json(result, result_dir / "result.json")
+    plots = write_plots(result, result_dir)
+    print_report(result)
+    print(f"\nresult: {result_dir / 'result.json'}\nplots: {', '.join(str(p) for p in plots)}")
+    return report_failures(result)
+
+
+def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration],
+                load: LoadSettings) -> tuple[str, Runs]:
+    group = None
+    try:
+        endpoint = args.endpoint
+        if endpoint is None:
+            group = ProcessGroup()
+            endpoint = start_own_stack(group, args)
+        return endpoint, asyncio.run(run_served(args, endpoint, prompts, configurations, load))
+    finally:
+        if group is not None:
+            group.stop()
+
+
+def start_own_stack(group: ProcessGroup, args) -> str:
+    """The pair as `specmesh serve` runs it, on free local ports, metrics and tracing off."""
+    http = args.protocol == "http"
+    options = StackOptions(
+        target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, trace_exporter="none"),
+        draft=ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
+                             trace_exporter="none"),
+        loop=loop_config(args),
+        address="127.0.0.1:0",
+        orchestrator=ServiceOptions(model=args.target, http_port=0 if http else -1, trace_exporter="none"))
+    print(f"specmesh bench: starting target {args.target} and draft {args.draft} ...", file=sys.stderr, flush=True)
+    ready = start_stack(group, options)["orchestrator"]
+    return f"127.0.0.1:{ready.http_port if http else ready.port}"
+
+
+async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurations: list[Configuration],
+                     load: LoadSettings) -> Runs:
+    tokenizer = None
+    if args.protocol == "grpc" and any(p.messages is not None for p in prompts):
+        from specmesh.models import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer or args.target)
+    client = make_client(args.protocol, endpoint, tokenizer)
+    runs: Runs = {}
+    try:
+        await warm_up(client, prompts, args.num_warmups, load)
+        for configuration in configurations:
+            for mode in ("on", "off") if args.ab else ("on",):
+                runs[configuration.name, mode] = await run_load(client, prompts, configuration, load, mode)
+    finally:
+        await client.close()
+    return runs
+
+
+def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration], load: LoadSettings) -> Runs:
+    from orchestrator.bench.peer import PeerPair, run_peer
+    from specmesh.service import resolve_dtype
+    sequential = [c for c in configurations if c.max_concurrency == 1]
+    if not sequential:
+        print("specmesh bench: --peer runs beside configurations of --max-concurrency 1; there are none",
+              file=sys.stderr)
+        return {}
+    draft_device = args.draft_device or args.device
+    print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
+          "generation ...", file=sys.stderr, flush=True)
+    pair = PeerPair.load(args.target, args.draft, args.device, draft_device,
+                         resolve_dtype(args.target_dtype, args.device), resolve_dtype(args.draft_dtype, draft_device))
+    k = args.num_speculative_tokens
+    warm = LoadSettings(8, load.request_rate, load.seed, None, load.timeout_s, False)
+    run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, k)
+    return {(c.name, "peer"): run_peer(pair, prompts, c, load, k) for c in sequential}
+
+
+def build_result(args, prompts: list[BenchPrompt], configurations: list[Configuration], runs: Runs,
+                 endpoint: str, started_at: datetime) -> dict:
+    entries, requests = [], []
+    for configuration in configurations:
+        modes = {}
+        for mode in ("on", "off", "peer"):
+            if (configuration.name, mode) not in runs:
+                continue
+            records, duration = runs[configuration.name, mode]
+            modes[mode] = {"overall": aggregate(records, duration), "per_kind": aggregate_by_kind(records)}
+            requests += [{"configuration": configuration.name, **r.to_json()} for r in records]
+        entry = {"name": configuration.name, "max_concurrency": configuration.max_concurrency,
+                 "temperature": configuration.temperature, "modes": modes}
+        for other in ("off", "peer"):
+            if other in modes:
+                entry[f"speedup_on_vs_{other}"] = speedups(modes["on"]["overall"], modes[other]["overall"])
+        entries.append(entry)
+    return {
+        "command": "specmesh " + shlex.join(sys.argv[1:]),
+        "started_at": started_at.isoformat(),
+        "finished_at": datetime.now(timezone.utc).isoformat(),
+        "config": {key: _json_safe(value) for key, value in vars(args).items() if key != "handler"},
+        "server": {"endpoint": endpoint, "protocol": args.protocol, "self_started": args.endpoint is None,
+                   "target": args.target, "draft": args.draft,
+                   "num_speculative_tokens": args.num_speculative_tokens if args.endpoint is None else None},
+        "machine": machine_info(),
+        "prompts": [{"index": i, "kind": p.kind, "prompt": p.prompt,
+                     "messages": list(p.messages) if p.messages else None} for i, p in enumerate(prompts)],
+        "configurations": entries,
+        "requests": requests,
+    }
+
+
+def report_failures(result: dict) -> int:
+    failed = [r for r in result["requests"] if not r["ok"]]
+    for record in failed[:5]:
+        print(f"specmesh bench: request {record['index']} ({record['configuration']}, {record['mode']}) failed: "
+              f"{record['error']}", file=sys.stderr)
+    if failed:
+        print(f"specmesh bench: {len(failed)} of {len(result['requests'])} requests failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _json_safe(value):
+    """JSON has no infinity: an unlimited request rate is written as "inf"."""
+    return "inf" if value == float("inf") else value

@@ -1,0 +1,80 @@
+"""The `specmesh bench` command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from orchestrator.bench.prompts import KINDS
+from orchestrator.launcher import add_model_arguments
+
+EPILOG = """examples:
+  specmesh bench --ab                                  # start the embedded pair, speculation on vs off
+  specmesh bench --ab --peer --max-concurrency 1 4 --temperature 0 1 --num-prompts 8 --max-tokens 48
+  specmesh bench --endpoint 127.0.0.1:8000 --protocol http --prompt-file prompts.jsonl
+"""
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0 (inf: all at once)")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    bench = commands.add_parser(
+        "bench", help="benchmark a server: throughput, TTFT/TPOT/ITL/E2E, acceptance; A/B and peer modes",
+        description="Benchmark specmesh like `vllm bench serve`. Without --endpoint it starts its own stack "
+                    "(the embedded pair, or --target/--draft) and stops it at the end.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    server = bench.add_argument_group("server")
+    server.add_argument("--endpoint", default=None,
+                        help="HOST:PORT of a running server (gRPC port, or the HTTP API's with --protocol http)")
+    server.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    server.add_argument("--tokenizer", default=None,
+                        help="tokenizer for chat prompts over gRPC (default: --target)")
+    add_model_arguments(server)
+    load = bench.add_argument_group("load")
+    load.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="built-in prompt kinds")
+    load.add_argument("--prompt-file", default=None, metavar="JSONL",
+                      help="prompts instead of the built-in sets: one JSON object a line with 'prompt' "
+                           "(completion text) or 'messages' (chat), 'kind', optional 'max_tokens', 'temperature'")
+    load.add_argument("--num-prompts", type=_positive, default=16, help="requests per configuration and mode")
+    load.add_argument("--max-concurrency", type=_positive, nargs="+", default=[1],
+                      help="requests in flight at most; several values run one after another")
+    load.add_argument("--request-rate", type=_rate, default=math.inf,
+                      help="requests/s, Poisson arrivals (default inf: all at once, paced by the concurrency)")
+    load.add_argument("--temperature", type=_temperature, nargs="+", default=None,
+                      help="sampling temperature(s) for every prompt; default: each prompt's own "
+                           "(0, creative writing 1.0)")
+    load.add_argument("--max-tokens", type=_positive, default=None,
+                      help="tokens to generate; default: each prompt's own, else 128")
+    load.add_argument("--seed", type=int, default=0, help="arrivals and prompt order")
+    load.add_argument("--seeded-requests", action="store_true",
+                      help="also send request i the sampling seed --seed + i (reproducible sampling; the "
+                           "server keeps such requests at a fixed k instead of the adaptive policy)")
+    load.add_argument("--num-warmups", type=int, default=2, help="uncounted warm-up requests per mode")
+    load.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
+    modes = bench.add_argument_group("modes")
+    modes.add_argument("--ab", action="store_true", help="run every configuration with speculation on and off")
+    modes.add_argument("--peer", action="store_true",
+                       help="also run transformers' assisted generation in-process on the same pair and prompts")
+    output = bench.add_argument_group("output")
+    output.add_argument("--result-dir", default=None, help="default: ./bench-results/<timestamp>")
+    output.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return bench

@@ -1,0 +1,118 @@
+"""Per-request measurements and their aggregates (mean, p50, p95, p99), overall and per prompt kind.
+
+Latencies are measured by the client. TTFT runs from sending the request to the
+first chunk with tokens; ITL is the gap between consecutive streamed chunks (with
+speculation a chunk carries a whole round's tokens, so ITL rises while TPOT falls);
+TPOT is (e2e - TTFT) / (output tokens - 1). Acceptance comes from the server's
+stats: acceptance rate = accepted / drafted tokens, mean acceptance length =
+tokens committed per verification round = 1 + accepted / rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+PERCENTILES = (50, 95, 99)
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+@dataclass
+class RequestRecord:
+    kind: str
+    mode: str  # "on", "off" or "peer"
+    index: int  # position in the prompt list, the same across modes
+    ok: bool = True
+    error: str = ""
+    start_s: float = 0.0  # seconds since the run began
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    itl_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tpot_ms": self.tpot_ms}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    return {"mean": sum(values) / len(values), **{f"p{q}": percentile(values, q) for q in PERCENTILES}}
+
+
+def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
+    """Figures for one group of requests that ran over `duration_s` seconds of wall time."""
+    done = [r for r in records if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    drafted, accepted, rounds = (sum(getattr(r, f) for r in done) for f in ("draft_tokens", "accepted_tokens",
+                                                                            "rounds"))
+    return {
+        "num_requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "total_prompt_tokens": sum(r.prompt_tokens for r in done),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s if duration_s > 0 else None,
+        "output_throughput": output_tokens / duration_s if duration_s > 0 else None,
+        "ttft_ms": summary([r.ttft_ms for r in done]),
+        "tpot_ms": summary([r.tpot_ms for r in done if r.tpot_ms is not None]),
+        "itl_ms": summary([gap for r in done for gap in r.itl_ms]),
+        "e2e_ms": summary([r.e2e_ms for r in done]),
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "rounds": rounds,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / rounds if rounds else None,
+    }
+
+
+def aggregate_by_kind(records: list[RequestRecord]) -> dict[str, dict]:
+    """Per kind, throughput is over the kind's own request time (sum of its e2e latencies):
+    the rate one stream of that kind would see, whatever else ran beside it."""
+    kinds: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        kinds.setdefault(record.kind, []).append(record)
+    return {kind: aggregate(group, sum(r.e2e_ms for r in group if r.ok) / 1e3) for kind, group in kinds.items()}
+
+
+# metric -> True when larger is better; the A/B speedup is on/off for those, off/on for the rest
+SPEEDUP_METRICS = {"request_throughput": True, "output_throughput": True,
+                   **{f"{name}.{stat}": False for name in LATENCIES for stat in ("mean", "p50", "p95", "p99")}}
+
+
+def lookup(figures: dict, metric: str):
+    value = figures
+    for part in metric.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def speedups(on: dict, off: dict) -> dict[str, float | None]:
+    """Per metric, how many times better speculation on is than off (> 1: faster)."""
+    result = {}
+    for metric, larger_is_better in SPEEDUP_METRICS.items():
+        a, b = lookup(on, metric), lookup(off, metric)
+        if not a or not b:
+            result[metric] = None
+        else:
+            result[metric] = a / b if larger_is_better else b / a
+    return result

@@ -1,0 +1,104 @@
+"""PNG plots of a bench result (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+
+from orchestrator.bench.metrics import LATENCIES  # noqa: E402
+from orchestrator.bench.report import LATENCY_TITLES, MODE_TITLES  # noqa: E402
+
+COLOURS = {"on": "tab:blue", "off": "tab:orange", "peer": "tab:green"}
+
+
+def write_plots(result: dict, directory: Path) -> list[Path]:
+    paths = [latency_distributions(result, directory / "latency_distributions.png"),
+             throughput_by_concurrency(result, directory / "throughput_by_concurrency.png"),
+             acceptance_by_kind(result, directory / "acceptance_by_kind.png")]
+    plt.close("all")
+    return paths
+
+
+def _latencies(requests: list[dict], configuration: str, mode: str, metric: str) -> list[float]:
+    chosen = [r for r in requests if r["configuration"] == configuration and r["mode"] == mode and r["ok"]]
+    if metric == "itl_ms":
+        return [gap for r in chosen for gap in r["itl_ms"]]
+    return [r[metric] for r in chosen if r[metric] is not None]
+
+
+def latency_distributions(result: dict, path: Path) -> Path:
+    """One row per configuration, one box plot per latency metric, spec on vs off (vs the peer)."""
+    configurations = result["configurations"]
+    figure, axes = plt.subplots(len(configurations), len(LATENCIES), squeeze=False,
+                                figsize=(4 * len(LATENCIES), 2.8 * len(configurations)))
+    for row, entry in enumerate(configurations):
+        modes = [m for m in ("on", "off", "peer") if m in entry["modes"]]
+        for column, metric in enumerate(LATENCIES):
+            axis = axes[row][column]
+            data = [_latencies(result["requests"], entry["name"], m, metric) or [float("nan")] for m in modes]
+            boxes = axis.boxplot(data, patch_artist=True, showfliers=True)
+            axis.set_xticks(range(1, len(modes) + 1), [MODE_TITLES[m] for m in modes])
+            for box, mode in zip(boxes["boxes"], modes):
+                box.set_facecolor(COLOURS[mode])
+                box.set_alpha(0.6)
+            axis.set_title(f"{entry['name']}: {LATENCY_TITLES[metric]}", fontsize=9)
+            axis.set_ylabel("ms")
+            axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def throughput_by_concurrency(result: dict, path: Path) -> Path:
+    """Output tokens/s against max concurrency, one line per mode and temperature."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for entry in result["configurations"]:
+        temperature = entry["name"].split(" ", 1)[1]
+        for mode, figures in entry["modes"].items():
+            value = figures["overall"]["output_throughput"]
+            if value is not None:
+                series.setdefault((mode, temperature), []).append((entry["max_concurrency"], value))
+    styles = ["-", "--", ":", "-."]
+    temperatures = sorted({t for _, t in series})
+    for (mode, temperature), points in sorted(series.items()):
+        points.sort()
+        axis.plot([c for c, _ in points], [v for _, v in points], marker="o", color=COLOURS[mode],
+                  linestyle=styles[temperatures.index(temperature) % len(styles)],
+                  label=f"{MODE_TITLES[mode]}, {temperature}")
+    axis.set_xlabel("max concurrency")
+    axis.set_ylabel("output tokens/s")
+    axis.set_xticks(sorted({e["max_concurrency"] for e in result["configurations"]}))
+    axis.set_title("Output throughput by concurrency")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def acceptance_by_kind(result: dict, path: Path) -> Path:
+    """Acceptance rate and mean acceptance length per prompt kind, one bar per configuration (spec on)."""
+    configurations = result["configurations"]
+    kinds = list(dict.fromkeys(k for e in configurations for k in e["modes"]["on"]["per_kind"]))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(configurations))
+    for i, entry in enumerate(configurations):
+        per_kind = entry["modes"]["on"]["per_kind"]
+        positions = [k + i * width for k in range(len(kinds))]
+        for axis, metric in zip(axes, ("acceptance_rate", "mean_acceptance_length")):
+            values = [(per_kind.get(kind) or {}).get(metric) or 0.0 for kind in kinds]
+            axis.bar(positions, values, width, label=entry["name"])
+    for axis, title in zip(axes, ("acceptance rate (accepted / drafted)", "mean acceptance length (tokens/round)")):
+        axis.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))], kinds)
+        axis.set_title(title)
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,128 @@
+"""The result of a bench run: the JSON file and the tables printed to stdout."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from orchestrator.bench.metrics import LATENCIES, lookup
+
+MODE_TITLES = {"on": "spec on", "off": "spec off", "peer": "HF assisted"}
+LATENCY_TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0], "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.write_text(json.dumps(result, indent=2, allow_nan=False))
+
+
+def _cell(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def metric_rows() -> list[tuple[str, str, int]]:
+    """(label, metric path, decimals) in table order."""
+    rows = [("requests/s", "request_throughput", 3), ("output tokens/s", "output_throughput", 2)]
+    for name in LATENCIES:
+        for stat in ("mean", "p50", "p95", "p99"):
+            rows.append((f"{LATENCY_TITLES[name]} {stat} (ms)", f"{name}.{stat}", 1))
+    rows += [("acceptance rate", "acceptance_rate", 3), ("mean acceptance length", "mean_acceptance_length", 2),
+             ("completed / failed", "", 0)]
+    return rows
+
+
+def configuration_table(entry: dict) -> str:
+    """Metrics as rows; spec on, spec off and the peer as columns with the speedups."""
+    modes = entry["modes"]
+    columns = [m for m in ("on", "off", "peer") if m in modes]
+    header = f"{'metric':<26}" + "".join(f"{MODE_TITLES[m]:>13}" for m in columns)
+    if "off" in modes:
+        header += f"{'on/off':>9}"
+    if "peer" in modes:
+        header += f"{'on/peer':>9}"
+    lines = [f"== {entry['name']} ({modes[columns[0]]['overall']['num_requests']} requests) ==", header,
+             "-" * len(header)]
+    for label, metric, digits in metric_rows():
+        if not metric:
+            cells = "".join(f"{str(modes[m]['overall']['completed']) + ' / ' + str(modes[m]['overall']['failed']):>13}"
+                            for m in columns)
+            lines.append(f"{label:<26}{cells}")
+            continue
+        line = f"{label:<26}" + "".join(f"{_cell(lookup(modes[m]['overall'], metric), digits):>13}" for m in columns)
+        for other, key in (("off", "speedup_on_vs_off"), ("peer", "speedup_on_vs_peer")):
+            if other in modes:
+                line += f"{_ratio(entry[key].get(metric)):>9}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def kind_table(result: dict) -> str:
+    """Per configuration and prompt kind: acceptance and output tokens/s, on vs off."""
+    header = (f"{'configuration':<18}{'kind':<10}{'accept':>8}{'acc.len':>9}{'tok/s on':>10}{'tok/s off':>11}"
+              f"{'on/off':>8}{'tok/s peer':>12}")
+    lines = ["== by prompt kind (tokens/s over each kind's own request time) ==", header, "-" * len(header)]
+    for entry in result["configurations"]:
+        modes = entry["modes"]
+        for kind, on in modes["on"]["per_kind"].items():
+            off = modes.get("off", {}).get("per_kind", {}).get(kind, {})
+            peer = modes.get("peer", {}).get("per_kind", {}).get(kind, {})
+            speedup = on["output_throughput"] / off["output_throughput"] \
+                if on.get("output_throughput") and off.get("output_throughput") else None
+            lines.append(f"{entry['name']:<18}{kind:<10}{_cell(on['acceptance_rate'], 3):>8}"
+                         f"{_cell(on['mean_acceptance_length']):>9}{_cell(on['output_throughput']):>10}"
+                         f"{_cell(off.get('output_throughput')):>11}{_ratio(speedup):>8}"
+                         f"{_cell(peer.get('output_throughput')):>12}")
+    return "\n".join(lines)
+
+
+def summary_table(result: dict) -> str:
+    """One line per configuration: the headline figures."""
+    header = (f"{'configuration':<18}{'tok/s on':>10}{'tok/s off':>11}{'speedup':>9}{'tok/s peer':>12}"
+              f"{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}{'accept':>8}{'acc.len':>9}")
+    lines = ["== summary (latencies: spec on, ms) ==", header, "-" * len(header)]
+    for entry in result["configurations"]:
+        modes = entry["modes"]
+        on = modes["on"]["overall"]
+        off = modes.get("off", {}).get("overall", {})
+        peer = modes.get("peer", {}).get("overall", {})
+        lines.append(f"{entry['name']:<18}{_cell(on['output_throughput']):>10}"
+                     f"{_cell(off.get('output_throughput')):>11}"
+                     f"{_ratio(entry.get('speedup_on_vs_off', {}).get('output_throughput')):>9}"
+                     f"{_cell(peer.get('output_throughput')):>12}"
+                     + "".join(f"{_cell(on[name]['p50'], 1):>{w}}" for name, w in
+                               (("ttft_ms", 10), ("tpot_ms", 10), ("itl_ms", 9), ("e2e_ms", 10)))
+                     + f"{_cell(on['acceptance_rate'], 3):>8}{_cell(on['mean_acceptance_length']):>9}")
+    return "\n".join(lines)
+
+
+def print_report(result: dict, out=sys.stdout) -> None:
+    for entry in result["configurations"]:
+        print(configuration_table(entry) + "\n", file=out)
+    print(kind_table(result) + "\n", file=out)
+    print(summary_table(result), file=out)
+    if any("peer" in e["modes"] for e in result["configurations"]):
+        print("\nHF assisted: transformers' assisted generation in-process, one request at a time; its acceptance "
+              "rate assumes k drafted tokens per round.", file=out)

@@ -1,0 +1,99 @@
+"""The load generator: send a prompt list at a request rate under a concurrency cap, with a progress bar.
+
+Arrivals follow a Poisson process at --request-rate (exponential gaps drawn from
+a generator seeded with --seed, so every mode sees the same schedule); an
+infinite rate sends everything at once and --max-concurrency alone paces the
+load. With --seeded-requests, request i is sampled with seed --seed + i in
+every mode (reproducible runs; the server then keeps k fixed for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+
+from tqdm import tqdm
+
+from orchestrator.bench.clients import RequestParams
+from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.prompts import BenchPrompt
+
+
+DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Configuration:
+    max_concurrency: int
+    temperature: float | None  # None: each prompt's own (its kind's default)
+
+    @property
+    def name(self) -> str:
+        temperature = "default" if self.temperature is None else f"{self.temperature:g}"
+        return f"c={self.max_concurrency} T={temperature}"
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    max_tokens: int | None  # None: each prompt's own, else this
+    request_rate: float
+    seed: int
+    num_speculative_tokens: int | None
+    timeout_s: float
+    progress: bool = True
+    seeded_requests: bool = False  # send seed + i; the server then keeps k fixed so the seed reproduces
+
+
+def request_params(item: BenchPrompt, index: int, config: Configuration, load: LoadSettings,
+                   speculation: bool) -> RequestParams:
+    """The flags given on the command line win over the prompt's own values."""
+    max_tokens = load.max_tokens or item.max_tokens or DEFAULT_MAX_TOKENS
+    temperature = config.temperature if config.temperature is not None else item.default_temperature()
+    seed = load.seed + index if load.seeded_requests else None
+    return RequestParams(max_tokens, temperature, seed, speculation, load.num_speculative_tokens,
+                         load.timeout_s)
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def run_load(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
+                   mode: str) -> tuple[list[RequestRecord], float]:
+    """Send every prompt once; return the records (in prompt order) and the wall duration in seconds."""
+    speculation = mode == "on"
+    semaphore = asyncio.Semaphore(config.max_concurrency)
+    records = [RequestRecord(kind=item.kind, mode=mode, index=i) for i, item in enumerate(prompts)]
+    bar = tqdm(total=len(prompts), desc=f"{config.name} spec {mode}", unit="req", disable=not load.progress,
+               leave=False)
+    start = time.perf_counter()
+
+    async def one(i: int, item: BenchPrompt, at: float) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        async with semaphore:
+            await client.send(item, request_params(item, i, config, load, speculation), records[i], start)
+        bar.update(1)
+
+    times = arrival_times(len(prompts), load.request_rate, load.seed)
+    try:
+        await asyncio.gather(*(one(i, item, at) for i, (item, at) in enumerate(zip(prompts, times))))
+    finally:
+        bar.close()
+    return records, time.perf_counter() - start
+
+
+async def warm_up(client, prompts: list[BenchPrompt], count: int, load: LoadSettings) -> None:
+    """A few short requests, speculation on and off, that are not counted."""
+    quiet = replace(load, max_tokens=min(load.max_tokens or 8, 8), progress=False)
+    for mode in ("on", "off"):
+        await run_load(client, prompts[:count], Configuration(1, None), quiet, mode)

@@ -1,0 +1,154 @@
+"""`specmesh bench` end to end on the tiny models: the JSON has every field, the plots exist."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import load, start_stack
+from orchestrator.bench.metrics import percentile
+from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
+from orchestrator.bench.runner import arrival_times
+from orchestrator.cli import main as specmesh_main
+from orchestrator.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.loop import LoopConfig
+from orchestrator.server import OrchestratorOptions, create_servicer
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_KEYS = {"command", "started_at", "finished_at", "config", "server", "machine", "prompts", "configurations",
+               "requests"}
+CONFIGURATION_KEYS = {"name", "max_concurrency", "temperature", "modes"}
+AGGREGATE_KEYS = {"num_requests", "completed", "failed", "duration_s", "total_prompt_tokens", "total_output_tokens",
+                  "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "draft_tokens",
+                  "accepted_tokens", "rounds", "acceptance_rate", "mean_acceptance_length"}
+LATENCY_KEYS = {"mean", "p50", "p95", "p99"}
+REQUEST_KEYS = {"configuration", "kind", "mode", "index", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
+                "itl_ms", "prompt_tokens", "output_tokens", "draft_tokens", "accepted_tokens", "rounds"}
+PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "acceptance_by_kind.png")
+JSONL = [
+    {"kind": "code", "prompt": "def add(a, b):", "max_tokens": 6},
+    {"kind": "code", "prompt": "the quick brown fox", "max_tokens": 8},
+    {"kind": "chat", "messages": [{"role": "user", "content": "write a function"}], "max_tokens": 6},
+    {"kind": "story", "prompt": "once upon a time", "temperature": 1.0, "max_tokens": 5},
+]
+
+
+def check_aggregate(figures: dict, requests: int, speculative: bool) -> None:
+    assert set(figures) == AGGREGATE_KEYS
+    assert figures["num_requests"] == figures["completed"] == requests and figures["failed"] == 0
+    assert figures["total_output_tokens"] > 0 and figures["output_throughput"] > 0
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = figures[name]
+        assert set(stats) == LATENCY_KEYS and 0 <= stats["p50"] <= stats["p95"] <= stats["p99"], (name, stats)
+    if speculative:
+        assert figures["draft_tokens"] > 0 and 0 <= figures["acceptance_rate"] <= 1
+        assert 1 <= figures["mean_acceptance_length"]
+    else:
+        assert figures["draft_tokens"] == 0 and figures["acceptance_rate"] is None
+
+
+def check_result(result_dir: Path, names: list[str], modes: set[str], requests: int, kinds: set[str]) -> dict:
+    result = json.loads((result_dir / "result.json").read_text())
+    assert set(result) == RESULT_KEYS
+    assert [entry["name"] for entry in result["configurations"]] == names
+    for entry in result["configurations"]:
+        expected_modes = modes if entry["max_concurrency"] == 1 else modes - {"peer"}
+        assert CONFIGURATION_KEYS <= set(entry) and set(entry["modes"]) == expected_modes
+        for mode, figures in entry["modes"].items():
+            check_aggregate(figures["overall"], requests, mode != "off")
+            assert set(figures["per_kind"]) == kinds
+            assert sum(k["num_requests"] for k in figures["per_kind"].values()) == requests
+        assert set(entry["speedup_on_vs_off"]) >= {"output_throughput", "ttft_ms.p50", "e2e_ms.p99"}
+    assert len(result["requests"]) == sum(len(e["modes"]) for e in result["configurations"]) * requests
+    assert all(set(r) == REQUEST_KEYS for r in result["requests"])
+    for plot in PLOTS:
+        assert (result_dir / plot).stat().st_size > 1000
+    return result
+
+
+def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("\n".join(json.dumps(line) for line in JSONL) + "\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "bench", "--target", str(tiny_llama_dir),
+         "--draft", str(tiny_llama_perturbed_dir), "--num-speculative-tokens", "3",
+         "--speculation-policy", "fixed", "--prompt-file", str(prompt_file),
+         "--num-prompts", "4", "--max-concurrency", "1", "2", "--ab", "--peer", "--num-warmups", "1",
+         "--result-dir", str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in ("== c=1 T=default (4 requests) ==", "on/off", "on/peer", "HF assisted", "== summary"):
+        assert line in done.stdout
+    result = check_result(tmp_path / "out", ["c=1 T=default", "c=2 T=default"], {"on", "off", "peer"}, 4,
+                          {"code", "chat", "story"})
+    limits = {line.get("prompt"): line["max_tokens"] for line in JSONL}
+    for record in result["requests"]:  # each line's own max_tokens
+        assert 0 < record["output_tokens"] <= limits[result["prompts"][record["index"]]["prompt"]]
+    assert result["server"]["self_started"] and result["config"]["request_rate"] == "inf"
+
+
+async def test_bench_against_running_http_server(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    servicer = await create_servicer(tokenizer, OrchestratorOptions(  # fixed k: "on" must draft
+        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}", LoopConfig(3, adaptive_k=False)))
+    server, port, task = await start_http_server(create_app(servicer), "127.0.0.1", 0)
+    try:
+        code = await asyncio.to_thread(specmesh_main, [
+            "bench", "--endpoint", f"127.0.0.1:{port}", "--protocol", "http", "--num-prompts", "4",
+            "--max-tokens", "5", "--temperature", "0", "1", "--request-rate", "50", "--max-concurrency", "2",
+            "--ab", "--num-warmups", "0", "--no-progress", "--result-dir", str(tmp_path)])
+    finally:
+        await stop_http_server(server, task)
+        await stack.stop()
+    assert code == 0
+    result = check_result(tmp_path, ["c=2 T=0", "c=2 T=1"], {"on", "off"}, 4, set(BUILTIN))
+    assert result["server"] == {"endpoint": f"127.0.0.1:{port}", "protocol": "http", "self_started": False,
+                                "target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b",
+                                "num_speculative_tokens": None}
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"kind": "code"}', "prompt"),
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "prompt"),
+    ('{"prompt": "a", "max_tokens": 0}', "max_tokens"),
+    ('{"prompt": "a", "temperature": "hot"}', "temperature"),
+    ('{"messages": [{"role": "user"}]}', "messages"),
+    ('{"prompt": "a", "kind": 3}', "kind"),
+])
+def test_bad_jsonl_line_names_line_and_field(tmp_path, line, field):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(PromptFileError, match=rf"p.jsonl:3: field '{field}'"):
+        load_jsonl(path)
+
+
+def test_bad_json_and_bench_exit_code(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("{not json\n")
+    with pytest.raises(PromptFileError, match=r"p.jsonl:1: not valid JSON"):
+        load_jsonl(path)
+    assert specmesh_main(["bench", "--prompt-file", str(path)]) == 2
+
+
+def test_prompt_selection_interleaves_kinds_and_is_seeded():
+    pool = [p for kind in BUILTIN.values() for p in kind]
+    chosen = select_prompts(pool, 10, seed=3)
+    assert [p.kind for p in chosen[:4]] == list(BUILTIN) and chosen == select_prompts(pool, 10, seed=3)
+    assert chosen != select_prompts(pool, 10, seed=4)
+
+
+def test_percentiles_and_arrivals():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
+    assert percentile(list(map(float, range(101))), 95) == 95.0
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    times = arrival_times(2000, 10.0, seed=1)
+    assert times == arrival_times(2000, 10.0, seed=1) and times == sorted(times)
+    assert 9.0 < len(times) / times[-1] < 11.0  # Poisson at 10 requests/s
