@@ -129,6 +129,16 @@ class ModelEngine:
             raise SessionNotFound(request_id)
         return session
 
+    def warm_up(self, rows: int = 8) -> None:
+        """A multi-row pass and a one-row pass on a throwaway cache, before serving.
+
+        A model's first forwards pay one-time costs (kernel selection, allocator pools;
+        seconds for bf16 on CPU) that must not land inside a request's deadline.
+        """
+        session = Session("warm-up", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
+        self.forward(session, [0] * rows, 1)
+        self.forward(session, [0], 1)
+
     def close(self, request_id: str) -> bool:
         return self.sessions.pop(request_id, None) is not None
 

@@ -94,7 +94,9 @@ def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
     model, tokenizer = models.load_model(options.model, device=options.device, dtype=dtype)
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions, generator_salt=generator_salt,
                           row_multiple=default_row_multiple(options.device, dtype))
-    return ModelEngine(model, tokenizer, config)
+    engine = ModelEngine(model, tokenizer, config)
+    engine.warm_up()
+    return engine
 
 
 def announce(service: str, host: str, port: int, metrics_port: int | None) -> None:
