@@ -66,7 +66,7 @@ def _run_service(name, create_server, options, salt, ready, **server_kwargs) -> 
 
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
                      telemetry: ServiceOptions, ready: "mp.Queue[Ready]") -> None:
-    """`telemetry` carries the orchestrator's metrics port and tracing settings."""
+    """`telemetry` carries the orchestrator's metrics port, tracing settings, TLS and API key."""
     _configure_child_logging()
     try:
         asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, telemetry, ready))
@@ -87,10 +87,12 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
     servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
                                      metrics=metrics)
-    server, port, health = await serve_grpc(servicer, address, tracer_provider=provider)
+    server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
+                                            api_key=telemetry.api_key)
     http = None
     if telemetry.http_port is not None and telemetry.http_port >= 0:
-        http = await start_http_server(create_app(servicer), telemetry.host, telemetry.http_port)
+        http = await start_http_server(create_app(servicer, telemetry.api_key), telemetry.host, telemetry.http_port,
+                                       telemetry.tls)
     ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:
         await serve_until_signal(server, health)
