@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import ssl
+import subprocess
 
 import grpc
 import httpx
@@ -20,6 +23,7 @@ from orchestrator.server import OrchestratorOptions, create_servicer
 from pki import make_pki
 from specmesh.security import SecurityConfigError, TLSConfig, security_from_args
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc, target_pb2_grpc
+from test_cli import ROOT, specmesh, start_serve
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
 
@@ -198,3 +202,31 @@ def test_serve_security_needs_matching_channel_settings(pki):
     security = security_from_args(build_parser().parse_args(
         server + ["--tls-client-cert", str(pki.client.cert), "--tls-client-key", str(pki.client.key)]))
     assert security.server_tls.mutual and security.channel_tls.ca == pki.ca.read_bytes()  # root CA from --tls-ca
+
+
+async def test_serve_processes_with_mutual_tls_and_api_key(pki, tiny_llama_dir, tiny_llama_perturbed_dir, tmp_path):
+    """`specmesh serve` as users run it: the settings reach all three processes and their channels."""
+    key_file = tmp_path / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    process, endpoint, _ = await asyncio.to_thread(
+        start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir), "--metrics-port", "-1",
+        "--http-port", "-1", "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key),
+        "--tls-ca", str(pki.ca), "--tls-client-cert", str(pki.client.cert), "--tls-client-key", str(pki.client.key),
+        "--api-key-file", str(key_file))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECMESH_TLS_ROOT_CA=str(pki.ca),
+               SPECMESH_TLS_CLIENT_CERT=str(pki.client.cert), SPECMESH_TLS_CLIENT_KEY=str(pki.client.key))
+    generate = specmesh("generate", "--endpoint", endpoint, "--max-tokens", str(MAX_TOKENS), "--json", TINY_PROMPTS[0])
+    try:
+        keyed = await asyncio.to_thread(subprocess.run, generate, capture_output=True, text=True, timeout=120,
+                                        env=dict(env, SPECMESH_API_KEY=API_KEY))
+        async with open_channel(endpoint, client_tls(pki, pki.client)) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as unkeyed:
+                await generate_with(channel)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    assert keyed.returncode == 0, keyed.stderr
+    result = json.loads(keyed.stdout)
+    assert tuple(result["token_ids"]) == target_greedy(str(tiny_llama_dir), "cpu", TINY_PROMPTS[0], MAX_TOKENS)
+    assert result["stats"]["draft_tokens"] > 0 and not result["stats"]["draft_fallback"]
+    assert unkeyed.value.code() == grpc.StatusCode.UNAUTHENTICATED
