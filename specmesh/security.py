@@ -185,20 +185,20 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if authorized(metadata.get(AUTHORIZATION), self.api_key):
             return handler
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_deny_unary)
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_deny_stream)
-        raise SecurityConfigError(f"cannot guard {handler_call_details.method}: unsupported RPC kind")
+        # The same kind of handler, refusing: one that returns for single responses, a generator for streams.
+        denials = {"unary_unary": _deny, "stream_unary": _deny, "unary_stream": _deny_stream,
+                   "stream_stream": _deny_stream}
+        kind = next(kind for kind in denials if getattr(handler, kind) is not None)
+        return handler._replace(**{kind: denials[kind]})
 
 
-async def _deny_unary(request, context: grpc.aio.ServicerContext):
+async def _deny(request, context: grpc.aio.ServicerContext):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
 
 async def _deny_stream(request, context: grpc.aio.ServicerContext):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-    yield  # makes this an async generator, the shape a server-streaming handler has
+    yield  # makes this an async generator, the shape a streaming handler has
 
 
 @dataclass(frozen=True)

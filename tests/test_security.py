@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
-import os
 import signal
 import ssl
-import subprocess
 
 import grpc
 import httpx
@@ -16,14 +15,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import load, start_stack
-from orchestrator.cli import main as cli_main
+from orchestrator.cli import build_parser, main as cli_main
 from orchestrator.clients import open_channel
 from orchestrator.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.server import OrchestratorOptions, create_servicer
 from pki import make_pki
 from specmesh.security import SecurityConfigError, TLSConfig, security_from_args
+from specmesh.service import ServiceOptions, add_service_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc, target_pb2_grpc
-from test_cli import ROOT, specmesh, start_serve
+from test_cli import start_serve
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
 
@@ -195,7 +195,6 @@ def test_unreadable_files_fail_at_start_naming_the_flag(pki, tmp_path, capsys):
 
 
 def test_serve_security_needs_matching_channel_settings(pki):
-    from orchestrator.cli import build_parser
     server = ["serve", "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key), "--tls-ca", str(pki.ca)]
     with pytest.raises(SecurityConfigError, match="--tls-client-cert"):
         security_from_args(build_parser().parse_args(server))
@@ -204,8 +203,10 @@ def test_serve_security_needs_matching_channel_settings(pki):
     assert security.server_tls.mutual and security.channel_tls.ca == pki.ca.read_bytes()  # root CA from --tls-ca
 
 
-async def test_serve_processes_with_mutual_tls_and_api_key(pki, tiny_llama_dir, tiny_llama_perturbed_dir, tmp_path):
-    """`specmesh serve` as users run it: the settings reach all three processes and their channels."""
+async def test_serve_processes_with_mutual_tls_and_api_key(pki, tiny_llama_dir, tiny_llama_perturbed_dir, tmp_path,
+                                                           monkeypatch, capsys):
+    """`specmesh serve` as users run it: the settings reach all three processes and their channels;
+    the client takes its settings from the environment."""
     key_file = tmp_path / "api-key"
     key_file.write_text(API_KEY + "\n")
     process, endpoint, _ = await asyncio.to_thread(
@@ -213,20 +214,28 @@ async def test_serve_processes_with_mutual_tls_and_api_key(pki, tiny_llama_dir, 
         "--http-port", "-1", "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key),
         "--tls-ca", str(pki.ca), "--tls-client-cert", str(pki.client.cert), "--tls-client-key", str(pki.client.key),
         "--api-key-file", str(key_file))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECMESH_TLS_ROOT_CA=str(pki.ca),
-               SPECMESH_TLS_CLIENT_CERT=str(pki.client.cert), SPECMESH_TLS_CLIENT_KEY=str(pki.client.key))
-    generate = specmesh("generate", "--endpoint", endpoint, "--max-tokens", str(MAX_TOKENS), "--json", TINY_PROMPTS[0])
+    for name, value in (("SPECMESH_TLS_ROOT_CA", pki.ca), ("SPECMESH_TLS_CLIENT_CERT", pki.client.cert),
+                        ("SPECMESH_TLS_CLIENT_KEY", pki.client.key), ("SPECMESH_API_KEY", API_KEY)):
+        monkeypatch.setenv(name, str(value))
+    capsys.readouterr()
     try:
-        keyed = await asyncio.to_thread(subprocess.run, generate, capture_output=True, text=True, timeout=120,
-                                        env=dict(env, SPECMESH_API_KEY=API_KEY))
+        code = await asyncio.to_thread(cli_main, ["generate", "--endpoint", endpoint, "--max-tokens", str(MAX_TOKENS),
+                                                  "--json", TINY_PROMPTS[0]])
         async with open_channel(endpoint, client_tls(pki, pki.client)) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as unkeyed:
                 await generate_with(channel)
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-    assert keyed.returncode == 0, keyed.stderr
-    result = json.loads(keyed.stdout)
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
     assert tuple(result["token_ids"]) == target_greedy(str(tiny_llama_dir), "cpu", TINY_PROMPTS[0], MAX_TOKENS)
     assert result["stats"]["draft_tokens"] > 0 and not result["stats"]["draft_fallback"]
     assert unkeyed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_everything_binds_loopback_unless_told_otherwise():
+    service = argparse.ArgumentParser()
+    add_service_arguments(service, default_model="m")
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"  # gRPC, HTTP API and metrics alike
+    assert service.parse_args([]).host == ServiceOptions(model="m").host == "127.0.0.1"
