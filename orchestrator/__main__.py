@@ -1,5 +1,8 @@
 """Run the orchestrator alone against running services:
-python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051."""
+python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051.
+
+The --tls-cert/--tls-key/--tls-ca flags secure the client-facing port; --tls-root-ca and
+--tls-client-cert/--tls-client-key the channels to the draft and target services."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import sys
 
 from orchestrator.launcher import Ready, run_orchestrator
 from orchestrator.server import OrchestratorOptions, add_loop_arguments, loop_config
+from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
+                               add_server_tls_arguments, api_key_from_args, client_tls_from_args, server_tls_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 
@@ -22,12 +27,19 @@ def main() -> None:
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
     add_loop_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
+    add_server_tls_arguments(parser)
+    add_client_tls_arguments(parser)
+    add_api_key_arguments(parser, serving=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
-    options = OrchestratorOptions(args.target, args.draft, loop_config(args))
+    try:
+        tls, channel_tls, api_key = server_tls_from_args(args), client_tls_from_args(args), api_key_from_args(args)
+    except SecurityConfigError as error:
+        parser.error(str(error))
+    options = OrchestratorOptions(args.target, args.draft, loop_config(args), channel_tls)
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                               http_port=args.http_port)
+                               http_port=args.http_port, tls=tls, api_key=api_key)
     run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
 
 

@@ -11,10 +11,14 @@ import grpc
 
 from orchestrator import stats_view
 from orchestrator.bench import args as bench_args
+from orchestrator.clients import open_channel
 from orchestrator.launcher import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
 from orchestrator.launcher import install_stop_flag, start_stack
 from orchestrator.server import loop_config
 from orchestrator.servicer import FINISH_REASON_NAMES
+from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
+                               add_server_tls_arguments, api_key_from_args, bearer_metadata, client_tls_from_args,
+                               security_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -34,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="append the target's rejected draft tokens to this JSONL file")
     serve.add_argument("--disagreement-log-rate", type=float, default=100.0,
                        help="at most this many disagreement records per second")
+    add_server_tls_arguments(serve)
+    add_client_tls_arguments(serve)
+    add_api_key_arguments(serve, serving=True)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--endpoint", default="127.0.0.1:50051")
@@ -47,18 +54,32 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     generate.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     generate.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_client_arguments(generate)
     stats_view.add_parser(commands)
     bench_args.add_parser(commands)
     speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
     speculation.add_argument("state", choices=["on", "off", "status"])
     speculation.add_argument("--endpoint", default="127.0.0.1:50051")
+    add_client_arguments(speculation)
     return parser
 
 
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    add_client_tls_arguments(parser)
+    add_api_key_arguments(parser, serving=False)
+
+
+def client_channel(args: argparse.Namespace) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
+    """(channel to --endpoint, call metadata carrying the API key)."""
+    return open_channel(args.endpoint, client_tls_from_args(args)), bearer_metadata(api_key_from_args(args))
+
+
 def serve(args: argparse.Namespace) -> int:
+    security = security_from_args(args)  # before anything starts: a bad TLS file fails here, naming its flag
     group = ProcessGroup()
     stop_flag = install_stop_flag()
-    telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio)
+    telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
+                     tls=security.server_tls)
     metrics_ports = _metrics_ports(args.metrics_port)
     disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
         if args.disagreement_log else None
@@ -73,8 +94,8 @@ def serve(args: argparse.Namespace) -> int:
         loop=loop_config(args),
         address=f"{args.host}:{args.port}",
         orchestrator=ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
-                                    http_port=args.http_port, **telemetry),
-        greedy_draft=args.greedy_draft, disagreement_log=disagreement_log)
+                                    http_port=args.http_port, api_key=security.api_key, **telemetry),
+        greedy_draft=args.greedy_draft, disagreement_log=disagreement_log, channel_tls=security.channel_tls)
     try:
         ready = start_stack(group, options)
     except RuntimeError as error:
@@ -114,10 +135,11 @@ def generate_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest
 
 async def generate(args: argparse.Namespace) -> int:
     text, token_ids, last = [], [], None
-    async with grpc.aio.insecure_channel(args.endpoint) as channel:
+    channel, metadata = client_channel(args)
+    async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
-            async for response in stub.Generate(generate_request(args), timeout=args.timeout):
+            async for response in stub.Generate(generate_request(args), timeout=args.timeout, metadata=metadata):
                 text.append(response.text)
                 token_ids.extend(response.token_ids)
                 last = response
@@ -136,14 +158,15 @@ async def generate(args: argparse.Namespace) -> int:
 
 
 async def set_speculation(args: argparse.Namespace) -> int:
-    async with grpc.aio.insecure_channel(args.endpoint) as channel:
+    channel, metadata = client_channel(args)
+    async with channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
             if args.state == "status":
-                state = await stub.GetSpeculation(admin_pb2.GetSpeculationRequest(), timeout=10)
+                state = await stub.GetSpeculation(admin_pb2.GetSpeculationRequest(), timeout=10, metadata=metadata)
             else:
                 state = await stub.SetSpeculation(admin_pb2.SetSpeculationRequest(enabled=args.state == "on"),
-                                                  timeout=10)
+                                                  timeout=10, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             print(f"specmesh speculation: {error.code().name}: {error.details()}", file=sys.stderr)
             return 2
@@ -153,16 +176,20 @@ async def set_speculation(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    if args.command == "stats":
-        return args.handler(args)
-    if args.command == "bench":
-        from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking
-        return run_bench(args)
-    if args.command == "speculation":
-        return asyncio.run(set_speculation(args))
-    return asyncio.run(generate(args))
+    try:
+        if args.command == "serve":
+            return serve(args)
+        if args.command == "stats":
+            return args.handler(args)
+        if args.command == "bench":
+            from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking
+            return run_bench(args)
+        if args.command == "speculation":
+            return asyncio.run(set_speculation(args))
+        return asyncio.run(generate(args))
+    except SecurityConfigError as error:
+        print(f"specmesh {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

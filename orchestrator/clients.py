@@ -10,6 +10,7 @@ import grpc
 
 from specmesh.errors import SpecmeshError
 from specmesh.sampling import SamplingParams, sampling_to_pb
+from specmesh.security import TLSConfig
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,14 @@ class UpstreamError(SpecmeshError):
         self.code = error.code()
 
 
-def open_channel(endpoint: str, credentials: grpc.ChannelCredentials | None = None,
+def open_channel(endpoint: str, tls: TLSConfig | None = None,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+    """A channel to `endpoint`: TLS (with a client certificate for mutual TLS) when `tls` is given."""
     options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                ("grpc.max_send_message_length", _MAX_MESSAGE)]
-    if credentials is not None:
-        return grpc.aio.secure_channel(endpoint, credentials, options=options, interceptors=interceptors)
+    if tls is not None:
+        return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options + tls.channel_options(),
+                                       interceptors=interceptors)
     return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
 
 

@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (the target tokenizer's
 chat template), GET /v1/models, GET /health. `stream: true` answers with
 server-sent events ending in `data: [DONE]`. Errors use OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 naming the parameter,
-404 for an unknown model, 503/504 when the target service fails or times out.
+401 without the API key (when one is set; /health stays open), 404 for an unknown
+model, 503/504 when the target service fails or times out.
 Responses carry `usage` and, as an extra field, the speculation `stats`. A client
 that disconnects cancels its generation, which frees both services' sessions.
 """
@@ -14,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 import uuid
 from typing import Any, AsyncIterator, Literal
 
 import grpc
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -29,6 +31,7 @@ from orchestrator.clients import UpstreamError
 from orchestrator.servicer import FINISH_REASON_NAMES, GenerationServicer
 from specmesh.errors import InvalidArgument
 from specmesh.models import chat_token_ids
+from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, TLSConfig, authorized
 from specmesh.v1 import generation_pb2
 
 PARAMETER_NAMES = {"prompt_token_ids": "prompt"}  # our field -> the OpenAI parameter a client sent
@@ -83,8 +86,17 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(status_code=self.status, headers=headers, content={"error": {
             "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+
+
+def api_key_check(api_key: str | None):
+    """A route dependency refusing requests without `Authorization: Bearer <api_key>` (None: open)."""
+    async def check(request: Request) -> None:
+        if api_key and not authorized(request.headers.get(AUTHORIZATION), api_key):
+            raise OpenAIError(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
+    return check
 
 
 def generate_request(body: SamplingFields, **prompt: Any) -> generation_pb2.GenerateRequest:
@@ -226,7 +238,8 @@ async def _unless_disconnected(http_request: Request, work):
     return task.result()
 
 
-def create_app(servicer: GenerationServicer) -> FastAPI:
+def create_app(servicer: GenerationServicer, api_key: str | None = None) -> FastAPI:
+    """The app; with `api_key`, every /v1 route requires it."""
     front = OpenAIFrontEnd(servicer)
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding")
 
@@ -234,23 +247,26 @@ def create_app(servicer: GenerationServicer) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    add_openai_routes(app, front, Depends(api_key_check(api_key)))
+    install_error_handlers(app)
+    return app
+
+
+def add_openai_routes(app: FastAPI, front: OpenAIFrontEnd, auth) -> None:
+    @app.get("/v1/models", dependencies=[auth])
     async def models():
         return {"object": "list", "data": [{"id": front.model, "object": "model", "created": front.created,
                                             "owned_by": "specmesh"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest, http_request: Request):
         front.check_model(body.model)
         return await answer(front, http_request, body, generate_request(body, **completion_prompt(body)), False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         front.check_model(body.model)
         return await answer(front, http_request, body, generate_request(body, **front.chat_prompt(body)), True)
-
-    install_error_handlers(app)
-    return app
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -278,9 +294,21 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-async def start_http_server(app: FastAPI, host: str, port: int) -> tuple[_EmbeddedServer, int, asyncio.Task]:
-    """Serve `app` on host:port (0 = any free port); return (server, bound port, serving task)."""
-    server = _EmbeddedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+def tls_settings(tls: TLSConfig | None) -> dict[str, Any]:
+    """uvicorn's HTTPS settings from the gRPC server's TLS files (a client CA = client certificates required)."""
+    if tls is None:
+        return {}
+    settings: dict[str, Any] = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+    if tls.ca_file:
+        settings.update(ssl_ca_certs=tls.ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return settings
+
+
+async def start_http_server(app: FastAPI, host: str, port: int, tls: TLSConfig | None = None,
+                            ) -> tuple[_EmbeddedServer, int, asyncio.Task]:
+    """Serve `app` on host:port (0 = any free port), HTTPS with `tls`; return (server, bound port, serving task)."""
+    server = _EmbeddedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                            **tls_settings(tls)))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions, add_loop_arguments
+from specmesh.security import TLSConfig
 from specmesh.service import DTYPE_CHOICES, ServiceOptions
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,12 @@ class StackOptions:
     orchestrator: ServiceOptions  # its metrics and HTTP ports and tracing settings
     greedy_draft: bool = False
     disagreement_log: DisagreementLogOptions | None = None
+    channel_tls: TLSConfig | None = None  # the orchestrator's channels to the draft and target
+
+
+def dial_host(bind_host: str) -> str:
+    """The address to reach a service bound to `bind_host` on this machine (a wildcard is not one)."""
+    return "127.0.0.1" if bind_host in ("", "0.0.0.0", "::", "[::]") else bind_host
 
 
 def start_stack(group: "ProcessGroup", options: StackOptions) -> dict[str, Ready]:
@@ -79,11 +86,10 @@ def start_stack(group: "ProcessGroup", options: StackOptions) -> dict[str, Ready
         group.start("draft", run_draft, options.draft, options.greedy_draft)
         names.add("draft")
     ready = group.wait_ready(names, START_TIMEOUT_S)
-    host = options.target.host
     orchestrator = OrchestratorOptions(
-        target_endpoint=f"{host}:{ready['target'].port}",
-        draft_endpoint=f"{options.draft.host}:{ready['draft'].port}" if "draft" in ready else None,
-        loop=options.loop)
+        target_endpoint=f"{dial_host(options.target.host)}:{ready['target'].port}",
+        draft_endpoint=f"{dial_host(options.draft.host)}:{ready['draft'].port}" if "draft" in ready else None,
+        loop=options.loop, channel_tls=options.channel_tls)
     group.start("orchestrator", run_orchestrator, options.target.model, orchestrator, options.address,
                 options.orchestrator)
     ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))
@@ -118,7 +124,7 @@ def _run_service(name, create_server, options, salt, ready, **server_kwargs) -> 
 
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
                      telemetry: ServiceOptions, ready: "mp.Queue[Ready]") -> None:
-    """`telemetry` carries the orchestrator's metrics port and tracing settings."""
+    """`telemetry` carries the orchestrator's metrics port, tracing settings, TLS and API key."""
     _configure_child_logging()
     try:
         asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, telemetry, ready))
@@ -139,10 +145,12 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
     servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
                                      metrics=metrics)
-    server, port, health = await serve_grpc(servicer, address, tracer_provider=provider)
+    server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
+                                            api_key=telemetry.api_key)
     http = None
     if telemetry.http_port is not None and telemetry.http_port >= 0:
-        http = await start_http_server(create_app(servicer), telemetry.host, telemetry.http_port)
+        http = await start_http_server(create_app(servicer, telemetry.api_key), telemetry.host, telemetry.http_port,
+                                       telemetry.tls)
     ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:
         await serve_until_signal(server, health)

@@ -18,6 +18,7 @@ from orchestrator.validation import ModelLimits
 
 from specmesh import models
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.security import TLSConfig
 from specmesh.server import start_server
 from specmesh.telemetry import client_interceptors, tracer
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
@@ -53,6 +54,7 @@ class OrchestratorOptions:
     target_endpoint: str
     draft_endpoint: str | None  # None: serve target-only
     loop: LoopConfig = LoopConfig()
+    channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
 
 
 def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
@@ -71,11 +73,11 @@ def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
 async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions,
                            tracer_provider: TracerProvider | None = None) -> Backends:
     interceptors = client_interceptors(tracer_provider)
-    target = TargetClient(open_channel(options.target_endpoint, interceptors=interceptors))
+    target = TargetClient(open_channel(options.target_endpoint, options.channel_tls, interceptors))
     target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     draft, draft_info = None, None
     if options.draft_endpoint:
-        draft = DraftClient(open_channel(options.draft_endpoint, interceptors=interceptors))
+        draft = DraftClient(open_channel(options.draft_endpoint, options.channel_tls, interceptors))
         draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
@@ -94,19 +96,22 @@ async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: Orchestra
 
 async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0", *,
                      max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
+                     tls: TLSConfig | None = None, api_key: str | None = None,
                      ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """Serve Generation and Admin (both behind `api_key` when set; the kill switch is an admin act)."""
     def register(server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch), server)
     return await start_server(register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address,
-                              max_concurrent_rpcs=max_concurrent_rpcs, tracer_provider=tracer_provider)
+                              max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, api_key=api_key,
+                              tracer_provider=tracer_provider)
 
 
 async def create_server(
     tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, address: str = "127.0.0.1:0",
     *, max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
-    metrics: OrchestratorMetrics | None = None,
+    metrics: OrchestratorMetrics | None = None, tls: TLSConfig | None = None, api_key: str | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     servicer = await create_servicer(tokenizer, options, tracer_provider=tracer_provider, metrics=metrics)
     return await serve_grpc(servicer, address, max_concurrent_rpcs=max_concurrent_rpcs,
-                            tracer_provider=tracer_provider)
+                            tracer_provider=tracer_provider, tls=tls, api_key=api_key)

@@ -3,7 +3,9 @@
 `start_server` binds (port 0 picks a free port, for tests), adds the standard
 health and reflection services, and installs `ErrorInterceptor`, the one place
 where domain errors become status codes (INVALID_ARGUMENT carries a google.rpc
-BadRequest naming the field) and anything unexpected becomes INTERNAL.
+BadRequest naming the field) and anything unexpected becomes INTERNAL. Transport
+security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the API
+key check (`specmesh.security.ApiKeyInterceptor`) on the services it is asked to guard.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.errors import InvalidArgument, SpecmeshError
+from specmesh.security import ApiKeyInterceptor, TLSConfig
 from specmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
@@ -92,20 +95,26 @@ async def start_server(
     address: str,
     *,
     max_concurrent_rpcs: int | None = None,
-    credentials: grpc.ServerCredentials | None = None,
+    tls: TLSConfig | None = None,
+    api_key: str | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health)."""
-    # Tracing outermost, so a span also covers (and records) the errors mapped below it.
-    interceptors = [*server_interceptors(tracer_provider), ErrorInterceptor()]
+    """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
+
+    `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
+    services in `service_names` require it; health and reflection stay open.
+    """
+    names = list(service_names)
+    # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below.
+    auth = [ApiKeyInterceptor(api_key, names)] if api_key else []
+    interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
                              options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = list(service_names)
     reflection.enable_server_reflection(names + [reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     await server.start()
     for name in names + [""]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -14,6 +14,7 @@ import torch
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
 from specmesh.metrics import ServiceMetrics, serve_metrics
+from specmesh.security import SecurityConfigError, TLSConfig, add_server_tls_arguments, server_tls_from_args
 from specmesh.server import serve_until_signal
 from specmesh.telemetry import make_tracer_provider
 
@@ -37,6 +38,8 @@ class ServiceOptions:
     trace_exporter: str | None = None  # otlp, console or none; None = from OTEL_* environment variables
     trace_sample_ratio: float | None = None  # None = from OTEL_TRACES_SAMPLER[_ARG], else every trace
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API (0 = any free port); None = off
+    tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
+    api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -50,6 +53,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                         help="auto: bfloat16 where the device computes it natively, else float32")
     add_telemetry_arguments(parser, default_metrics_port=None)
+    add_server_tls_arguments(parser)
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
@@ -63,10 +67,15 @@ def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_por
 
 
 def options_from_args(args: argparse.Namespace) -> ServiceOptions:
+    """The options; an unusable TLS setting exits with a message naming its flag."""
+    try:
+        tls = server_tls_from_args(args)
+    except SecurityConfigError as error:
+        raise SystemExit(f"error: {error}") from error
     return ServiceOptions(model=args.model, host=args.host, port=args.port, device=args.device,
                           max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout,
                           dtype=args.dtype, metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
-                          trace_sample_ratio=args.trace_sample_ratio)
+                          trace_sample_ratio=args.trace_sample_ratio, tls=tls)
 
 
 def native_bf16(device: str) -> bool:
@@ -120,7 +129,7 @@ async def run_model_service(service: str, create_server: CreateServer, engine: M
     metrics = ServiceMetrics.for_engine(service, engine)
     metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
     server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
-                                               metrics=metrics, **server_kwargs)
+                                               metrics=metrics, tls=options.tls, **server_kwargs)
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
     on_ready(port, metrics_port)
     try:

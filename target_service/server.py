@@ -8,6 +8,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.engine import ModelEngine
 from specmesh.metrics import ServiceMetrics
+from specmesh.security import TLSConfig
 from specmesh.server import start_server
 from specmesh.v1 import target_pb2, target_pb2_grpc
 from target_service.disagreements import DisagreementLog
@@ -20,9 +21,10 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
                         max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
                         metrics: ServiceMetrics | None = None, disagreements: DisagreementLog | None = None,
+                        tls: TLSConfig | None = None,
                         ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     metrics = metrics or ServiceMetrics.for_engine("target", engine)
     servicer = TargetServicer(TargetEngine(engine, disagreements), metrics)
     return await start_server(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
                               [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
-                              tracer_provider=tracer_provider)
+                              tls=tls, tracer_provider=tracer_provider)

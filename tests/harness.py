@@ -10,11 +10,13 @@ from pathlib import Path
 import grpc
 
 from draft_service.server import create_server as create_draft_server
+from orchestrator.clients import open_channel
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions, create_server as create_orchestrator_server
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.security import TLSConfig, bearer_metadata
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 from target_service.server import create_server as create_target_server
 
@@ -40,6 +42,8 @@ class Stack:
     port: int
     servers: dict[str, grpc.aio.Server] = field(default_factory=dict)
     channel: grpc.aio.Channel | None = None
+    channel_tls: TLSConfig | None = None  # the orchestrator's identity towards the draft and target
+    api_key: str | None = None
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -48,14 +52,15 @@ class Stack:
     async def generate(self, **fields) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
         """Run one Generate stream; return (token ids, text, last response)."""
         token_ids, text, last = [], [], None
-        async for response in self.stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=120):
+        async for response in self.stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=120,
+                                                 metadata=bearer_metadata(self.api_key)):
             token_ids.extend(response.token_ids)
             text.append(response.text)
             last = response
         return token_ids, "".join(text), last
 
     async def open_sessions(self) -> tuple[int, int]:
-        target = target_pb2_grpc.TargetServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{self.target_port}"))
+        target = target_pb2_grpc.TargetServiceStub(open_channel(f"127.0.0.1:{self.target_port}", self.channel_tls))
         info = await target.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=10)
         draft_count = len(self.draft_engine.sessions) if self.draft_engine else 0
         return info.open_sessions, draft_count
@@ -78,26 +83,35 @@ class Stack:
 async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int = 2,
                       greedy_proposals: bool = False, draft_timeout_s: float = 10.0,
                       metrics: OrchestratorMetrics | None = None, disagreements=None,
-                      adaptive_k: bool = False) -> Stack:
-    """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for."""
+                      adaptive_k: bool = False, server_tls: TLSConfig | None = None,
+                      channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
+                      api_key: str | None = None) -> Stack:
+    """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
+
+    `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
+    target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent."""
     target_engine = make_engine(target_dir, device, salt=0)
-    target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements)
+    target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements,
+                                                               tls=server_tls)
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
         draft_engine = make_engine(draft_dir, device, salt=1)
-        servers["draft"], draft_port, _ = await create_draft_server(draft_engine,
-                                                                   greedy_proposals=greedy_proposals)
+        servers["draft"], draft_port, _ = await create_draft_server(draft_engine, greedy_proposals=greedy_proposals,
+                                                                   tls=server_tls)
     options = OrchestratorOptions(
         target_endpoint=f"127.0.0.1:{target_port}",
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
-        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k))
+        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k),
+        channel_tls=channel_tls)
     _, tokenizer = load(str(target_dir), device)
-    servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics)
-    stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers)
-    stack.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics,
+                                                                        tls=server_tls, api_key=api_key)
+    stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers,
+                  channel_tls=channel_tls, api_key=api_key)
+    stack.channel = open_channel(f"127.0.0.1:{port}", client_tls)
     return stack
 
 
 def draft_stub(stack: Stack) -> draft_pb2_grpc.DraftServiceStub:
-    return draft_pb2_grpc.DraftServiceStub(grpc.aio.insecure_channel(f"127.0.0.1:{stack.draft_port}"))
+    return draft_pb2_grpc.DraftServiceStub(open_channel(f"127.0.0.1:{stack.draft_port}", stack.channel_tls))

@@ -1,0 +1,178 @@
+"""deploy/kuberay validates offline: Kubernetes kinds against the Kubernetes schemas, the RayCluster
+against KubeRay's CRD schema (vendored in tests/schemas), and the pieces agree with each other and
+with the real CLI parser. No cluster, no network."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from orchestrator.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBERAY = ROOT / "deploy" / "kuberay"
+KUBERNETES_VERSION = "1.30"
+CRD_SCHEMA = Path(__file__).resolve().parent / "schemas" / "kuberay-raycluster-v1.yaml"
+# `specmesh serve` flags of the Ray pools work (issue 3, parts 1-4). Until that lands they are
+# the only flags the parser may not know; once it does, they are parsed (and type-checked) too.
+RAY_POOL_FLAGS = {"--address", "--draft-replicas", "--target-replicas", "--draft-num-gpus", "--target-num-gpus",
+                  "--draft-resources", "--target-resources"}
+
+
+def load_documents() -> dict[tuple[str, str], dict]:
+    """(kind, name) -> document, over every manifest in deploy/kuberay."""
+    documents = {}
+    for path in sorted(KUBERAY.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document and document.get("kind") != "Kustomization":
+                documents[(document["kind"], document["metadata"]["name"])] = document
+    return documents
+
+
+DOCUMENTS = load_documents()
+
+
+def strict(schema):
+    """The CRD schema with unknown fields refused (kubectl --validate=strict does the same)."""
+    if isinstance(schema, dict):
+        schema = {key: strict(value) for key, value in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(item) for item in schema]
+    return schema
+
+
+RAYCLUSTER_SCHEMA = strict(yaml.safe_load(CRD_SCHEMA.read_text()))
+
+
+def pod_templates(cluster: dict) -> dict[str, dict]:
+    templates = {"head": cluster["spec"]["headGroupSpec"]["template"]}
+    templates.update({group["groupName"]: group["template"] for group in cluster["spec"]["workerGroupSpecs"]})
+    return templates
+
+
+def validate_raycluster(cluster: dict) -> None:
+    jsonschema.validate(cluster, RAYCLUSTER_SCHEMA)
+    for template in pod_templates(cluster).values():  # the subtrees the vendored schema elides
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+                                      "template": template}, KUBERNETES_VERSION, strict=True)
+
+
+def raycluster() -> dict:
+    return DOCUMENTS[("RayCluster", "specmesh")]
+
+
+def container(template: dict, name: str) -> dict:
+    return next(c for c in template["spec"]["containers"] if c["name"] == name)
+
+
+def serve_args() -> list[str]:
+    driver = container(raycluster()["spec"]["headGroupSpec"]["template"], "specmesh")
+    assert driver["command"] == ["specmesh"]
+    return driver["args"]
+
+
+def test_manifests_exist_and_the_kustomization_lists_them():
+    kustomization = yaml.safe_load((KUBERAY / "kustomization.yaml").read_text())
+    assert all((KUBERAY / resource).is_file() for resource in kustomization["resources"])
+    kinds = {kind for kind, _ in DOCUMENTS}
+    assert {"RayCluster", "Service", "Secret"} <= kinds
+
+
+@pytest.mark.parametrize("key", [k for k in DOCUMENTS if k[0] != "RayCluster"], ids=lambda k: "/".join(k))
+def test_kubernetes_objects_validate_against_the_kubernetes_schema(key):
+    kubernetes_validate.validate(DOCUMENTS[key], KUBERNETES_VERSION, strict=True)
+
+
+def test_raycluster_validates_against_the_kuberay_crd_schema():
+    validate_raycluster(raycluster())
+
+
+@pytest.mark.parametrize("breakage", ["minReplicas as text", "unknown group field", "pod spec typo",
+                                      "missing groupName"])
+def test_validation_catches_broken_manifests(breakage):
+    """The checks above are not vacuous: each of these edits makes them fail."""
+    cluster = copy.deepcopy(raycluster())
+    group = cluster["spec"]["workerGroupSpecs"][0]
+    if breakage == "minReplicas as text":
+        group["minReplicas"] = "one"
+    elif breakage == "unknown group field":
+        group["maxReplica"] = 3
+    elif breakage == "pod spec typo":
+        group["template"]["spec"]["containers"][0]["resource"] = {}
+    else:
+        del group["groupName"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate_raycluster(cluster)
+
+
+def test_pools_are_separate_worker_groups_with_their_own_sizes():
+    groups = {group["groupName"]: group for group in raycluster()["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"draft", "target"}
+    for group in groups.values():
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    target_limits = container(groups["target"]["template"], "ray-worker")["resources"]["limits"]
+    assert int(target_limits["nvidia.com/gpu"]) >= 1
+    assert "nvidia.com/gpu" not in container(groups["draft"]["template"], "ray-worker")["resources"]["limits"]
+
+
+def test_replicas_request_the_custom_resource_their_group_offers():
+    args = serve_args()
+    groups = {group["groupName"]: group for group in raycluster()["spec"]["workerGroupSpecs"]}
+    for pool in ("draft", "target"):
+        requested = json.loads(args[args.index(f"--{pool}-resources") + 1])
+        offered_text = groups[pool]["rayStartParams"]["resources"]  # KubeRay form: '"{...}"'
+        offered = json.loads(offered_text.strip('"').replace('\\"', '"'))
+        assert set(requested) == {f"specmesh_{pool}"} and requested.items() <= offered.items(), pool
+    assert raycluster()["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_serve_command_parses_with_the_cli():
+    args, unknown = build_parser().parse_known_args(serve_args())
+    unknown_flags = {item for item in unknown if item.startswith("--")}
+    assert unknown_flags <= RAY_POOL_FLAGS
+    assert args.command == "serve" and args.host == "0.0.0.0" and args.port == 50051 and args.http_port == 8000
+    assert args.tls_server_name == "specmesh-internal"
+
+
+def test_security_settings_point_at_the_secrets():
+    head = raycluster()["spec"]["headGroupSpec"]["template"]
+    driver = container(head, "specmesh")
+    env = {item["name"]: item for item in driver["env"]}
+    mounts = {mount["name"]: mount["mountPath"] for mount in driver["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in head["spec"]["volumes"]}
+    tls_secret = DOCUMENTS[("Secret", volumes["tls"]["secret"]["secretName"])]
+    for name in ("SPECMESH_TLS_CERT", "SPECMESH_TLS_KEY", "SPECMESH_TLS_CA", "SPECMESH_TLS_CLIENT_CERT",
+                 "SPECMESH_TLS_CLIENT_KEY"):
+        path = Path(env[name]["value"])
+        assert str(path.parent) == mounts["tls"] and path.name in tls_secret["stringData"], name
+    key_ref = env["SPECMESH_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert key_ref["key"] in DOCUMENTS[("Secret", key_ref["name"])]["stringData"]
+
+
+def test_service_selects_the_head_and_exposes_the_client_ports():
+    service = DOCUMENTS[("Service", "specmesh")]
+    assert service["spec"]["selector"] == {"ray.io/cluster": "specmesh", "ray.io/node-type": "head"}
+    driver_ports = {port["name"]: port["containerPort"] for port in container(
+        raycluster()["spec"]["headGroupSpec"]["template"], "specmesh")["ports"]}
+    assert {port["targetPort"] for port in service["spec"]["ports"]} <= set(driver_ports)
+    args = serve_args()
+    assert str(driver_ports["grpc"]) == args[args.index("--port") + 1]
+    assert str(driver_ports["http"]) == args[args.index("--http-port") + 1]
+
+
+def test_image_ray_version_matches_the_cluster():
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    ray_version = re.search(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE).group(1)
+    assert raycluster()["spec"]["rayVersion"] == ray_version
+    entrypoint = shlex.split(re.search(r'^ENTRYPOINT \["(\w+)"\]', dockerfile, re.MULTILINE).group(1))
+    assert entrypoint == ["specmesh"]
