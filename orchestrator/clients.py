@@ -69,6 +69,13 @@ class TargetClient:
                                                sampling=sampling_to_pb(sampling))
         return await _call_target(self.stub.OpenSession, request, timeout)
 
+    async def resume(self, request_id: str, committed: Sequence[int], sampling: SamplingParams,
+                     timeout: float) -> target_pb2.TargetOpenResponse:
+        """Re-open a session another replica lost, prefilled with its committed sequence."""
+        request = target_pb2.TargetOpenRequest(request_id=request_id, prompt_token_ids=committed,
+                                               sampling=sampling_to_pb(sampling), resume=True)
+        return await _call_target(self.stub.OpenSession, request, timeout)
+
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution],
                      timeout: float) -> target_pb2.VerifyResponse:
