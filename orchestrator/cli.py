@@ -11,7 +11,8 @@ import grpc
 
 from orchestrator import stats_view
 from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, install_stop_flag
-from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchestrator, run_target
+from orchestrator.launcher import DisagreementLogOptions, ready_message, run_draft, run_orchestrator, run_target
+from orchestrator.pools import cli as pools_cli
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
 from orchestrator.servicer import FINISH_REASON_NAMES
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="append the target's rejected draft tokens to this JSONL file")
     serve.add_argument("--disagreement-log-rate", type=float, default=100.0,
                        help="at most this many disagreement records per second")
+    pools_cli.add_serve_arguments(serve)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--endpoint", default="127.0.0.1:50051")
@@ -65,10 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
     speculation.add_argument("state", choices=["on", "off", "status"])
     speculation.add_argument("--endpoint", default="127.0.0.1:50051")
+    pools_cli.add_parsers(commands)
     return parser
 
 
 def serve(args: argparse.Namespace) -> int:
+    if pools_cli.wants_ray(args):
+        return pools_cli.serve_on_ray(args, _metrics_ports(args.metrics_port)["orchestrator"])
     group = ProcessGroup()
     stop_flag = install_stop_flag()
     telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio)
@@ -98,9 +103,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specmesh serve: {error}", file=sys.stderr)
         group.stop()
         return 1
-    orchestrator = ready["orchestrator"]
-    http = f", OpenAI API http://{args.host}:{orchestrator.http_port}/v1" if orchestrator.http_port else ""
-    print(f"specmesh ready: client endpoint {args.host}:{orchestrator.port}{http}", flush=True)
+    print(ready_message(args.host, ready["orchestrator"]), flush=True)
     metrics = [f"{name} http://{args.host}:{r.metrics_port}/metrics" for name, r in sorted(ready.items())
                if r.metrics_port is not None]
     if metrics:
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    if args.command == "stats":
+    if args.command in ("stats", "scale", "replicas"):
         return args.handler(args)
     if args.command == "speculation":
         return asyncio.run(set_speculation(args))
