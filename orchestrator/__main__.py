@@ -1,5 +1,7 @@
 """Run the orchestrator alone against running services:
-python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051."""
+python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051, or against the
+replica pools that `specmesh serve --target-replicas N` runs on a Ray cluster:
+python -m orchestrator --ray-address HEAD:6379 --tokenizer MODEL --port 50052."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__)
-    parser.add_argument("--target", required=True, help="target service endpoint host:port")
+    parser.add_argument("--target", default=None, help="target service endpoint host:port")
     parser.add_argument("--draft", default=None, help="draft service endpoint host:port (omit: target-only)")
     parser.add_argument("--tokenizer", default="qwen2.5-coder-1.5b", help="the target model's spec")
     parser.add_argument("--host", default="127.0.0.1")
@@ -23,15 +25,28 @@ def main() -> None:
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
     parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
     parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s)
+    parser.add_argument("--ray-address", default=None,
+                        help="join the Ray replica pools on this cluster instead of --target/--draft")
+    parser.add_argument("--ray-namespace", default="specmesh")
     add_telemetry_arguments(parser, default_metrics_port=None)
     args = parser.parse_args()
+    if (args.target is None) == (args.ray_address is None):
+        parser.error("give exactly one of --target and --ray-address")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
-    options = OrchestratorOptions(args.target, args.draft, LoopConfig(
-        num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
+    options = OrchestratorOptions(args.target or "", args.draft, LoopConfig(
+        num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout),
+        pools=_join_pools(args.ray_address, args.ray_namespace) if args.ray_address else None)
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                                http_port=args.http_port)
     run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
+
+
+def _join_pools(address: str, namespace: str):
+    from orchestrator.pools.cli import init_ray
+    from orchestrator.pools.serving import PoolsOptions
+    init_ray(address, namespace)
+    return PoolsOptions(namespace=namespace)  # no pool specs: discover the replicas, own none
 
 
 class _Announce:

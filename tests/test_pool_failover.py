@@ -10,13 +10,16 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from draft_service.server import create_server as create_draft_server
 from harness import load, make_engine
 from orchestrator.clients import DraftClient, TargetClient, UpstreamError
 from orchestrator.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.pools.cli import replica_device
 from orchestrator.pools.failover import PooledDraftClient, PooledTargetClient
 from orchestrator.pools.pool import ReplicaPool, fixed_replicas
+from specmesh import models
 from specmesh.sampling import SamplingParams
 from target_service.server import create_server as create_target_server
 from test_greedy_parity import target_greedy
@@ -119,3 +122,11 @@ async def test_no_healthy_target_is_unavailable_within_the_wait(tiny_llama_dir):
         assert time.monotonic() - started < 5.0
     finally:
         await targets.pool.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_a_sharded_target_needs_gpus(tiny_llama_dir):
+    assert replica_device("cpu", 2) == "auto" and replica_device("cpu", 1) == "cuda"
+    assert replica_device("cuda:1", 0) == "cuda:1"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        models.load_model(str(tiny_llama_dir), device="auto")

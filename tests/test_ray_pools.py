@@ -102,6 +102,23 @@ async def test_concurrent_streams_equal_their_solo_output(ray_stack):
         ("draft", ["serving", "serving"]), ("target", ["serving", "serving"])]
 
 
+async def test_a_second_orchestrator_joins_the_pools(ray_stack, tiny_llama_dir):
+    """Discovery through Ray: named replica actors in the namespace, owned by the first orchestrator."""
+    joined = Pools.from_options(PoolsOptions(namespace=NAMESPACE, check_interval_s=0.25))
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    servicer = await servicer_over_pools(tokenizer, joined, LoopConfig(num_speculative_tokens=2))
+    try:
+        assert sorted(joined.pools["target"].replicas) == ["specmesh-target-0", "specmesh-target-1"]
+        assert len(joined.pools["draft"].routable()) == 2
+        request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[0], max_tokens=16, temperature=0.0)
+        tokens = [t async for r in servicer.generate(request) for t in r.token_ids]
+        assert tokens == ray_stack.expected(TINY_PROMPTS[0], 16)
+        with pytest.raises(Exception, match="does not own"):
+            joined.scale("target", 3)
+    finally:
+        await joined.stop()
+
+
 async def test_killed_replicas_cost_nothing_and_rejoin(ray_stack):
     target = ray_stack.servicer.backends.target
     failovers = target.failovers
@@ -132,16 +149,16 @@ async def test_scaling_under_load_loses_nothing(ray_stack):
     streams = [asyncio.ensure_future(ray_stack.generate(p, LONG)) for p in TINY_PROMPTS]
     await asyncio.sleep(0.2)
     assert (await scale(ray_stack, "target", 3)).desired_replicas == 3
-    drained = await scale(ray_stack, "draft", 1)  # drains a draft replica that holds sessions
-    assert sorted(r.state for r in drained.replicas) == ["draining", "serving"]
+    assert (await scale(ray_stack, "draft", 3)).desired_replicas == 3
     for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
         assert tokens == ray_stack.expected(prompt, LONG), prompt
-    await ray_stack.wait_serving("target", 3)  # the new replica gets traffic once healthy
-    await ray_stack.wait_serving("draft", 1)
+    await ray_stack.wait_serving("target", 3)  # the new replicas get traffic once healthy
+    await ray_stack.wait_serving("draft", 3)
     streams = [asyncio.ensure_future(ray_stack.generate(p, LONG)) for p in TINY_PROMPTS]
     await asyncio.sleep(0.2)
-    await scale(ray_stack, "target", 1)
-    await scale(ray_stack, "draft", 2)
+    await scale(ray_stack, "target", 1)  # drains two target replicas that hold sessions
+    drained = await scale(ray_stack, "draft", 2)
+    assert sorted(r.state for r in drained.replicas) == ["draining", "serving", "serving"]
     for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
         assert tokens == ray_stack.expected(prompt, LONG), prompt
     await ray_stack.wait_serving("target", 1)

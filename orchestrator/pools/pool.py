@@ -50,6 +50,7 @@ class Replica:
     gone: bool = False
     routed: int = 0  # sessions this orchestrator placed here and has not released
     open_sessions: int = 0  # sessions open on the replica, from its last check
+    failures: int = 0  # calls that found it lost; a check begun before one must not revive it
     resolving: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -100,6 +101,7 @@ class ReplicaPool:
     def mark_failed(self, replica: Replica) -> None:
         """A call found the replica unreachable: route nothing there until a check says SERVING."""
         replica.serving = False
+        replica.failures += 1
 
     # ---- discovery and health
 
@@ -137,13 +139,14 @@ class ReplicaPool:
         if replica.address is None:
             self._start_resolving(replica)
             return
+        failures = replica.failures
         try:
             stub = health_pb2_grpc.HealthStub(replica.channel)
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)
-            replica.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if replica.serving:
-                info = await replica.client.model_info(timeout=CHECK_TIMEOUT_S)
-                replica.open_sessions = info.open_sessions
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving:
+                replica.open_sessions = (await replica.client.model_info(timeout=CHECK_TIMEOUT_S)).open_sessions
+            replica.serving = serving and replica.failures == failures
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             if replica.serving:
                 log.warning("%s replica %s at %s failed its health check: %s", self.role, replica.name,
