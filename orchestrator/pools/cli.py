@@ -127,7 +127,8 @@ async def _admin(args: argparse.Namespace, call) -> int:
             print(f"specmesh {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
             return 2
     for pool in pools:
-        print(f"{pool.pool}: {pool.desired_replicas} desired (min {pool.min_replicas}, max {pool.max_replicas})")
+        bounds = f"autoscaling {pool.min_replicas}..{pool.max_replicas}" if pool.max_replicas else "autoscaling off"
+        print(f"{pool.pool}: {pool.desired_replicas} replicas desired ({bounds})")
         for replica in pool.replicas:
             print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
                   f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})")

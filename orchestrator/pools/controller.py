@@ -195,14 +195,25 @@ class PoolController:
         low, high = self.spec.bounds
         if low >= high or time.monotonic() - self._last_scaled < self.spec.scale_cooldown_s:
             return
-        serving = self.pool.routable()
-        if not serving:
-            return
-        load = sum(max(r.routed, r.open_sessions) for r in serving)
-        target = self.spec.sessions_per_replica
-        if load / len(serving) > target and self.desired < high:
-            log.info("%s pool: %d sessions on %d replicas; scaling up", self.spec.role, load, len(serving))
-            self.scale_to(self.desired + 1)
-        elif self.desired > low and load <= (self.desired - 1) * target / 2:
-            log.info("%s pool: %d sessions on %d replicas; scaling down", self.spec.role, load, len(serving))
-            self.scale_to(self.desired - 1)
+        loads = [max(r.routed, r.open_sessions) for r in self.pool.routable()]
+        wanted = autoscale(self.desired, low, high, loads, self.spec.sessions_per_replica)
+        if wanted != self.desired:
+            log.info("%s pool: %d sessions on %d serving replicas; scaling to %d", self.spec.role, sum(loads),
+                     len(loads), wanted)
+            self.scale_to(wanted)
+
+
+def autoscale(desired: int, low: int, high: int, loads: list[int], sessions_per_replica: float) -> int:
+    """One step towards `sessions_per_replica` mean load; `loads` are the serving replicas' sessions.
+
+    Up when the mean is above the target; down only when one replica fewer would stay
+    under half of it, so the pool does not flap around the threshold.
+    """
+    if not loads:
+        return desired  # nothing serving yet (starting or restarting): no figure to act on
+    total = sum(loads)
+    if total / len(loads) > sessions_per_replica and desired < high:
+        return desired + 1
+    if desired > low and total <= (desired - 1) * sessions_per_replica / 2:
+        return desired - 1
+    return desired

@@ -94,6 +94,8 @@ class Pools:
         pool = self.pools[role]
         controller = self.controllers.get(role)
         low, high = controller.spec.bounds if controller else (0, 0)
+        if low >= high:
+            low = high = 0  # not autoscaling
         desired = controller.desired if controller else len([r for r in pool.replicas.values() if not r.draining])
         state = admin_pb2.PoolState(pool=role, desired_replicas=desired, min_replicas=low, max_replicas=high)
         for replica in sorted(pool.replicas.values(), key=lambda r: r.name):
