@@ -57,6 +57,8 @@ class ReplicaActor:
     async def _start(self) -> str:
         from specmesh.service import load_engine, reap_idle_sessions
         from specmesh.telemetry import make_tracer_provider
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # the driver prints every actor's output
         config, options = self.config, self.config.service
         self._engine = await asyncio.to_thread(load_engine, options, GENERATOR_SALT[config.role])
         provider = make_tracer_provider(f"specmesh-{config.role}", options.trace_exporter,
