@@ -1,5 +1,7 @@
 """Run the orchestrator alone against running services:
-python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051.
+python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051, or against the
+replica pools that `specmesh serve --target-replicas N` runs on a Ray cluster:
+python -m orchestrator --ray-address HEAD:6379 --tokenizer MODEL --port 50052.
 
 The --tls-cert/--tls-key/--tls-ca flags secure the client-facing port; --tls-root-ca and
 --tls-client-cert/--tls-client-key the channels to the draft and target services."""
@@ -19,28 +21,41 @@ from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m orchestrator", description=__doc__)
-    parser.add_argument("--target", required=True, help="target service endpoint host:port")
+    parser.add_argument("--target", default=None, help="target service endpoint host:port")
     parser.add_argument("--draft", default=None, help="draft service endpoint host:port (omit: target-only)")
     parser.add_argument("--tokenizer", default="qwen2.5-coder-1.5b", help="the target model's spec")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
     add_loop_arguments(parser)
+    parser.add_argument("--ray-address", default=None,
+                        help="join the Ray replica pools on this cluster instead of --target/--draft")
+    parser.add_argument("--ray-namespace", default="specmesh")
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
     add_client_tls_arguments(parser)
     add_api_key_arguments(parser, serving=True)
     args = parser.parse_args()
+    if (args.target is None) == (args.ray_address is None):
+        parser.error("give exactly one of --target and --ray-address")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     try:
         tls, channel_tls, api_key = server_tls_from_args(args), client_tls_from_args(args), api_key_from_args(args)
     except SecurityConfigError as error:
         parser.error(str(error))
-    options = OrchestratorOptions(args.target, args.draft, loop_config(args), channel_tls)
+    options = OrchestratorOptions(args.target or "", args.draft, loop_config(args), channel_tls,
+                                  pools=_join_pools(args.ray_address, args.ray_namespace) if args.ray_address else None)
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                                http_port=args.http_port, tls=tls, api_key=api_key)
     run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
+
+
+def _join_pools(address: str, namespace: str):
+    from orchestrator.pools.cli import init_ray
+    from orchestrator.pools.serving import PoolsOptions
+    init_ray(address, namespace)
+    return PoolsOptions(namespace=namespace)  # no pool specs: discover the replicas, own none
 
 
 class _Announce:

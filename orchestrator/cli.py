@@ -11,14 +11,14 @@ import grpc
 
 from orchestrator import stats_view
 from orchestrator.bench import args as bench_args
-from orchestrator.clients import open_channel
+from orchestrator.clients import add_client_arguments, client_channel
 from orchestrator.launcher import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
-from orchestrator.launcher import install_stop_flag, start_stack
+from orchestrator.launcher import install_stop_flag, ready_message, start_stack
+from orchestrator.pools import cli as pools_cli
 from orchestrator.server import loop_config
 from orchestrator.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
-                               add_server_tls_arguments, api_key_from_args, bearer_metadata, client_tls_from_args,
-                               security_from_args)
+                               add_server_tls_arguments, security_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_tls_arguments(serve)
     add_client_tls_arguments(serve)
     add_api_key_arguments(serve, serving=True)
+    pools_cli.add_serve_arguments(serve)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--endpoint", default="127.0.0.1:50051")
@@ -61,21 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     speculation.add_argument("state", choices=["on", "off", "status"])
     speculation.add_argument("--endpoint", default="127.0.0.1:50051")
     add_client_arguments(speculation)
+    pools_cli.add_parsers(commands)
     return parser
-
-
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    add_client_tls_arguments(parser)
-    add_api_key_arguments(parser, serving=False)
-
-
-def client_channel(args: argparse.Namespace) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
-    """(channel to --endpoint, call metadata carrying the API key)."""
-    return open_channel(args.endpoint, client_tls_from_args(args)), bearer_metadata(api_key_from_args(args))
 
 
 def serve(args: argparse.Namespace) -> int:
     security = security_from_args(args)  # before anything starts: a bad TLS file fails here, naming its flag
+    if pools_cli.wants_ray(args):
+        return pools_cli.serve_on_ray(args, _metrics_ports(args.metrics_port)["orchestrator"], security)
     group = ProcessGroup()
     stop_flag = install_stop_flag()
     telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
@@ -102,9 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"specmesh serve: {error}", file=sys.stderr)
         group.stop()
         return 1
-    orchestrator = ready["orchestrator"]
-    http = f", OpenAI API http://{args.host}:{orchestrator.http_port}/v1" if orchestrator.http_port else ""
-    print(f"specmesh ready: client endpoint {args.host}:{orchestrator.port}{http}", flush=True)
+    print(ready_message(args.host, ready["orchestrator"]), flush=True)
     metrics = [f"{name} http://{args.host}:{r.metrics_port}/metrics" for name, r in sorted(ready.items())
                if r.metrics_port is not None]
     if metrics:
@@ -179,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-        if args.command == "stats":
+        if args.command in ("stats", "scale", "replicas"):
             return args.handler(args)
         if args.command == "bench":
             from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from typing import Sequence
@@ -10,7 +11,8 @@ import grpc
 
 from specmesh.errors import SpecmeshError
 from specmesh.sampling import SamplingParams, sampling_to_pb
-from specmesh.security import TLSConfig
+from specmesh.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args,
+                               bearer_metadata, client_tls_from_args)
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,13 @@ class TargetClient:
                                                sampling=sampling_to_pb(sampling))
         return await _call_target(self.stub.OpenSession, request, timeout)
 
+    async def resume(self, request_id: str, committed: Sequence[int], sampling: SamplingParams,
+                     timeout: float) -> target_pb2.TargetOpenResponse:
+        """Re-open a session another replica lost, prefilled with its committed sequence."""
+        request = target_pb2.TargetOpenRequest(request_id=request_id, prompt_token_ids=committed,
+                                               sampling=sampling_to_pb(sampling), resume=True)
+        return await _call_target(self.stub.OpenSession, request, timeout)
+
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution],
                      timeout: float) -> target_pb2.VerifyResponse:
@@ -96,3 +105,14 @@ async def _close_quietly(service: str, method, request_id: str) -> None:
         await method(common_pb2.CloseSessionRequest(request_id=request_id), timeout=CLOSE_TIMEOUT_S)
     except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
         log.debug("closing %s session %s failed: %s", service, request_id, error)
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS and API-key flags of the command-line clients (generate, speculation, scale, ...)."""
+    add_client_tls_arguments(parser)
+    add_api_key_arguments(parser, serving=False)
+
+
+def client_channel(args: argparse.Namespace) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
+    """(channel to --endpoint, call metadata carrying the API key)."""
+    return open_channel(args.endpoint, client_tls_from_args(args)), bearer_metadata(api_key_from_args(args))

@@ -161,6 +161,11 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
             provider.shutdown()
 
 
+def ready_message(host: str, orchestrator: Ready) -> str:
+    http = f", OpenAI API http://{host}:{orchestrator.http_port}/v1" if orchestrator.http_port else ""
+    return f"specmesh ready: client endpoint {host}:{orchestrator.port}{http}"
+
+
 def _configure_child_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
@@ -22,6 +23,9 @@ from specmesh.security import TLSConfig
 from specmesh.server import start_server
 from specmesh.telemetry import client_interceptors, tracer
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from orchestrator.pools.serving import PoolsOptions
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -51,10 +55,11 @@ class TokenizerMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class OrchestratorOptions:
-    target_endpoint: str
+    target_endpoint: str  # unused with pools
     draft_endpoint: str | None  # None: serve target-only
     loop: LoopConfig = LoopConfig()
     channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
+    pools: "PoolsOptions | None" = None  # Ray replica pools instead of the two endpoints
 
 
 def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
@@ -74,14 +79,20 @@ async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: Orchestr
                            tracer_provider: TracerProvider | None = None) -> Backends:
     interceptors = client_interceptors(tracer_provider)
     target = TargetClient(open_channel(options.target_endpoint, options.channel_tls, interceptors))
-    target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     draft, draft_info = None, None
     if options.draft_endpoint:
         draft = DraftClient(open_channel(options.draft_endpoint, options.channel_tls, interceptors))
         draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
+    return await backends_for(tokenizer, target, draft, draft_info, options.loop)
+
+
+async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_info: common_pb2.ModelInfo | None,
+                       loop: LoopConfig) -> Backends:
+    """Check the target (and the draft's info, when known) against the tokenizer; return the backends."""
+    target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
-                         default_num_speculative_tokens=options.loop.num_speculative_tokens)
+                         default_num_speculative_tokens=loop.num_speculative_tokens)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
                     model=target_info.model)
 
@@ -90,6 +101,9 @@ async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: Orchestra
                           tracer_provider: TracerProvider | None = None,
                           metrics: OrchestratorMetrics | None = None) -> GenerationServicer:
     """Connect to the services and check them; the result serves gRPC and HTTP alike."""
+    if options.pools is not None:
+        from orchestrator.pools.serving import create_pooled_servicer
+        return await create_pooled_servicer(tokenizer, options, tracer_provider=tracer_provider, metrics=metrics)
     backends = await connect_backends(tokenizer, options, tracer_provider)
     return GenerationServicer(tokenizer, backends, options.loop, metrics, tracer(tracer_provider))
 
@@ -101,7 +115,7 @@ async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0",
     """Serve Generation and Admin (both behind `api_key` when set; the kill switch is an admin act)."""
     def register(server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools), server)
     return await start_server(register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address,
                               max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, api_key=api_key,
                               tracer_provider=tracer_provider)

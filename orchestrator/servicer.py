@@ -15,6 +15,7 @@ from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.policy import AdaptiveDraftLength, AdaptiveSpeculation
 from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.validation import ModelLimits, validate_request
+from specmesh.errors import NotManagedHere
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -41,6 +42,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
         self.adaptive = AdaptiveSpeculation()
+        self.pools = None  # orchestrator.pools.serving.Pools when serving from replica pools
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
@@ -117,10 +119,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """The operator's kill switch for speculation."""
+    """The operator's kill switch for speculation, and the replica pools' size."""
 
-    def __init__(self, switch: SpeculationSwitch):
+    def __init__(self, switch: SpeculationSwitch, pools=None):
         self.switch = switch
+        self.pools = pools  # orchestrator.pools.serving.Pools, or None: no pools here
 
     async def SetSpeculation(self, request: admin_pb2.SetSpeculationRequest, context: grpc.aio.ServicerContext):
         self.switch.enabled = request.enabled
@@ -128,6 +131,18 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def GetSpeculation(self, request: admin_pb2.GetSpeculationRequest, context: grpc.aio.ServicerContext):
         return admin_pb2.SpeculationState(enabled=self.switch.enabled)
+
+    async def ScalePool(self, request: admin_pb2.ScalePoolRequest, context: grpc.aio.ServicerContext):
+        return self._require_pools().scale(request.pool, request.replicas)
+
+    async def ListReplicas(self, request: admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext):
+        return self._require_pools().list()
+
+    def _require_pools(self):
+        if self.pools is None:
+            raise NotManagedHere("this orchestrator serves fixed endpoints, not replica pools "
+                          "(start it with 'specmesh serve --target-replicas N')")
+        return self.pools
 
 
 def _stats(stats: LoopStats, started: float, first_token_at: float, completion_tokens: int,

@@ -76,7 +76,9 @@ class ModelEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig):
         self.model = model
         self.config = config
-        self.device = next(model.parameters()).device
+        self.device = next(model.parameters()).device  # where input ids go (the embedding's device)
+        # Sharded over several GPUs (device "auto"), the output projection may sit on another one.
+        self.logits_device = model.get_output_embeddings().weight.device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.context_window = models.context_window(model)
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
@@ -190,7 +192,7 @@ class ModelEngine:
         """
         multiple = max(1, self.config.row_multiple)
         rows = keep if keep == 1 else min(-(-keep // multiple) * multiple, keep + padding)
-        return torch.arange(n - keep, n - keep + rows, device=self.device)
+        return torch.arange(n - keep, n - keep + rows, device=self.logits_device)
 
     def feed_uncached(self, session: Session, extra: Sequence[int] = (),
                       keep_rows: int | None = None) -> tuple[torch.Tensor, int]:

@@ -54,3 +54,9 @@ class StaleRound(SpecmeshError):
 
 class CapacityExhausted(SpecmeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotManagedHere(SpecmeshError):
+    """An operation for a part this process does not own (e.g. scaling pools it only joined)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION

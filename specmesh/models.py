@@ -243,7 +243,10 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None
         tokenizer = _from_pretrained(_auto("AutoTokenizer").from_pretrained, resolved)
         model = _from_pretrained(_auto("AutoModelForCausalLM").from_pretrained, resolved,
                                  dtype=dtype, **resolved.model_kwargs())
-    model = model.to(device=torch.device(device), dtype=dtype)
+    if device == "auto":
+        model = _shard_over_gpus(model.to(dtype=dtype))
+    else:
+        model = model.to(device=torch.device(device), dtype=dtype)
     model.eval()
     model.requires_grad_(False)
     logger.info("loaded %s (%s) on %s as %s", spec, resolved.kind, device, dtype)
@@ -258,6 +261,26 @@ def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, 
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     ids = encoded["input_ids"]
     return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
+def _shard_over_gpus(model: PreTrainedModel) -> PreTrainedModel:
+    """Spread whole decoder layers evenly over every visible GPU (device "auto").
+
+    A Ray replica with num_gpus=N sees exactly its N GPUs, so a large target spans
+    them; accelerate's hooks move activations between layers (pipeline-style, one
+    GPU busy at a time: memory capacity, not tensor parallelism).
+    """
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    if not torch.cuda.is_available():
+        raise ValueError("device 'auto' shards the model over GPUs, but no CUDA device is visible")
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    max_memory = get_balanced_memory(model, no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    logger.info("sharding over %d GPUs: %s", torch.cuda.device_count(), device_map)
+    return dispatch_model(model, device_map=device_map)
 
 
 def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -46,7 +46,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     parser.add_argument("--model", default=default_model, help="embedded alias, directory, .gguf file or hub id")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (sharded over every visible GPU)")
     parser.add_argument("--max-sessions", type=int, default=256)
     parser.add_argument("--session-idle-timeout", type=float, default=600.0,
                         help="seconds after which an untouched session is freed")
@@ -80,7 +80,7 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
 
 def native_bf16(device: str) -> bool:
     """Whether `device` computes bf16 natively (then bf16 beats fp32; emulated, it loses)."""
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or device == "auto":  # auto: sharded over GPUs
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:

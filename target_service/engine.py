@@ -10,7 +10,7 @@ import torch
 from specmesh.distributions import decode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
-from specmesh.sampling import SamplingParams, logits_to_probs, sample_token
+from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
 from specmesh.v1 import common_pb2
 from target_service.disagreements import Disagreement, DisagreementLog, context_hash
 from target_service.rejection_sampler import Verdict, verify_greedy, verify_sampled
@@ -46,6 +46,25 @@ class TargetEngine:
         except BaseException:
             self.engine.close(request_id)
             raise
+
+    async def resume(self, request_id: str, committed: Sequence[int], sampling: SamplingParams) -> Opened:
+        """Take over a session another replica lost: prefill its committed sequence, sample nothing.
+
+        The cache covers all but the last committed token, as after any round, so the
+        next Verify at position len(committed) feeds that token with its drafts.
+        """
+        session = self.engine.new_session(request_id, committed, sampling)
+        # A seeded stream restarted from the seed would reuse the uniforms that already
+        # decided earlier tokens; salting it with the position keeps the draws fresh.
+        session.generator = make_generator(sampling.seed, salt=len(committed))
+        if len(committed) < 2:
+            return Opened(-1, len(committed), 0)
+        try:
+            _, forward_ns = await self.engine.run(self.engine.forward, session, list(committed[:-1]), 1)
+        except BaseException:
+            self.engine.close(request_id)
+            raise
+        return Opened(-1, len(committed), forward_ns)
 
     def _prefill(self, session: Session) -> Opened:
         logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]

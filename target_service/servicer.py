@@ -20,13 +20,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.metrics = metrics
 
     async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
-        opened = await self.engine.open(request.request_id, list(request.prompt_token_ids),
-                                        sampling_from_pb(request.sampling))
+        open_ = self.engine.resume if request.resume else self.engine.open
+        opened = await open_(request.request_id, list(request.prompt_token_ids), sampling_from_pb(request.sampling))
         self.metrics.observe_forward("prefill", opened.forward_ns)
         annotate_current_span(forward_ns=opened.forward_ns)
-        return target_pb2.TargetOpenResponse(
-            request_id=request.request_id, token_id=opened.token_id,
-            committed_length=opened.committed_length, forward_ns=opened.forward_ns)
+        response = target_pb2.TargetOpenResponse(request_id=request.request_id,
+                                                  committed_length=opened.committed_length,
+                                                  forward_ns=opened.forward_ns)
+        if not request.resume:
+            response.token_id = opened.token_id
+        return response
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         result = await self.engine.verify(request.request_id, request.round, request.position,

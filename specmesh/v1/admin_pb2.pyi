@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -19,3 +21,49 @@ class SpeculationState(_message.Message):
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     def __init__(self, enabled: _Optional[bool] = ...) -> None: ...
+
+class ScalePoolRequest(_message.Message):
+    __slots__ = ("pool", "replicas")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    replicas: int
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaState(_message.Message):
+    __slots__ = ("name", "address", "state", "open_sessions", "routed_sessions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    state: str
+    open_sessions: int
+    routed_sessions: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., open_sessions: _Optional[int] = ..., routed_sessions: _Optional[int] = ...) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("pool", "desired_replicas", "min_replicas", "max_replicas", "replicas")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    desired_replicas: int
+    min_replicas: int
+    max_replicas: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
+    def __init__(self, pool: _Optional[str] = ..., desired_replicas: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ...) -> None: ...
+
+class ListReplicasResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolState]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolState, _Mapping]]] = ...) -> None: ...

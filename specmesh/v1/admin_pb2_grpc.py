@@ -44,6 +44,16 @@ class AdminStub:
                 request_serializer=specmesh_dot_v1_dot_admin__pb2.GetSpeculationRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_admin__pb2.SpeculationState.FromString,
                 _registered_method=True)
+        self.ScalePool = channel.unary_unary(
+                '/specmesh.v1.Admin/ScalePool',
+                request_serializer=specmesh_dot_v1_dot_admin__pb2.ScalePoolRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_admin__pb2.PoolState.FromString,
+                _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/specmesh.v1.Admin/ListReplicas',
+                request_serializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -65,6 +75,22 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScalePool(self, request, context):
+        """Unary. Set the number of replicas of a pool ("draft" or "target") of an
+        orchestrator that manages Ray replica pools (FAILED_PRECONDITION when it
+        does not). New replicas get traffic once healthy; removed ones drain.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReplicas(self, request, context):
+        """Unary. The replica pools as this orchestrator sees them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +103,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetSpeculation,
                     request_deserializer=specmesh_dot_v1_dot_admin__pb2.GetSpeculationRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_admin__pb2.SpeculationState.SerializeToString,
+            ),
+            'ScalePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScalePool,
+                    request_deserializer=specmesh_dot_v1_dot_admin__pb2.ScalePoolRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_admin__pb2.PoolState.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +169,60 @@ class Admin:
             '/specmesh.v1.Admin/GetSpeculation',
             specmesh_dot_v1_dot_admin__pb2.GetSpeculationRequest.SerializeToString,
             specmesh_dot_v1_dot_admin__pb2.SpeculationState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScalePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Admin/ScalePool',
+            specmesh_dot_v1_dot_admin__pb2.ScalePoolRequest.SerializeToString,
+            specmesh_dot_v1_dot_admin__pb2.PoolState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Admin/ListReplicas',
+            specmesh_dot_v1_dot_admin__pb2.ListReplicasRequest.SerializeToString,
+            specmesh_dot_v1_dot_admin__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,7 +62,8 @@ class TargetServiceServicer:
 
     def OpenSession(self, request, context):
         """Unary. Create a session, prefill the prompt and sample the first output
-        token (so time to first token does not wait for the draft).
+        token (so time to first token does not wait for the draft). With resume,
+        take over a session from a lost replica instead (no new token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,198 @@
+"""The Ray side of the `specmesh` command: `serve` with replica pools, `scale`, `replicas`.
+
+`specmesh serve` runs on Ray when any of --address, --draft-replicas or
+--target-replicas is given; otherwise it starts the three plain processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+
+import grpc
+
+from orchestrator.clients import add_client_arguments, client_channel
+from orchestrator.pools.controller import PoolSpec
+from orchestrator.pools.replica import ReplicaConfig
+from orchestrator.pools.serving import PoolsOptions
+from specmesh.service import ServiceOptions
+from specmesh.v1 import admin_pb2, admin_pb2_grpc
+
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # replicas talk gRPC; Ray's object store stays idle
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("Ray replica pools (any of --address, --draft-replicas, --target-replicas "
+                                     "runs every replica as a Ray actor)")
+    group.add_argument("--address", default=None,
+                       help="Ray cluster to join (e.g. 'auto' or HEAD_IP:6379); default: start a local one")
+    group.add_argument("--ray-namespace", default="specmesh", help="Ray namespace of the replica actors")
+    for role in ("draft", "target"):
+        group.add_argument(f"--{role}-replicas", type=int, default=None, help=f"initial {role} replicas (default 1)")
+        group.add_argument(f"--{role}-min-replicas", type=int, default=None, help="autoscaling lower bound")
+        group.add_argument(f"--{role}-max-replicas", type=int, default=None, help="autoscaling upper bound")
+        group.add_argument(f"--{role}-num-cpus", type=float, default=1.0, help=f"Ray CPUs per {role} replica")
+        group.add_argument(f"--{role}-num-gpus", type=float, default=0.0,
+                           help=f"Ray GPUs per {role} replica" + ("; > 1 shards the model over that many GPUs "
+                                                                  "of one node" if role == "target" else ""))
+        group.add_argument(f"--{role}-resources", type=_resources, default={}, metavar="JSON",
+                           help=f"custom Ray resources per {role} replica, e.g. '{{\"specmesh_{role}\": 1}}', "
+                                "to place the pool on its own worker group")
+    group.add_argument("--sessions-per-replica", type=float, default=4.0,
+                       help="autoscaling target: mean open sessions per serving replica")
+    group.add_argument("--drain-grace", type=float, default=60.0,
+                       help="seconds a removed replica waits for its sessions before it is killed")
+    group.add_argument("--max-replica-failures", type=int, default=2,
+                       help="replicas one request may lose before it is failed")
+
+
+def _resources(text: str) -> dict[str, float]:
+    try:
+        resources = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(resources, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in resources.values()):
+        raise argparse.ArgumentTypeError("a JSON object of resource name to positive amount")
+    return resources
+
+
+def wants_ray(args: argparse.Namespace) -> bool:
+    return args.address is not None or args.draft_replicas is not None or args.target_replicas is not None
+
+
+def replica_device(device: str, num_gpus: float) -> str:
+    """'auto' (sharded by accelerate over the actor's GPUs) for more than one GPU."""
+    if num_gpus > 1:
+        return "auto"
+    if num_gpus > 0 and device == "cpu":
+        return "cuda"
+    return device
+
+
+def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtype: str, tls=None,
+              **replica) -> PoolSpec:
+    get = lambda name: getattr(args, f"{role}_{name}")  # noqa: E731
+    num_cpus, num_gpus = get("num_cpus"), get("num_gpus")
+    service = ServiceOptions(model=model, host=args.host, device=replica_device(device, num_gpus), dtype=dtype,
+                             num_threads=max(1, math.floor(num_cpus)), trace_exporter=args.trace_exporter,
+                             trace_sample_ratio=args.trace_sample_ratio, tls=tls)
+    replicas = 1 if get("replicas") is None else get("replicas")
+    return PoolSpec(ReplicaConfig(role, service, **replica), replicas=replicas, min_replicas=get("min_replicas"),
+                    max_replicas=get("max_replicas"), num_cpus=num_cpus, num_gpus=num_gpus,
+                    resources=get("resources"),
+                    sessions_per_replica=args.sessions_per_replica, drain_grace_s=args.drain_grace)
+
+
+def pools_options(args: argparse.Namespace, security=None) -> PoolsOptions:
+    """security: specmesh.security settings; replicas get the serving TLS material as bytes."""
+    server_tls = security.server_tls if security else None
+    log = (args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None
+    target = pool_spec(args, "target", args.target, args.device, args.target_dtype, server_tls,
+                       disagreement_log=log)
+    draft = None
+    if args.draft.lower() != "none" and args.draft_replicas != 0:
+        draft = pool_spec(args, "draft", args.draft, args.draft_device or args.device, args.draft_dtype,
+                          server_tls, greedy_proposals=args.greedy_draft)
+    return PoolsOptions(namespace=args.ray_namespace, target=target, draft=draft,
+                        max_replica_failures=args.max_replica_failures,
+                        channel_tls=security.channel_tls if security else None)
+
+
+def local_cpus(options: PoolsOptions) -> int:
+    """Logical CPUs for a local cluster: room for every pool at its largest (Ray oversubscribes)."""
+    wanted = sum(spec.num_cpus * spec.bounds[1] for spec in (options.target, options.draft) if spec)
+    return max(os.cpu_count() or 1, math.ceil(wanted))
+
+
+def init_ray(address: str | None, namespace: str, options: PoolsOptions | None = None) -> None:
+    import ray
+    kwargs = dict(namespace=namespace, include_dashboard=False, log_to_driver=True)
+    if address is None:
+        kwargs.update(num_cpus=local_cpus(options) if options else None, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+    ray.init(address=address, **kwargs)
+
+
+# ---- `specmesh scale` and `specmesh replicas`
+
+
+def add_parsers(commands) -> None:
+    scale = commands.add_parser("scale", help="set the number of draft or target replicas (Ray pools)")
+    scale.add_argument("pool", choices=["draft", "target"])
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--endpoint", default="127.0.0.1:50051")
+    add_client_arguments(scale)
+    scale.set_defaults(handler=lambda args: asyncio.run(_admin(args, _scale)))
+    replicas = commands.add_parser("replicas", help="list the replica pools and each replica's state")
+    replicas.add_argument("--endpoint", default="127.0.0.1:50051")
+    add_client_arguments(replicas)
+    replicas.set_defaults(handler=lambda args: asyncio.run(_admin(args, _list)))
+
+
+async def _scale(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
+    if args.replicas < 0:
+        raise SystemExit("specmesh scale: replicas must be >= 0")
+    request = admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas)
+    return [await stub.ScalePool(request, timeout=10, metadata=metadata)]
+
+
+async def _list(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
+    return list((await stub.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10, metadata=metadata)).pools)
+
+
+async def _admin(args: argparse.Namespace, call) -> int:
+    channel, metadata = client_channel(args)
+    async with channel:
+        try:
+            pools = await call(admin_pb2_grpc.AdminStub(channel), args, metadata)
+        except grpc.aio.AioRpcError as error:
+            print(f"specmesh {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 2
+    for pool in pools:
+        bounds = f"autoscaling {pool.min_replicas}..{pool.max_replicas}" if pool.max_replicas else "autoscaling off"
+        print(f"{pool.pool}: {pool.desired_replicas} replicas desired ({bounds})")
+        for replica in pool.replicas:
+            print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
+                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})")
+    return 0
+
+
+# ---- `specmesh serve` on Ray
+
+
+def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=None) -> int:
+    """Start (or join) a Ray cluster, the pools' replica actors, and an orchestrator in this process."""
+    import ray
+
+    from orchestrator.launcher import run_orchestrator
+    from orchestrator.server import OrchestratorOptions, loop_config
+    options = pools_options(args, security)
+    init_ray(args.address, args.ray_namespace, options)
+    orchestrator = OrchestratorOptions("", None, loop_config(args), pools=options)
+    telemetry = ServiceOptions(model=args.target, host=args.host, metrics_port=metrics_port,
+                               http_port=args.http_port, trace_exporter=args.trace_exporter,
+                               trace_sample_ratio=args.trace_sample_ratio,
+                               tls=security.server_tls if security else None,
+                               api_key=security.api_key if security else None)
+    try:
+        run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, _ReadyLine(args.host))
+    finally:
+        ray.shutdown()  # the replica actors belong to this driver and go with it
+    return 0
+
+
+class _ReadyLine:
+    """Receives the orchestrator's readiness report (the launcher's queue protocol) and prints it."""
+
+    def __init__(self, host: str):
+        self.host = host
+
+    def put(self, ready) -> None:
+        from orchestrator.launcher import ready_message
+        if ready.error:
+            print(f"specmesh serve: {ready.error}", file=sys.stderr, flush=True)
+            return
+        print(ready_message(self.host, ready) + " (Ray replica pools; 'specmesh replicas' lists them)", flush=True)

@@ -1,0 +1,221 @@
+"""Ray side of the pools: create replica actors, scale them, drain and replace them.
+
+One `PoolController` per pool lives in the orchestrator process that owns the
+actors (`specmesh serve`). Replicas are named actors `specmesh-<role>-<n>` in the
+Ray namespace, so other orchestrators (`python -m orchestrator --ray-address`)
+discover the same replicas with `ray_discovery`. Ray restarts a crashed replica
+(`max_restarts`); one that is dead for good is replaced to keep the pool's size.
+Removing a replica drains it: health NOT_SERVING (routers stop sending new
+sessions), then it is killed once its sessions have finished or the grace period
+has passed (sessions still there then move to another replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.pools.pool import Discover, ReplicaGone, ReplicaPool, Resolve
+from orchestrator.pools.replica import ReplicaActor, ReplicaConfig
+
+log = logging.getLogger(__name__)
+ACTOR_PREFIX = "specmesh-"
+CLIENTS = {"draft": DraftClient, "target": TargetClient}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    replica: ReplicaConfig  # what each replica serves
+    replicas: int = 1  # initial size
+    min_replicas: int | None = None  # autoscaling bounds; None = replicas (no autoscaling)
+    max_replicas: int | None = None
+    num_cpus: float = 1.0  # Ray resources per replica
+    num_gpus: float = 0.0  # > 1: the target is sharded over that many GPUs of one node
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (a worker group's)
+    max_restarts: int = 3  # Ray restarts of one replica before it is replaced
+    sessions_per_replica: float = 4.0  # autoscaling target: mean open sessions per serving replica
+    scale_cooldown_s: float = 30.0
+    drain_grace_s: float = 60.0  # longest a removed replica waits for its sessions
+
+    @property
+    def role(self) -> str:
+        return self.replica.role
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        low = self.replicas if self.min_replicas is None else self.min_replicas
+        high = self.replicas if self.max_replicas is None else self.max_replicas
+        return low, high
+
+
+def actor_resolver(handle) -> Resolve:
+    async def resolve() -> str:
+        import ray
+        try:
+            return await handle.address.remote()
+        except ray.exceptions.ActorDiedError as error:
+            raise ReplicaGone(str(error)) from error
+    return resolve
+
+
+def ray_discovery(role: str, namespace: str) -> Discover:
+    """The replicas of a pool as named actors in `namespace` (for orchestrators that join)."""
+    import ray
+    handles: dict[str, object] = {}
+
+    async def discover() -> dict[str, Resolve]:
+        prefix = f"{ACTOR_PREFIX}{role}-"
+        names = [n for n in await asyncio.to_thread(ray.util.list_named_actors) if n.startswith(prefix)]
+        found = {}
+        for name in names:
+            if name not in handles:
+                handles[name] = ray.get_actor(name, namespace=namespace)
+            found[name] = actor_resolver(handles[name])
+        return found
+    return discover
+
+
+def new_pool(role: str, discover: Discover, check_interval_s: float, interceptors=(), tls=None) -> ReplicaPool:
+    return ReplicaPool(role, discover, CLIENTS[role], check_interval_s, interceptors, tls)
+
+
+class PoolController:
+    def __init__(self, spec: PoolSpec, namespace: str, check_interval_s: float = 1.0, interceptors=(), tls=None):
+        self.spec = spec
+        self.namespace = namespace
+        self.actors: dict[str, object] = {}  # live and draining replicas, by actor name
+        self.draining: dict[str, asyncio.Task] = {}
+        self.desired = spec.replicas
+        self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
+        self._index = 0
+        self._last_scaled = 0.0
+        self._task: asyncio.Task | None = None
+
+    async def _discover(self) -> dict[str, Resolve]:
+        return {name: actor_resolver(handle) for name, handle in self.actors.items()}
+
+    def start(self) -> None:
+        self.scale_to(self.desired)
+        self.pool.start()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        import ray
+        if self._task is not None:
+            self._task.cancel()
+        for task in self.draining.values():
+            task.cancel()
+        for handle in self.actors.values():
+            ray.kill(handle, no_restart=True)
+        self.actors.clear()
+        await self.pool.stop()
+
+    def live(self) -> list[str]:
+        return [name for name in self.actors if name not in self.draining]
+
+    def scale_to(self, replicas: int) -> None:
+        """Start or drain replicas until `replicas` are live (draining ones not counted)."""
+        self.desired = replicas
+        self._last_scaled = time.monotonic()
+        live = self.live()
+        for _ in range(replicas - len(live)):
+            self._add_replica()
+        for name in self._drain_order(live)[:max(0, len(live) - replicas)]:
+            self.draining[name] = asyncio.ensure_future(self._drain(name))
+
+    def _drain_order(self, names: list[str]) -> list[str]:
+        """Cheapest to remove first: not yet serving, then fewest sessions, then newest."""
+        def cost(name: str):
+            replica = self.pool.replicas.get(name)
+            if replica is None or not replica.serving:
+                return (0, 0, -self._number(name))
+            return (1, max(replica.routed, replica.open_sessions), -self._number(name))
+        return sorted(names, key=cost)
+
+    @staticmethod
+    def _number(name: str) -> int:
+        return int(name.rsplit("-", 1)[1])
+
+    def _add_replica(self) -> None:
+        import ray
+        spec = self.spec
+        remote = ray.remote(ReplicaActor)
+        while True:
+            name = f"{ACTOR_PREFIX}{spec.role}-{self._index}"
+            self._index += 1
+            try:
+                handle = remote.options(name=name, namespace=self.namespace, num_cpus=spec.num_cpus,
+                                        num_gpus=spec.num_gpus, resources=spec.resources or None,
+                                        max_restarts=spec.max_restarts,
+                                        max_task_retries=2).remote(spec.replica)
+                break
+            except ValueError:  # the name is taken (another run in this namespace): try the next
+                continue
+        handle.address.remote()  # start loading the model now, not at the first health check
+        self.actors[name] = handle
+        log.info("started %s replica %s", spec.role, name)
+
+    async def _drain(self, name: str) -> None:
+        import ray
+        handle = self.actors[name]
+        replica = self.pool.replicas.get(name)
+        if replica is not None:
+            replica.draining = True
+        deadline = time.monotonic() + self.spec.drain_grace_s
+        try:
+            await asyncio.wait_for(handle.drain.remote(), self.spec.drain_grace_s)
+            while time.monotonic() < deadline and await handle.open_sessions.remote() > 0:
+                await asyncio.sleep(0.2)
+        except Exception as error:  # noqa: BLE001 - a dead replica has nothing left to drain
+            log.info("draining %s replica %s: %s", self.spec.role, name, error)
+        ray.kill(handle, no_restart=True)
+        self.actors.pop(name, None)
+        self.draining.pop(name, None)
+        log.info("removed %s replica %s", self.spec.role, name)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.pool.check_interval_s)
+            try:
+                self._replace_gone()
+                self._autoscale()
+            except Exception:  # noqa: BLE001
+                log.exception("%s pool controller", self.spec.role)
+
+    def _replace_gone(self) -> None:
+        """Replicas that used up their restarts are dropped and replaced."""
+        for name, replica in list(self.pool.replicas.items()):
+            if replica.gone and name in self.actors and name not in self.draining:
+                log.warning("%s replica %s is gone for good; replacing it", self.spec.role, name)
+                self.actors.pop(name)
+                self._add_replica()
+
+    def _autoscale(self) -> None:
+        low, high = self.spec.bounds
+        if low >= high or time.monotonic() - self._last_scaled < self.spec.scale_cooldown_s:
+            return
+        loads = [max(r.routed, r.open_sessions) for r in self.pool.routable()]
+        wanted = autoscale(self.desired, low, high, loads, self.spec.sessions_per_replica)
+        if wanted != self.desired:
+            log.info("%s pool: %d sessions on %d serving replicas; scaling to %d", self.spec.role, sum(loads),
+                     len(loads), wanted)
+            self.scale_to(wanted)
+
+
+def autoscale(desired: int, low: int, high: int, loads: list[int], sessions_per_replica: float) -> int:
+    """One step towards `sessions_per_replica` mean load; `loads` are the serving replicas' sessions.
+
+    Up when the mean is above the target; down only when one replica fewer would stay
+    under half of it, so the pool does not flap around the threshold.
+    """
+    if not loads:
+        return desired  # nothing serving yet (starting or restarting): no figure to act on
+    total = sum(loads)
+    if total / len(loads) > sessions_per_replica and desired < high:
+        return desired + 1
+    if desired > low and total <= (desired - 1) * sessions_per_replica / 2:
+        return desired - 1
+    return desired

@@ -1,0 +1,192 @@
+"""Draft and target clients over replica pools: a session sticks to one replica and moves when it dies.
+
+They keep the `DraftClient` / `TargetClient` interface, so the loop never sees
+replicas. Each remembers the sequence its session holds on its replica — the
+target's committed tokens (prompt, first token, each round's accepted prefix plus
+recovered or bonus token), the draft's tokens (commits applied, proposals appended)
+— so when a call finds its replica gone (UNAVAILABLE, or NOT_FOUND from a replica
+that restarted empty), the session is re-prefilled on the least-loaded other
+replica from that sequence and the same call is sent again with the same round and
+position. The client stream then has no lost or duplicated token, and under greedy
+the same output. (Under sampling the output keeps the target's distribution; a
+seeded request is no longer reproducible across the move.) A request that loses `max_replica_failures` replicas is failed
+(ABORTED) rather than allowed to take down one replica after another; a pool with
+no healthy replica answers UNAVAILABLE within the request's deadline. The loop
+treats any draft error as "go target-only", so draft failures never reach clients.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+
+from orchestrator.clients import UpstreamError
+from orchestrator.pools.pool import NoHealthyReplica, Replica, ReplicaPool
+from specmesh.errors import SpecmeshError
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import common_pb2, draft_pb2, target_pb2
+
+log = logging.getLogger(__name__)
+# UNAVAILABLE: the replica is unreachable; CANCELLED: it stopped under our call; NOT_FOUND:
+# it restarted without our session. Each means the replica lost the session, never that the
+# request was bad, so retrying elsewhere cannot change the output.
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND})
+MAX_REPLICA_FAILURES = 2
+
+
+class ReplicaFailure(UpstreamError):
+    """The pool could not serve the request: no healthy replica, or too many lost."""
+
+    def __init__(self, service: str, code: grpc.StatusCode, message: str):
+        SpecmeshError.__init__(self, f"{service} service: {code.name}: {message}")
+        self.code = code
+
+
+@dataclass
+class Placement:
+    sequence: list[int]  # what the session holds on its replica
+    sampling: SamplingParams
+    replica: Replica | None = None
+    opened: bool = False  # the session exists (on this or a lost replica)
+    stale: bool = False  # placed on a new replica that does not hold the session yet
+    failures: int = 0
+
+
+def _code(error: Exception) -> grpc.StatusCode:
+    return error.code if isinstance(error, UpstreamError) else error.code()
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+class PooledClient:
+    service = ""
+
+    def __init__(self, pool: ReplicaPool, *, max_replica_failures: int = MAX_REPLICA_FAILURES,
+                 acquire_timeout_s: float = 10.0):
+        self.pool = pool
+        self.max_replica_failures = max_replica_failures
+        self.acquire_timeout_s = acquire_timeout_s  # longest wait for a healthy replica
+        self.sessions: dict[str, Placement] = {}
+        self.failovers = 0  # sessions moved off a lost replica, over this client's life
+
+    async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
+        replica = await self._acquire(time.monotonic() + timeout)
+        try:
+            return await replica.client.model_info(timeout=timeout)
+        finally:
+            self.pool.release(replica)
+
+    async def close(self, request_id: str) -> None:
+        placement = self.sessions.pop(request_id, None)
+        if placement is not None and placement.replica is not None:
+            self.pool.release(placement.replica)
+            await placement.replica.client.close(request_id)
+
+    async def _call(self, request_id: str, placement: Placement, timeout: float,
+                    call: Callable[[object, float], Awaitable]):
+        """Run call(client, timeout) on the session's replica, moving the session when it is lost."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if placement.replica is None:
+                placement.replica = await self._acquire(deadline)
+                placement.stale = placement.opened
+            replica = placement.replica
+            try:
+                if placement.stale:
+                    await self._reopen(replica.client, request_id, placement, _remaining(deadline))
+                    placement.stale = False
+                return await call(replica.client, _remaining(deadline))
+            except (UpstreamError, grpc.aio.AioRpcError) as error:
+                if isinstance(error, ReplicaFailure) or _code(error) not in FAILOVER_CODES:
+                    raise
+                self._lose(request_id, placement, replica, error)
+
+    def _lose(self, request_id: str, placement: Placement, replica: Replica, error: Exception) -> None:
+        placement.failures += 1
+        self.failovers += 1
+        self.pool.mark_failed(replica)
+        self.pool.release(replica)
+        placement.replica = None
+        log.warning("request %s lost %s replica %s (%s)", request_id, self.service, replica.name, error)
+        if placement.failures >= self.max_replica_failures:
+            raise self._failure(grpc.StatusCode.ABORTED,
+                                f"request {request_id} lost {placement.failures} {self.service} replicas; "
+                                "failing it rather than letting it take down more")
+
+    async def _acquire(self, deadline: float) -> Replica:
+        try:
+            return await self.pool.acquire(min(self.acquire_timeout_s, max(0.0, deadline - time.monotonic())))
+        except NoHealthyReplica as error:
+            raise self._failure(grpc.StatusCode.UNAVAILABLE, str(error)) from None
+
+    async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
+        raise NotImplementedError
+
+    def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
+        raise NotImplementedError
+
+
+class PooledTargetClient(PooledClient):
+    service = "target"
+
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                   timeout: float) -> target_pb2.TargetOpenResponse:
+        placement = self.sessions[request_id] = Placement(list(prompt), sampling)
+        opened = await self._call(request_id, placement, timeout,
+                                  lambda client, t: client.open(request_id, prompt, sampling, t))
+        placement.opened = True
+        placement.sequence.append(opened.token_id)
+        return opened
+
+    async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
+                     distributions: Sequence[common_pb2.TokenDistribution],
+                     timeout: float) -> target_pb2.VerifyResponse:
+        placement = self.sessions[request_id]
+        verified = await self._call(request_id, placement, timeout, lambda client, t: client.verify(
+            request_id, round_number, position, draft_token_ids, distributions, t))
+        del placement.sequence[position:]
+        placement.sequence.extend([*draft_token_ids[:verified.accepted_count], verified.next_token_id])
+        return verified
+
+    async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
+        await client.resume(request_id, placement.sequence, placement.sampling, timeout)
+
+    def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
+        return ReplicaFailure(self.service, code, message)
+
+
+class PooledDraftClient(PooledClient):
+    service = "draft"
+
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                   timeout: float) -> draft_pb2.DraftOpenResponse:
+        placement = self.sessions[request_id] = Placement(list(prompt), sampling)
+        opened = await self._call(request_id, placement, timeout,
+                                  lambda client, t: client.open(request_id, prompt, sampling, t))
+        placement.opened = True
+        return opened
+
+    async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
+                      position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
+        placement = self.sessions[request_id]
+        # A re-opened replica holds exactly `sequence`, so the same commit applies to it unchanged.
+        proposal = await self._call(request_id, placement, timeout, lambda client, t: client.propose(
+            request_id, round_number, commit, position, num_tokens, t))
+        if commit is not None:
+            del placement.sequence[commit.position:]
+            placement.sequence.extend(commit.token_ids)
+        placement.sequence.extend(proposal.token_ids)
+        return proposal
+
+    async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
+        await client.open(request_id, placement.sequence, placement.sampling, timeout)
+
+    def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
+        # The loop answers any draft RPC error by going target-only: the output is unchanged.
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)

@@ -1,0 +1,208 @@
+"""A pool of draft or target replicas as one orchestrator sees it: discovery, health, routing.
+
+Replicas come from a `discover()` callable (Ray named actors, or fixed addresses in
+tests), each with a `resolve()` that returns its current gRPC address: a restarted
+replica serves on a new port, so an unreachable one is resolved again. Every
+`check_interval_s` the pool asks each replica's grpc.health.v1 service whether it is
+SERVING and how many sessions it holds. A new session goes to the least-loaded
+serving replica — fewest sessions routed from here, then fewest open on the replica —
+and stays there until it ends or the replica is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.clients import open_channel
+
+log = logging.getLogger(__name__)
+Resolve = Callable[[], Awaitable[str]]
+Discover = Callable[[], Awaitable[dict[str, Resolve]]]
+CHECK_TIMEOUT_S = 2.0
+RESOLVE_TIMEOUT_S = 60.0  # a restarting replica loads its model before it answers
+
+
+class NoHealthyReplica(Exception):
+    def __init__(self, role: str, waited_s: float):
+        super().__init__(f"no healthy {role} replica (waited {waited_s:.1f} s)")
+
+
+class ReplicaGone(Exception):
+    """resolve() raises this when a replica is dead for good (not being restarted)."""
+
+
+@dataclass
+class Replica:
+    name: str
+    resolve: Resolve
+    address: str | None = None
+    channel: grpc.aio.Channel | None = None
+    client: object = None  # DraftClient or TargetClient over `channel`
+    serving: bool = False
+    draining: bool = False  # set by the controller here; other orchestrators see NOT_SERVING
+    gone: bool = False
+    routed: int = 0  # sessions this orchestrator placed here and has not released
+    open_sessions: int = 0  # sessions open on the replica, from its last check
+    failures: int = 0  # calls that found it lost; a check begun before one must not revive it
+    resolving: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if self.serving:
+            return "serving"
+        return "unhealthy" if self.address else "starting"
+
+
+class ReplicaPool:
+    def __init__(self, role: str, discover: Discover, make_client: Callable[[grpc.aio.Channel], object],
+                 check_interval_s: float = 1.0, interceptors: Sequence = (), tls=None):
+        self.role = role
+        self.discover = discover
+        self.make_client = make_client
+        self.check_interval_s = check_interval_s
+        self.interceptors = interceptors
+        self.tls = tls  # specmesh.security.TLSConfig of the channels to replicas; None = plaintext
+        self.replicas: dict[str, Replica] = {}
+        self._task: asyncio.Task | None = None
+
+    # ---- routing
+
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.serving and not r.draining and r.client is not None]
+
+    def try_acquire(self, exclude: Sequence[str] = ()) -> Replica | None:
+        candidates = [r for r in self.routable() if r.name not in exclude]
+        if not candidates:
+            return None
+        replica = min(candidates, key=lambda r: (r.routed, r.open_sessions, r.name))
+        replica.routed += 1
+        return replica
+
+    async def acquire(self, timeout: float) -> Replica:
+        """The least-loaded serving replica; waits up to `timeout` for one to become healthy."""
+        started = time.monotonic()
+        while (replica := self.try_acquire()) is None:
+            if time.monotonic() - started >= timeout:
+                raise NoHealthyReplica(self.role, time.monotonic() - started)
+            await asyncio.sleep(min(0.05, timeout))
+        return replica
+
+    def release(self, replica: Replica) -> None:
+        replica.routed = max(0, replica.routed - 1)
+
+    def mark_failed(self, replica: Replica) -> None:
+        """A call found the replica unreachable: route nothing there until a check says SERVING."""
+        replica.serving = False
+        replica.failures += 1
+
+    # ---- discovery and health
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for replica in list(self.replicas.values()):
+            await self._forget(replica)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - keep checking; one bad round must not stop routing
+                log.exception("%s pool refresh failed", self.role)
+            await asyncio.sleep(self.check_interval_s)
+
+    async def refresh(self) -> None:
+        """Sync with discovery, then check every replica's health concurrently."""
+        found = await self.discover()
+        for name in set(self.replicas) - set(found):
+            await self._forget(self.replicas.pop(name))
+        for name, resolve in found.items():
+            if name not in self.replicas:
+                self.replicas[name] = Replica(name, resolve)
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+
+    async def _check(self, replica: Replica) -> None:
+        if replica.address is None:
+            self._start_resolving(replica)
+            return
+        failures = replica.failures
+        try:
+            stub = health_pb2_grpc.HealthStub(replica.channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving:
+                replica.open_sessions = (await replica.client.model_info(timeout=CHECK_TIMEOUT_S)).open_sessions
+            replica.serving = serving and replica.failures == failures
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+            if replica.serving:
+                log.warning("%s replica %s at %s failed its health check: %s", self.role, replica.name,
+                            replica.address, getattr(error, "code", lambda: error)())
+            replica.serving = False
+            self._start_resolving(replica)  # it may have restarted on another port
+
+    def _start_resolving(self, replica: Replica) -> None:
+        if replica.resolving is None or replica.resolving.done():
+            replica.resolving = asyncio.ensure_future(self._resolve(replica))
+
+    async def _resolve(self, replica: Replica) -> None:
+        try:
+            address = await asyncio.wait_for(replica.resolve(), RESOLVE_TIMEOUT_S)
+        except ReplicaGone:
+            replica.gone, replica.serving = True, False
+            return
+        except Exception as error:  # noqa: BLE001 - try again at the next check
+            log.info("%s replica %s not reachable yet: %s", self.role, replica.name, error)
+            return
+        if address != replica.address:
+            if replica.channel is not None:
+                await replica.channel.close()
+            replica.address = address
+            replica.channel = open_channel(address, self.tls, self.interceptors)
+            replica.client = self.make_client(replica.channel)
+            log.info("%s replica %s at %s", self.role, replica.name, address)
+        await self._check(replica)
+
+    async def _forget(self, replica: Replica) -> None:
+        replica.serving = False
+        if replica.resolving is not None:
+            replica.resolving.cancel()
+        # Sessions still placed here keep the channel: their next call fails over.
+        if replica.channel is not None and replica.routed == 0:
+            await replica.channel.close(grace=None)
+
+    async def wait_serving(self, count: int, timeout: float) -> None:
+        """Refresh until at least `count` replicas serve (start-up and tests)."""
+        deadline = time.monotonic() + timeout
+        while len(self.routable()) < count:
+            if time.monotonic() > deadline:
+                raise NoHealthyReplica(self.role, timeout)
+            if self._task is None:  # else the running refresher does it
+                await self.refresh()
+            await asyncio.sleep(0.1)
+
+
+def fixed_replicas(addresses: dict[str, str]) -> Discover:
+    """Discovery over replicas at known addresses (no Ray): tests and static deployments."""
+    def constant(address: str) -> Resolve:
+        async def resolve() -> str:
+            return address
+        return resolve
+
+    async def discover() -> dict[str, Resolve]:
+        return {name: constant(address) for name, address in addresses.items()}
+    return discover

@@ -1,0 +1,145 @@
+"""Sessions over replica pools survive a lost replica (no Ray: real servers at fixed addresses).
+
+The loop's token stream is an async generator, so a test can stop a replica
+between two rounds at an exact point and check what the next round does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from draft_service.server import create_server as create_draft_server
+from harness import load, make_engine
+from orchestrator.clients import DraftClient, TargetClient, UpstreamError
+from orchestrator.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.pools.cli import replica_device
+from orchestrator.pools.controller import autoscale
+from orchestrator.pools.failover import PooledDraftClient, PooledTargetClient
+from orchestrator.pools.pool import ReplicaPool, fixed_replicas
+from specmesh import models
+from specmesh.sampling import SamplingParams
+from target_service.server import create_server as create_target_server
+from test_greedy_parity import target_greedy
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 48
+
+
+class Replicas:
+    """n real gRPC servers of one role over engines of the same model, and a pool over them."""
+
+    def __init__(self, role: str, servers: dict[str, grpc.aio.Server], addresses: dict[str, str]):
+        self.servers = servers
+        client = TargetClient if role == "target" else DraftClient
+        self.pool = ReplicaPool(role, fixed_replicas(addresses), client, check_interval_s=0.1)
+
+    @classmethod
+    async def start(cls, role: str, model_dir, count: int) -> "Replicas":
+        create = create_target_server if role == "target" else create_draft_server
+        servers, addresses = {}, {}
+        for index in range(count):
+            server, port, _ = await create(make_engine(model_dir, salt=0 if role == "target" else 1))
+            servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
+        replicas = cls(role, servers, addresses)
+        await replicas.pool.wait_serving(count, timeout=10)
+        return replicas
+
+    async def stop(self, name: str) -> None:
+        await self.servers.pop(name).stop(None)
+
+    async def stop_all(self) -> None:
+        for name in list(self.servers):
+            await self.stop(name)
+
+
+def generation(tokenizer, target, draft, k: int = 2) -> SpeculativeGeneration:
+    request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(PROMPT), max_tokens=MAX_TOKENS,
+                                sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=k)
+    return SpeculativeGeneration(request, target, draft, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=k))
+
+
+def placed(client, generation_: SpeculativeGeneration) -> str:
+    return client.sessions[generation_.session_id].replica.name
+
+
+async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tiny_llama_perturbed_dir):
+    targets = await Replicas.start("target", tiny_llama_dir, 2)
+    drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 2)
+    target, draft = PooledTargetClient(targets.pool), PooledDraftClient(drafts.pool)
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    expected = list(target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS))
+    assert len(expected) > 12, "the prompt must run long enough to lose replicas mid-generation"
+    gen, tokens, moved = generation(tokenizer, target, draft), [], []
+    try:
+        async for batch in gen.tokens():
+            tokens.extend(batch)
+            if len(moved) < 2 and gen.stats.rounds == 2 + 2 * len(moved):  # rounds 2 and 4
+                replicas, client = (targets, target) if not moved else (drafts, draft)
+                moved.append(placed(client, gen))
+                await replicas.stop(moved[-1])
+        assert tokens == expected
+        assert target.failovers == 1 and draft.failovers == 1
+        assert not gen.stats.draft_fallback  # the draft session moved rather than being dropped
+        assert placed(target, gen) != moved[0] and placed(draft, gen) != moved[1]
+    finally:
+        await targets.stop_all()
+        await drafts.stop_all()
+        await targets.pool.stop()
+        await drafts.pool.stop()
+
+
+async def test_a_request_that_loses_replicas_repeatedly_is_failed(tiny_llama_dir):
+    targets = await Replicas.start("target", tiny_llama_dir, 3)
+    target = PooledTargetClient(targets.pool, max_replica_failures=2)
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    gen = generation(tokenizer, target, None, k=0)
+    try:
+        with pytest.raises(UpstreamError) as raised:
+            async for _ in gen.tokens():
+                await targets.stop(placed(target, gen))  # every replica it lands on dies
+        assert raised.value.code == grpc.StatusCode.ABORTED
+        assert "lost 2 target replicas" in str(raised.value)
+        assert len(targets.servers) == 1  # the third replica was never taken down
+    finally:
+        await targets.stop_all()
+        await targets.pool.stop()
+
+
+async def test_no_healthy_target_is_unavailable_within_the_wait(tiny_llama_dir):
+    targets = await Replicas.start("target", tiny_llama_dir, 1)
+    target = PooledTargetClient(targets.pool, acquire_timeout_s=1.0)
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    try:
+        await targets.stop_all()
+        started = time.monotonic()
+        with pytest.raises(UpstreamError) as raised:
+            async for _ in generation(tokenizer, target, None).tokens():
+                pass
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 5.0
+    finally:
+        await targets.pool.stop()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_a_sharded_target_needs_gpus(tiny_llama_dir):
+    assert replica_device("cpu", 2) == "auto" and replica_device("cpu", 1) == "cuda"
+    assert replica_device("cuda:1", 0) == "cuda:1"
+    with pytest.raises(ValueError, match="no CUDA device"):
+        models.load_model(str(tiny_llama_dir), device="auto")
+
+
+@pytest.mark.parametrize("desired, loads, expected", [
+    (2, [5, 4], 3),  # mean 4.5 > 4: up
+    (4, [9, 9, 9, 9], 4),  # at the maximum
+    (3, [2, 1, 0], 2),  # 3 sessions fit under half the target on 2 replicas: down
+    (3, [3, 3, 2], 3),  # 8 sessions would be 4 per replica on 2: stay
+    (1, [0], 1),  # at the minimum
+    (2, [], 2),  # nothing serving: no figure to act on
+])
+def test_autoscale_steps_towards_the_sessions_per_replica_target(desired, loads, expected):
+    assert autoscale(desired, 1, 4, loads, sessions_per_replica=4.0) == expected

@@ -1,0 +1,165 @@
+"""Ray replica pools end to end: one local Ray cluster, 2 draft + 2 target replica actors.
+
+Concurrent greedy streams equal the target's own output; killing a draft and a
+target replica mid-stream changes nothing a client sees, and Ray restarts them
+into their pools; scaling pools up and down under load loses nothing. The
+cluster and the replicas are shared by the module's tests (a Ray start and a
+replica start each cost seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from harness import load  # noqa: E402
+from orchestrator.loop import LoopConfig  # noqa: E402
+from orchestrator.pools.controller import PoolSpec  # noqa: E402
+from orchestrator.pools.replica import ReplicaConfig  # noqa: E402
+from orchestrator.pools.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
+from orchestrator.server import serve_grpc  # noqa: E402
+from specmesh.service import ServiceOptions  # noqa: E402
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
+from test_greedy_parity import target_greedy  # noqa: E402
+from tiny_models import TINY_PROMPTS  # noqa: E402
+
+NAMESPACE = "specmesh-test"
+LONG = 200  # tokens: long enough streams to lose replicas in the middle of
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+             object_store_memory=100 * 1024 * 1024)
+    yield
+    ray.shutdown()
+
+
+def pool_spec(role: str, model_dir) -> PoolSpec:
+    service = ServiceOptions(model=str(model_dir), num_threads=1)
+    return PoolSpec(ReplicaConfig(role, service), replicas=2, num_cpus=0.25, drain_grace_s=20.0)
+
+
+class RayStack:
+    def __init__(self, pools: Pools, servicer, server, channel: grpc.aio.Channel, target_dir: str):
+        self.pools, self.servicer, self.server, self.channel = pools, servicer, server, channel
+        self.target_dir = target_dir
+        self.generation = generation_pb2_grpc.GenerationStub(channel)
+        self.admin = admin_pb2_grpc.AdminStub(channel)
+
+    async def generate(self, prompt: str, max_tokens: int, first_token: asyncio.Event | None = None) -> list[int]:
+        tokens = []
+        request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+        async for response in self.generation.Generate(request, timeout=120):
+            tokens.extend(response.token_ids)
+            if first_token is not None:
+                first_token.set()
+        return tokens
+
+    def expected(self, prompt: str, max_tokens: int) -> list[int]:
+        return list(target_greedy(self.target_dir, "cpu", prompt, max_tokens))
+
+    async def wait_serving(self, role: str, count: int, timeout_s: float = 90.0) -> None:
+        pool = self.pools.pools[role]
+        deadline = time.monotonic() + timeout_s
+        while len(pool.routable()) != count or len(pool.replicas) != count:
+            assert time.monotonic() < deadline, f"{role} pool: {pool.replicas}"
+            await asyncio.sleep(0.2)
+
+    def actor(self, role: str, name: str):
+        return self.pools.controllers[role].actors[name]
+
+
+@pytest.fixture(scope="module")
+async def ray_stack(ray_cluster, tiny_llama_dir, tiny_llama_perturbed_dir):
+    options = PoolsOptions(namespace=NAMESPACE, target=pool_spec("target", tiny_llama_dir),
+                           draft=pool_spec("draft", tiny_llama_perturbed_dir), check_interval_s=0.25,
+                           start_timeout_s=120.0)
+    pools = Pools.from_options(options)
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
+    server, port, _ = await serve_grpc(servicer)
+    stack = RayStack(pools, servicer, server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"), str(tiny_llama_dir))
+    await stack.wait_serving("target", 2)
+    await stack.wait_serving("draft", 2)
+    yield stack
+    await stack.channel.close()
+    await server.stop(None)
+    await pools.stop()
+
+
+async def test_concurrent_streams_equal_their_solo_output(ray_stack):
+    outputs = await asyncio.gather(*(ray_stack.generate(p, 32) for p in TINY_PROMPTS))
+    for prompt, tokens in zip(TINY_PROMPTS, outputs):
+        assert tokens == ray_stack.expected(prompt, 32), prompt
+    replicas = (await ray_stack.admin.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10)).pools
+    assert [(p.pool, [r.state for r in p.replicas]) for p in replicas] == [
+        ("draft", ["serving", "serving"]), ("target", ["serving", "serving"])]
+
+
+async def test_a_second_orchestrator_joins_the_pools(ray_stack, tiny_llama_dir):
+    """Discovery through Ray: named replica actors in the namespace, owned by the first orchestrator."""
+    joined = Pools.from_options(PoolsOptions(namespace=NAMESPACE, check_interval_s=0.25))
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    servicer = await servicer_over_pools(tokenizer, joined, LoopConfig(num_speculative_tokens=2))
+    try:
+        assert sorted(joined.pools["target"].replicas) == ["specmesh-target-0", "specmesh-target-1"]
+        assert len(joined.pools["draft"].routable()) == 2
+        request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[0], max_tokens=16, temperature=0.0)
+        tokens = [t async for r in servicer.generate(request) for t in r.token_ids]
+        assert tokens == ray_stack.expected(TINY_PROMPTS[0], 16)
+        with pytest.raises(Exception, match="does not own"):
+            joined.scale("target", 3)
+    finally:
+        await joined.stop()
+
+
+async def test_killed_replicas_cost_nothing_and_rejoin(ray_stack):
+    target = ray_stack.servicer.backends.target
+    failovers = target.failovers
+    started = [asyncio.Event() for _ in TINY_PROMPTS]
+    streams = [asyncio.ensure_future(ray_stack.generate(p, LONG, e)) for p, e in zip(TINY_PROMPTS, started)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    # Both target replicas hold running sessions now; kill one of each pool (Ray restarts them).
+    ray.kill(ray_stack.actor("target", "specmesh-target-0"), no_restart=False)
+    ray.kill(ray_stack.actor("draft", "specmesh-draft-0"), no_restart=False)
+    outputs = await asyncio.gather(*streams)  # no client error
+    for prompt, tokens in zip(TINY_PROMPTS, outputs):
+        assert tokens == ray_stack.expected(prompt, LONG), prompt
+    assert target.failovers > failovers, "the kill should have hit running sessions"
+    await ray_stack.wait_serving("target", 2)  # restarted on a new port and back in the pool
+    await ray_stack.wait_serving("draft", 2)
+    assert [await ray_stack.generate(p, 16) for p in TINY_PROMPTS[:2]] == [
+        ray_stack.expected(p, 16) for p in TINY_PROMPTS[:2]]
+
+
+async def scale(stack: RayStack, pool: str, replicas: int) -> admin_pb2.PoolState:
+    return await stack.admin.ScalePool(admin_pb2.ScalePoolRequest(pool=pool, replicas=replicas), timeout=10)
+
+
+async def test_scaling_under_load_loses_nothing(ray_stack):
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await scale(ray_stack, "target", 0)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    streams = [asyncio.ensure_future(ray_stack.generate(p, LONG)) for p in TINY_PROMPTS]
+    await asyncio.sleep(0.2)
+    assert (await scale(ray_stack, "target", 3)).desired_replicas == 3
+    assert (await scale(ray_stack, "draft", 3)).desired_replicas == 3
+    for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
+        assert tokens == ray_stack.expected(prompt, LONG), prompt
+    await ray_stack.wait_serving("target", 3)  # the new replicas get traffic once healthy
+    await ray_stack.wait_serving("draft", 3)
+    streams = [asyncio.ensure_future(ray_stack.generate(p, LONG)) for p in TINY_PROMPTS]
+    await asyncio.sleep(0.2)
+    await scale(ray_stack, "target", 1)  # drains two target replicas that hold sessions
+    drained = await scale(ray_stack, "draft", 2)
+    assert sorted(r.state for r in drained.replicas) == ["draining", "serving", "serving"]
+    for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
+        assert tokens == ray_stack.expected(prompt, LONG), prompt
+    await ray_stack.wait_serving("target", 1)
+    await ray_stack.wait_serving("draft", 2)
