@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient, open_channel
 from orchestrator.loop import LoopConfig
+from orchestrator.pipelined import pipeline_enabled
 from orchestrator.servicer import AdminServicer, Backends, GenerationServicer
 from orchestrator.validation import ModelLimits
 
@@ -61,10 +62,14 @@ async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: Orchestr
         draft = DraftClient(open_channel(options.draft_endpoint, interceptors=interceptors))
         draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
+    pipelined = pipeline_enabled(options.loop.pipeline, target_info, draft_info)
+    if draft is not None:
+        log.info("speculation %s: target on %s %s, draft on %s %s", "pipelined" if pipelined else "sequential",
+                 target_info.host, target_info.device, draft_info.host, draft_info.device)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=options.loop.num_speculative_tokens)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
-                    model=target_info.model)
+                    model=target_info.model, pipelined=pipelined)
 
 
 async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, *,

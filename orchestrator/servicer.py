@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
+from orchestrator.pipelined import PipelinedGeneration
 from orchestrator.validation import ModelLimits, validate_request
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -27,6 +28,7 @@ class Backends:
     eos_token_ids: set[int]
     limits: ModelLimits
     model: str  # the target model's name, for metrics and traces
+    pipelined: bool = False  # draft the next round while the target verifies (orchestrator.pipelined)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -58,9 +60,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         recorder.admitted()
         span = trace.get_current_span()  # the front end's server span: the root of this request's trace
         _describe_request(span, checked, self.backends.model)
-        generation = SpeculativeGeneration(checked, self.backends.target, self.backends.draft,
-                                           self.backends.eos_token_ids, self.config, on_round=recorder.round,
-                                           tracer=self.tracer, switch=self.switch)
+        loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
+        generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
+                          self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
+                          on_timing=recorder.round_time)
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 if response.finish_reason:

@@ -77,7 +77,9 @@ class Stack:
 
 async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int = 2,
                       greedy_proposals: bool = False, draft_timeout_s: float = 10.0,
-                      metrics: OrchestratorMetrics | None = None, disagreements=None) -> Stack:
+                      metrics: OrchestratorMetrics | None = None, disagreements=None, pipeline: str = "auto",
+                      extra_branches: int | None = None) -> Stack:
+    """pipeline: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs)."""
     target_engine = make_engine(target_dir, device, salt=0)
     target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements)
     servers = {"target": target_server}
@@ -89,7 +91,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     options = OrchestratorOptions(
         target_endpoint=f"127.0.0.1:{target_port}",
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
-        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s))
+        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, pipeline=pipeline,
+                        extra_branches=extra_branches))
     _, tokenizer = load(str(target_dir), device)
     servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics)
     stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers)
