@@ -47,7 +47,8 @@ class BranchProposal:
 
     accepted_count: int
     next_token_id: int
-    proposal: Proposal
+    proposal: Proposal  # no tokens: nothing to draft for this outcome
+    planned: tuple[tuple[int, int], ...] = ()  # on the first branch: the keys of the branches to follow
 
 
 class DraftEngine:
@@ -153,11 +154,10 @@ class DraftEngine:
 
         def interrupted() -> bool:
             return state.calls != call
-        main, plans = await self.engine.run(self._predraft_main, session, commit, position, list(assumed),
-                                            num_tokens, extra_branches, interrupted)
-        if main is not None:
-            yield main
-        for accepted, next_token in plans:
+        main = await self.engine.run(self._predraft_main, session, commit, position, list(assumed),
+                                     num_tokens, extra_branches, interrupted)
+        yield main
+        for accepted, next_token in main.planned:
             if interrupted():
                 return
             branch = await self.engine.run(self._predraft_extra, session, position + accepted, next_token,
@@ -167,32 +167,36 @@ class DraftEngine:
 
     def _predraft_main(self, session: Session, commit: CommitSpec | None, position: int, assumed: list[int],
                        num_tokens: int, extra_branches: int, interrupted: Callable[[], bool]):
-        """Take the sequence to prefix + assumed, guess the bonus token, draft after it."""
+        """Take the sequence to prefix + assumed, guess the bonus token, draft after it; plan the rest."""
         base = commit if commit is not None else CommitSpec(min(position, len(session.token_ids)), ())
         if base.position + len(base.token_ids) != position:
             raise PositionMismatch(f"position {position} is not the committed length "
                                    f"{base.position + len(base.token_ids)}")
         self._apply_commit(session, base, then=assumed)
-        plans: list[tuple[int, int]] = []
-        if extra_branches:
-            # Re-score the assumed tokens in one forward (cheap on a batch-friendly device):
-            # from position - 1 on, row j of the logits predicts position + j.
-            surplus = session.cached_length - max(0, position - 1)
-            if surplus > 0:
-                session.cache.crop(-surplus)
-            logits, _ = self.engine.feed_uncached(session, keep_rows=len(assumed) + 1)  # [k+1, V]
-            plans = plan_extra_branches(logits, assumed, extra_branches, self.engine.eos_token_ids)
-            bonus_logits = logits[-1:]  # [1, V]
-        else:
-            bonus_logits, _ = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+        bonus_logits, plans, score_ns = self._score_assumed(session, position, assumed, extra_branches)
         bonus = int(bonus_logits[0].argmax())
-        if assumed[-1] in self.engine.eos_token_ids or bonus in self.engine.eos_token_ids or interrupted():
-            return None, plans
-        session.token_ids.append(bonus)
-        proposal = self._draft(session, num_tokens, interrupted)
-        if not proposal.token_ids:
-            return None, plans
-        return BranchProposal(len(assumed), bonus, proposal), plans
+        proposal = Proposal(position + len(assumed) + 1, [], [], 0)
+        if not (assumed[-1] in self.engine.eos_token_ids or bonus in self.engine.eos_token_ids or interrupted()):
+            session.token_ids.append(bonus)
+            proposal = self._draft(session, num_tokens, interrupted)
+        proposal = Proposal(proposal.position, proposal.token_ids, proposal.distributions,
+                            proposal.forward_ns + score_ns)
+        return BranchProposal(len(assumed), bonus, proposal, tuple(plans))
+
+    def _score_assumed(self, session: Session, position: int, assumed: list[int],
+                       extra_branches: int) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
+        """(logits [1, V] for the bonus position, the extra branches to draft, forward ns)."""
+        if not extra_branches:
+            logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+            return logits, [], forward_ns
+        # Re-score the assumed tokens in one forward (cheap on a batch-friendly device):
+        # fed from position - 1 on, row j of the logits predicts position + j.
+        surplus = session.cached_length - max(0, position - 1)
+        if surplus > 0:
+            session.cache.crop(-surplus)  # negative = remove that many tokens from the end
+        logits, forward_ns = self.engine.feed_uncached(session, keep_rows=len(assumed) + 1)  # [k+1, V]
+        plans = plan_extra_branches(logits, assumed, extra_branches, self.engine.eos_token_ids)
+        return logits[-1:], plans, forward_ns
 
     def _predraft_extra(self, session: Session, recovered_position: int, recovered: int, num_tokens: int,
                         interrupted: Callable[[], bool]) -> Proposal | None:

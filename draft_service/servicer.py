@@ -51,7 +51,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             yield draft_pb2.DraftBranch(
                 request_id=request.request_id, round=request.round, accepted_count=branch.accepted_count,
                 next_token_id=branch.next_token_id, position=proposal.position, token_ids=proposal.token_ids,
-                distributions=proposal.distributions, forward_ns=proposal.forward_ns)
+                distributions=proposal.distributions, forward_ns=proposal.forward_ns,
+                planned_accepted_counts=[accepted for accepted, _ in branch.planned],
+                planned_next_token_ids=[token for _, token in branch.planned])
         annotate_current_span(forward_ns=forward_ns, branches=count)
 
     async def Commit(self, request: draft_pb2.CommitRequest, context: grpc.aio.ServicerContext):

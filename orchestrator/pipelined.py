@@ -35,39 +35,66 @@ class Predraft:
     """One PreDraft stream, its branches collected in the background by key."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall, round_number: int, request_id: str, position: int,
-                 assumed_count: int):
+                 assumed_count: int, extra_branches: int):
         self.call = call
         self.round = round_number
         self.request_id = request_id
         self.position = position  # of the assumed tokens (the round under verification)
         self.assumed_count = assumed_count
+        self.extra_branches = extra_branches  # rejection branches asked for
         self.branches: dict[tuple[int, int], draft_pb2.DraftBranch] = {}
+        self.planned: set[tuple[int, int]] = set()  # keys the draft said it would send
         self.arrived_forward_s = 0.0  # draft forward time of the branches received so far
-        self.first = asyncio.Event()  # a branch arrived, or the stream ended
+        self.first_arrived = False
+        self.done = False
+        self._changed = asyncio.Condition()
         self.task = asyncio.ensure_future(self._collect())
 
     async def _collect(self) -> None:
         try:
             async for branch in self.call:
-                self.arrived_forward_s += branch.forward_ns / 1e9
-                if branch.round == self.round and branch.request_id == self.request_id:
-                    self.branches[(branch.accepted_count, branch.next_token_id)] = branch
-                self.first.set()
+                await self._add(branch)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
             log.debug("pre-draft for round %d ended: %s", self.round, error)
         finally:
-            self.first.set()
+            self.done = True
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _add(self, branch: draft_pb2.DraftBranch) -> None:
+        self.arrived_forward_s += branch.forward_ns / 1e9
+        if branch.round == self.round and branch.request_id == self.request_id:  # stale ones are never kept
+            key = (branch.accepted_count, branch.next_token_id)
+            self.branches[key] = branch
+            if not self.first_arrived:
+                self.planned = {key, *zip(branch.planned_accepted_counts, branch.planned_next_token_ids)}
+        self.first_arrived = True
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _may_still_come(self, key: tuple[int, int]) -> bool:
+        """All-accepted comes first and is the likeliest; others only if the draft planned them.
+
+        Rejection branches are asked for only when measured costs say the draft finishes
+        them within a verification, so waiting for the plan (on the first branch) is cheap.
+        """
+        if self.done or key in self.branches:
+            return False
+        if not self.first_arrived:
+            return key[0] == self.assumed_count or self.extra_branches > 0
+        return key in self.planned
 
     async def take(self, accepted: int, next_token_id: int, wait_s: float) -> draft_pb2.DraftBranch | None:
-        """The branch for this outcome, if it is (or, for all-accepted, soon will be) here."""
-        if accepted == self.assumed_count and not self.first.is_set():
-            try:  # the all-accepted branch comes first and is the likeliest: worth waiting for
-                await asyncio.wait_for(self.first.wait(), wait_s)
-            except asyncio.TimeoutError:
-                pass
-        branch = self.branches.get((accepted, next_token_id))
+        """The branch for this outcome, waiting (at most wait_s) while the draft is still drafting it."""
+        key = (accepted, next_token_id)
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(lambda: not self._may_still_come(key)), wait_s)
+        except asyncio.TimeoutError:
+            pass
+        branch = self.branches.get(key)
         if branch is None or branch.position != self.position + accepted + 1:
-            return None  # stale or for another outcome: never used
+            return None  # for another outcome, or stale: never used
         return branch
 
     def stop(self) -> None:
@@ -170,7 +197,7 @@ class PipelinedGeneration(SpeculativeGeneration):
         extra = self.costs.extra_branches(k) if extra is None else extra
         call = self.draft.predraft(self.session_id, self._round + 1, commit, position, list(proposal.token_ids), k,
                                    extra, timeout=self._timeout(self.config.target_timeout_s))
-        return Predraft(call, self._round + 1, self.session_id, position, len(proposal.token_ids))
+        return Predraft(call, self._round + 1, self.session_id, position, len(proposal.token_ids), extra)
 
     def _close_sessions(self) -> None:
         if self._ahead is not None:

@@ -102,7 +102,7 @@ class PreDraftRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra_branches: _Optional[int] = ...) -> None: ...
 
 class DraftBranch(_message.Message):
-    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "position", "token_ids", "distributions", "forward_ns")
+    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "position", "token_ids", "distributions", "forward_ns", "planned_accepted_counts", "planned_next_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class DraftBranch(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_ACCEPTED_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     accepted_count: int
@@ -119,4 +121,6 @@ class DraftBranch(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDistribution]
     forward_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+    planned_accepted_counts: _containers.RepeatedScalarFieldContainer[int]
+    planned_next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., planned_accepted_counts: _Optional[_Iterable[int]] = ..., planned_next_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

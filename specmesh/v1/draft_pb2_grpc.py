@@ -97,7 +97,9 @@ class DraftServiceServicer:
         """Server-streaming. Draft the next round while the target is still
         verifying this one, one branch per likely verification outcome: first
         the branch that assumes every assumed token is accepted and the draft's
-        own argmax is the bonus token, then up to extra_branches branches that
+        own argmax is the bonus token (always sent, with no tokens when there is
+        nothing to draft, and naming the branches to follow), then up to
+        extra_branches branches that
         assume a rejection at some position followed by the draft's best other
         token there. Stops between forward steps as soon as a newer call for the
         session arrives; a request whose round is older than one already seen is
