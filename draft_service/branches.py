@@ -71,17 +71,18 @@ def plan_extra_branches(logits: torch.Tensor, assumed: Sequence[int], count: int
     """The `count` likeliest rejection outcomes as (accepted_count, recovered token guess).
 
     logits [k+1, V]: row j is the draft's prediction for assumed[j]'s position. With
-    the draft standing in for the target, outcome j has probability
-    prod_{i<j} P(assumed[i]) * P(best other token at j); the guess is that token.
+    the draft standing in for the target, "accept assumed[:j], then token t at j"
+    (t not assumed[j]) has probability prod_{i<j} P(assumed[i]) * P(t); the likeliest
+    such outcomes win, so early positions may get several guesses.
     """
     k = len(assumed)
     probs = torch.softmax(logits[:k].float(), dim=-1)  # [k, V]
     drafted = torch.tensor(list(assumed), dtype=torch.long)  # [k]
     p_drafted = probs[torch.arange(k), drafted]  # [k]
     others = probs.scatter(1, drafted[:, None], 0.0)  # [k, V]
-    p_other, other = others.max(dim=-1)  # [k], [k]
+    others[:, list(eos_token_ids)] = 0.0  # an EOS ends the generation: nothing to draft after it
     reach = torch.cat([torch.ones(1), torch.cumprod(p_drafted, 0)[:-1]])  # [k]: P(accept assumed[:j])
-    scores = reach * p_other  # [k]
-    ranked = sorted(range(k), key=lambda j: -float(scores[j]))
-    plans = [(j, int(other[j])) for j in ranked if int(other[j]) not in eos_token_ids]
-    return plans[:count]
+    scores = reach[:, None] * others  # [k, V]
+    best = torch.topk(scores.flatten(), min(count, scores.numel())).indices  # [count]
+    vocab = probs.shape[-1]
+    return [(int(i) // vocab, int(i) % vocab) for i in best if float(scores.flatten()[i]) > 0]

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from orchestrator.cli import add_pipeline_arguments, loop_config
 from orchestrator.launcher import Ready, run_orchestrator
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
@@ -23,11 +24,11 @@ def main() -> None:
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
     parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens)
     parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s)
+    add_pipeline_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
-    options = OrchestratorOptions(args.target, args.draft, LoopConfig(
-        num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
+    options = OrchestratorOptions(args.target, args.draft, loop_config(args))
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                                http_port=args.http_port)

@@ -15,7 +15,8 @@ from orchestrator.launcher import DisagreementLogOptions, run_draft, run_orchest
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
 from orchestrator.servicer import FINISH_REASON_NAMES
-from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments
+from orchestrator.pipelined import PIPELINE_MODES
+from specmesh.service import DTYPE_CHOICES, ServiceOptions, add_telemetry_arguments, parse_cpu_list
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a draft round may take before the request goes target-only")
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
+    add_pipeline_arguments(serve)
+    serve.add_argument("--target-cpus", type=parse_cpu_list, default=None, metavar="LIST",
+                       help="pin the target service to these CPU cores, e.g. 0 or 0-3")
+    serve.add_argument("--draft-cpus", type=parse_cpu_list, default=None, metavar="LIST",
+                       help="pin the draft service to these CPU cores, e.g. 4-5")
     add_telemetry_arguments(serve, default_metrics_port=9400)
     serve.add_argument("--disagreement-log", default=None, metavar="PATH",
                        help="append the target's rejected draft tokens to this JSONL file")
@@ -68,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pipeline", choices=PIPELINE_MODES, default=LoopConfig.pipeline,
+                        help="draft the next round while the target verifies; auto: when draft and target "
+                             "compute on separate hardware (hosts, devices or disjoint --*-cpus)")
+    parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
+                        help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
+                             "the measured draft and target costs leave time for)")
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
+                      pipeline=args.pipeline, extra_branches=args.extra_branches)
+
+
 def serve(args: argparse.Namespace) -> int:
     group = ProcessGroup()
     stop_flag = install_stop_flag()
@@ -76,12 +96,14 @@ def serve(args: argparse.Namespace) -> int:
     disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
         if args.disagreement_log else None
     group.start("target", run_target, ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                                                     metrics_port=metrics_ports["target"], **telemetry),
+                                                     metrics_port=metrics_ports["target"], cpus=args.target_cpus,
+                                                     **telemetry),
                 disagreement_log)
     names = {"target"}
     if args.draft.lower() != "none":
         draft_options = ServiceOptions(model=args.draft, device=args.draft_device or args.device,
-                                       dtype=args.draft_dtype, metrics_port=metrics_ports["draft"], **telemetry)
+                                       dtype=args.draft_dtype, metrics_port=metrics_ports["draft"],
+                                       cpus=args.draft_cpus, **telemetry)
         group.start("draft", run_draft, draft_options, args.greedy_draft)
         names.add("draft")
     try:
@@ -89,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         options = OrchestratorOptions(
             target_endpoint=f"{args.host}:{ready['target'].port}",
             draft_endpoint=f"{args.host}:{ready['draft'].port}" if "draft" in ready else None,
-            loop=LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout))
+            loop=loop_config(args))
         group.start("orchestrator", run_orchestrator, args.target, options, f"{args.host}:{args.port}",
                     ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
                                    http_port=args.http_port, **telemetry))
