@@ -11,6 +11,7 @@ recomputation and a miss costs a crop.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
@@ -154,16 +155,27 @@ class DraftEngine:
 
         def interrupted() -> bool:
             return state.calls != call
-        main = await self.engine.run(self._predraft_main, session, commit, position, list(assumed),
-                                     num_tokens, extra_branches, interrupted)
-        yield main
-        for accepted, next_token in main.planned:
-            if interrupted():
-                return
-            branch = await self.engine.run(self._predraft_extra, session, position + accepted, next_token,
-                                           num_tokens, interrupted)
-            if branch is not None:
-                yield BranchProposal(accepted, next_token, branch)
+        try:
+            main = await self.engine.run(self._predraft_main, session, commit, position, list(assumed),
+                                         num_tokens, extra_branches, interrupted)
+            yield main
+            for accepted, next_token in main.planned:
+                if interrupted():
+                    return
+                branch = await self.engine.run(self._predraft_extra, session, position + accepted, next_token,
+                                               num_tokens, interrupted)
+                if branch is not None:
+                    yield BranchProposal(accepted, next_token, branch)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not interrupted():  # the caller stopped listening: stop the worker's forward steps too
+                state.calls += 1
+            raise
+
+    def close(self, request_id: str) -> bool:
+        session = self.engine.sessions.get(request_id)
+        if session is not None and session.ahead is not None:
+            session.ahead.calls += 1  # a pre-draft in progress stops at its next step
+        return self.engine.close(request_id)
 
     def _predraft_main(self, session: Session, commit: CommitSpec | None, position: int, assumed: list[int],
                        num_tokens: int, extra_branches: int, interrupted: Callable[[], bool]):

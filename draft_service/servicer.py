@@ -61,7 +61,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.CommitResponse(request_id=request.request_id, length=length)
 
     async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
-        return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))
+        return common_pb2.CloseSessionResponse(closed=self.engine.close(request.request_id))
 
     async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         return self.engine.engine.describe()
