@@ -31,10 +31,9 @@ from bench_core import PROMPTS
 from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, run_draft, run_orchestrator, run_target
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions
+from orchestrator.timing import PARTS
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
-
-PARTS = ("draft_busy", "target_busy", "wire", "idle")
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -133,7 +132,7 @@ def report(runs: list[Run], args) -> list[dict]:
           f"{args.draft} on {args.draft_device or args.device} cpus {args.draft_cpus}; greedy, k={args.k}, "
           f"{len(args.prompts)} prompts x {args.max_tokens} max tokens\n")
     header = (f"{'mode':<11}{'conc':>5}{'tok/s':>9}{'alpha':>7}{'c_draft':>9}{'c_verify':>10}{'E':>6}"
-              f"{'bound':>8}{'ratio':>7}{'hits':>7}  time: draft/target/wire/idle %")
+              f"{'bound':>8}{'ratio':>7}{'hits':>7}  % of round time: draft/target/wire/idle/overlap")
     print(header + "\n" + "-" * len(header))
     costs = {run.concurrency: run for run in runs if run.mode == "sequential"}
     rows = []
@@ -144,7 +143,7 @@ def report(runs: list[Run], args) -> list[dict]:
         bound = e / (c_verify + k * c_draft)
         rate = run.tokens / run.seconds
         hit_rate = run.hits / (run.hits + run.misses) if run.hits + run.misses else float("nan")
-        wall = sum(run.parts.values()) or 1.0
+        wall = sum(run.parts.values()) - 2 * run.parts["overlap"] or 1.0  # parts sum to wall + overlap
         shares = "/".join(f"{100 * run.parts[p] / wall:.0f}" for p in PARTS)
         print(f"{run.mode:<11}{run.concurrency:>5}{rate:>9.2f}{alpha:>7.2f}{c_draft * 1e3:>7.1f}ms"
               f"{c_verify * 1e3:>8.1f}ms{e:>6.2f}{bound:>8.2f}{rate / bound:>6.2f}x{hit_rate:>7.2f}  {shares}")

@@ -45,6 +45,8 @@ class Predraft:
         self.branches: dict[tuple[int, int], draft_pb2.DraftBranch] = {}
         self.planned: set[tuple[int, int]] = set()  # keys the draft said it would send
         self.arrived_forward_s = 0.0  # draft forward time of the branches received so far
+        self.counted_s = 0.0  # of the draft's busy time, what a round breakdown already holds
+        self.last_event = time.monotonic()  # the start, or the latest branch's arrival
         self.first_arrived = False
         self.done = False
         self._changed = asyncio.Condition()
@@ -63,6 +65,7 @@ class Predraft:
 
     async def _add(self, branch: draft_pb2.DraftBranch) -> None:
         self.arrived_forward_s += branch.forward_ns / 1e9
+        self.last_event = time.monotonic()
         if branch.round == self.round and branch.request_id == self.request_id:  # stale ones are never kept
             key = (branch.accepted_count, branch.next_token_id)
             self.branches[key] = branch
@@ -96,6 +99,16 @@ class Predraft:
         if branch is None or branch.position != self.position + accepted + 1:
             return None  # for another outcome, or stale: never used
         return branch
+
+    def busy_so_far(self) -> float:
+        """Draft forward time so far: the branches received, plus the one in progress.
+
+        The branch in progress is taken to have kept the draft busy since the last
+        arrival (true for one stream at a time; queueing behind others counts too).
+        """
+        if self.done:
+            return self.arrived_forward_s
+        return self.arrived_forward_s + time.monotonic() - self.last_event
 
     def stop(self) -> None:
         self.call.cancel()
@@ -155,10 +168,9 @@ class PipelinedGeneration(SpeculativeGeneration):
         return await super()._proposal_for_round(k)
 
     async def _take_branch(self, ahead: Predraft, k: int) -> draft_pb2.ProposeResponse | None:
-        behind_s = ahead.arrived_forward_s  # already counted as overlapped in the last round
         started = time.monotonic()
         branch = await ahead.take(*self._outcome, wait_s=self._timeout(self.config.draft_timeout_s))
-        self._clock.draft_call(time.monotonic() - started, ahead.arrived_forward_s - behind_s)
+        self._clock.draft_call(time.monotonic() - started, max(0.0, ahead.arrived_forward_s - ahead.counted_s))
         position = len(self.sequence)
         proposal = None
         if branch is not None and self.draft is not None:
@@ -183,7 +195,8 @@ class PipelinedGeneration(SpeculativeGeneration):
         verified = await super()._verify_round(position, proposal, k)
         self.costs.observe_verify(verified.forward_ns / 1e9)
         if self._ahead is not None:
-            self._clock.draft_behind(self._ahead.arrived_forward_s)
+            self._ahead.counted_s = self._ahead.busy_so_far()
+            self._clock.draft_behind(self._ahead.counted_s)
         self._outcome = (verified.accepted_count, verified.next_token_id)
         return verified
 

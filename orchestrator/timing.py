@@ -6,14 +6,16 @@ sessions' work. Draft work that ran while the target verified (pipelined
 pre-drafts) overlaps the target's busy time; "idle" is the rest of the round's
 wall time, when neither model computed for this request and no call was in
 flight on its critical path (orchestrator overhead, mostly). The parts are
-estimates from the orchestrator's clocks and the services' forward times.
+estimates from the orchestrator's clocks and the services' forward times, and
+
+    wall = draft_busy + target_busy - overlap + wire + idle
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PARTS = ("draft_busy", "target_busy", "wire", "idle")
+PARTS = ("draft_busy", "target_busy", "wire", "idle", "overlap")
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,7 @@ class RoundBreakdown:
     target_busy_s: float
     wire_s: float  # calls on the round's critical path: wall time minus forward time
     idle_s: float  # neither model busy for this request, no call in flight
-    overlap_s: float  # draft and target busy at the same time
+    overlap_s: float  # draft and target busy at the same time: what pipelining saves
     predraft: str | None = None  # "hit" or "miss" in pipelined rounds after the first, else None
 
     def parts(self) -> dict[str, float]:

@@ -61,7 +61,8 @@ class OrchestratorMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.round_time = Histogram(
             "specmesh_round_time_seconds", "Where each verification round's time went, from the orchestrator: "
-            "part = draft_busy, target_busy, wire (call time not in forward passes) or idle",
+            "part = draft_busy, target_busy, wire (call time not in forward passes), idle, or overlap (draft "
+            "and target busy at once; a round's wall time is the sum of the others minus it)",
             (*REQUEST, "part"), buckets=LATENCY_BUCKETS, registry=r)
         self.predraft_hits = Counter("specmesh_predraft_hits", "Pipelined rounds whose proposal was pre-drafted "
                                      "for the verified outcome", REQUEST, registry=r)
