@@ -1,24 +1,31 @@
-"""Draft-side session logic: prefill, propose k tokens, and commit/rollback.
+"""Draft-side session logic: prefill, propose k tokens, commit/rollback, and pre-draft.
 
 The draft knows nothing about acceptance. After each verification the
 orchestrator tells it the outcome as a commit: "truncate to position, append
 these tokens" (the accepted prefix stays, the recovered or bonus token is added).
+While the target verifies, the draft may pre-draft the next round for the likely
+outcomes (draft_service.branches); a later commit adopts whichever drafted
+sequence shares the longest prefix with the committed one, so a hit costs no
+recomputation and a miss costs a crop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import torch
 
+from draft_service.branches import Branch, DraftState, adopt_longest_prefix, common_prefix, plan_extra_branches
 from specmesh.distributions import decode_distribution, encode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
-from specmesh.sampling import SamplingParams, logits_to_probs, sample_token
+from specmesh.sampling import SamplingParams, generator_at, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
 
 MAX_PROPOSAL_TOKENS = 32
+MAX_EXTRA_BRANCHES = 32
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,16 @@ class Proposal:
     forward_ns: int
 
 
+@dataclass(frozen=True)
+class BranchProposal:
+    """A pre-drafted proposal, valid only for the outcome (accepted_count, next_token_id)."""
+
+    accepted_count: int
+    next_token_id: int
+    proposal: Proposal  # no tokens: nothing to draft for this outcome
+    planned: tuple[tuple[int, int], ...] = ()  # on the first branch: the keys of the branches to follow
+
+
 class DraftEngine:
     """Proposes tokens; with greedy_proposals it sends argmax ids even when sampling."""
 
@@ -45,6 +62,7 @@ class DraftEngine:
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> int:
         """Prefill all but the last prompt token; return forward ns."""
         session = self.engine.new_session(request_id, prompt, sampling)
+        session.ahead = DraftState()
         if len(prompt) < 2:
             return 0
         try:
@@ -54,21 +72,34 @@ class DraftEngine:
             raise
         return forward_ns
 
-    async def commit(self, request_id: str, round_number: int, commit: CommitSpec) -> int:
+    def _arrive(self, request_id: str, round_number: int) -> tuple[Session, int]:
+        """A call for the session arrived: interrupt its pre-draft; refuse a stale round."""
         session = self.engine.get(request_id)
+        state: DraftState = session.ahead
+        state.calls += 1  # read by a pre-draft between its forward steps
         session.enter_round(round_number)
+        return session, state.calls
+
+    async def commit(self, request_id: str, round_number: int, commit: CommitSpec) -> int:
+        session, _ = self._arrive(request_id, round_number)
         await self.engine.run(self._apply_commit, session, commit)
         return len(session.token_ids)
 
-    def _apply_commit(self, session: Session, commit: CommitSpec) -> None:
-        self.engine.rollback(session, commit.position, commit.token_ids)
+    def _apply_commit(self, session: Session, commit: CommitSpec, then: Sequence[int] = ()) -> None:
+        """Move the session to sequence[:commit.position] + commit.token_ids + then."""
+        if not 0 < commit.position <= len(session.token_ids):
+            raise PositionMismatch(f"cannot roll back to position {commit.position}: "
+                                   f"sequence has {len(session.token_ids)} tokens")
+        wanted = session.token_ids[: commit.position] + list(commit.token_ids) + list(then)
+        self.engine.check_token_ids("token_ids", wanted[commit.position:])
+        adopt_longest_prefix(session, wanted)
+        common = common_prefix(session.token_ids, wanted)
+        self.engine.rollback(session, max(common, 1), wanted[max(common, 1):])
 
     async def propose(self, request_id: str, round_number: int, commit: CommitSpec | None,
                       position: int, num_tokens: int) -> Proposal:
-        if not 1 <= num_tokens <= MAX_PROPOSAL_TOKENS:
-            raise InvalidArgument("num_tokens", f"must be in [1, {MAX_PROPOSAL_TOKENS}]")
-        session = self.engine.get(request_id)
-        session.enter_round(round_number)
+        _check_count("num_tokens", num_tokens, 1, MAX_PROPOSAL_TOKENS)
+        session, _ = self._arrive(request_id, round_number)
         return await self.engine.run(self._propose, session, commit, position, num_tokens)
 
     def _propose(self, session: Session, commit: CommitSpec | None, position: int,
@@ -78,12 +109,21 @@ class DraftEngine:
         if position != len(session.token_ids):
             raise PositionMismatch(
                 f"position {position} is not the sequence length {len(session.token_ids)}")
+        return self._draft(session, num_tokens)
+
+    def _draft(self, session: Session, num_tokens: int,
+               interrupted: Callable[[], bool] = lambda: False) -> Proposal:
+        """Draft up to num_tokens after the session's sequence, stopping early when interrupted."""
+        position = len(session.token_ids)
+        generator = generator_at(session.seed, position)
         room = self.engine.context_window - position - 1  # the target adds one token after the draft
         tokens, distributions, total_ns = [], [], 0
         for _ in range(min(num_tokens, room)):
+            if interrupted():
+                break
             logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
             total_ns += forward_ns
-            token_id, distribution = self._draw(session, logits)
+            token_id, distribution = self._draw(session, logits, generator)
             session.token_ids.append(token_id)
             tokens.append(token_id)
             if distribution is not None:
@@ -92,11 +132,95 @@ class DraftEngine:
                 break  # the target would stop here; drafting past EOS is wasted work
         return Proposal(position, tokens, distributions, total_ns)
 
-    def _draw(self, session: Session, logits: torch.Tensor) -> tuple[int, common_pb2.TokenDistribution | None]:
+    def _draw(self, session: Session, logits: torch.Tensor,
+              generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None]:
         """logits [1, V] -> (token, the exact distribution it was drawn from or None)."""
         if session.sampling.greedy or self.greedy_proposals:
             return int(logits[0].argmax()), None
         distribution = encode_distribution(logits_to_probs(logits, session.sampling)[0])
         # Sample from the decoded wire form: the target's q is then exactly ours.
         q = decode_distribution(distribution, self.engine.vocab_size)
-        return sample_token(q, session.generator), distribution
+        return sample_token(q, generator), distribution
+
+    async def predraft(self, request_id: str, round_number: int, commit: CommitSpec | None, position: int,
+                       assumed: Sequence[int], num_tokens: int,
+                       extra_branches: int) -> AsyncIterator[BranchProposal]:
+        """Branches for round_number, the all-accepted one first; stops when a newer call arrives."""
+        _check_count("num_tokens", num_tokens, 1, MAX_PROPOSAL_TOKENS)
+        _check_count("extra_branches", extra_branches, 0, MAX_EXTRA_BRANCHES)
+        if not 1 <= len(assumed) <= MAX_PROPOSAL_TOKENS:
+            raise InvalidArgument("assumed_token_ids", f"need 1 to {MAX_PROPOSAL_TOKENS} tokens")
+        session, call = self._arrive(request_id, round_number)
+        state: DraftState = session.ahead
+
+        def interrupted() -> bool:
+            return state.calls != call
+        try:
+            main = await self.engine.run(self._predraft_main, session, commit, position, list(assumed),
+                                         num_tokens, extra_branches, interrupted)
+            yield main
+            for accepted, next_token in main.planned:
+                if interrupted():
+                    return
+                branch = await self.engine.run(self._predraft_extra, session, position + accepted, next_token,
+                                               num_tokens, interrupted)
+                if branch is not None:
+                    yield BranchProposal(accepted, next_token, branch)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not interrupted():  # the caller stopped listening: stop the worker's forward steps too
+                state.calls += 1
+            raise
+
+    def close(self, request_id: str) -> bool:
+        session = self.engine.sessions.get(request_id)
+        if session is not None and session.ahead is not None:
+            session.ahead.calls += 1  # a pre-draft in progress stops at its next step
+        return self.engine.close(request_id)
+
+    def _predraft_main(self, session: Session, commit: CommitSpec | None, position: int, assumed: list[int],
+                       num_tokens: int, extra_branches: int, interrupted: Callable[[], bool]):
+        """Take the sequence to prefix + assumed, guess the bonus token, draft after it; plan the rest."""
+        base = commit if commit is not None else CommitSpec(min(position, len(session.token_ids)), ())
+        if base.position + len(base.token_ids) != position:
+            raise PositionMismatch(f"position {position} is not the committed length "
+                                   f"{base.position + len(base.token_ids)}")
+        self._apply_commit(session, base, then=assumed)
+        bonus_logits, plans, score_ns = self._score_assumed(session, position, assumed, extra_branches)
+        bonus = int(bonus_logits[0].argmax())
+        proposal = Proposal(position + len(assumed) + 1, [], [], 0)
+        if not (assumed[-1] in self.engine.eos_token_ids or bonus in self.engine.eos_token_ids or interrupted()):
+            session.token_ids.append(bonus)
+            proposal = self._draft(session, num_tokens, interrupted)
+        proposal = Proposal(proposal.position, proposal.token_ids, proposal.distributions,
+                            proposal.forward_ns + score_ns)
+        return BranchProposal(len(assumed), bonus, proposal, tuple(plans))
+
+    def _score_assumed(self, session: Session, position: int, assumed: list[int],
+                       extra_branches: int) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
+        """(logits [1, V] for the bonus position, the extra branches to draft, forward ns)."""
+        if not extra_branches:
+            logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+            return logits, [], forward_ns
+        # Re-score the assumed tokens in one forward (cheap on a batch-friendly device):
+        # fed from position - 1 on, row j of the logits predicts position + j.
+        surplus = session.cached_length - max(0, position - 1)
+        if surplus > 0:
+            session.cache.crop(-surplus)  # negative = remove that many tokens from the end
+        logits, forward_ns = self.engine.feed_uncached(session, keep_rows=len(assumed) + 1)  # [k+1, V]
+        plans = plan_extra_branches(logits, assumed, extra_branches, self.engine.eos_token_ids)
+        return logits[-1:], plans, forward_ns
+
+    def _predraft_extra(self, session: Session, recovered_position: int, recovered: int, num_tokens: int,
+                        interrupted: Callable[[], bool]) -> Proposal | None:
+        """Draft after a guessed rejection in a copy of the cache, kept for a later commit to adopt."""
+        branch = Branch.fork(session, recovered_position, recovered)
+        proposal = self._draft(branch.session, num_tokens, interrupted)
+        if interrupted() or not proposal.token_ids:
+            return None
+        session.ahead.branches.append(branch)
+        return proposal
+
+
+def _check_count(field: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidArgument(field, f"must be in [{low}, {high}]")

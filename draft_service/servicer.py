@@ -39,12 +39,29 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             token_ids=proposal.token_ids, distributions=proposal.distributions,
             forward_ns=proposal.forward_ns)
 
+    async def PreDraft(self, request: draft_pb2.PreDraftRequest, context: grpc.aio.ServicerContext):
+        commit = commit_from_pb(request.commit) if request.HasField("commit") else None
+        branches = self.engine.predraft(request.request_id, request.round, commit, request.position,
+                                        list(request.assumed_token_ids), request.num_tokens, request.extra_branches)
+        count, forward_ns = 0, 0
+        async for branch in branches:
+            proposal = branch.proposal
+            self.metrics.observe_forward("predraft", proposal.forward_ns)
+            count, forward_ns = count + 1, forward_ns + proposal.forward_ns
+            yield draft_pb2.DraftBranch(
+                request_id=request.request_id, round=request.round, accepted_count=branch.accepted_count,
+                next_token_id=branch.next_token_id, position=proposal.position, token_ids=proposal.token_ids,
+                distributions=proposal.distributions, forward_ns=proposal.forward_ns,
+                planned_accepted_counts=[accepted for accepted, _ in branch.planned],
+                planned_next_token_ids=[token for _, token in branch.planned])
+        annotate_current_span(forward_ns=forward_ns, branches=count)
+
     async def Commit(self, request: draft_pb2.CommitRequest, context: grpc.aio.ServicerContext):
         length = await self.engine.commit(request.request_id, request.round, commit_from_pb(request.commit))
         return draft_pb2.CommitResponse(request_id=request.request_id, length=length)
 
     async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
-        return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))
+        return common_pb2.CloseSessionResponse(closed=self.engine.close(request.request_id))
 
     async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         return self.engine.engine.describe()

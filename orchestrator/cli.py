@@ -80,10 +80,10 @@ def serve(args: argparse.Namespace) -> int:
     draft = None
     if args.draft.lower() != "none":
         draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                               metrics_port=metrics_ports["draft"], **telemetry)
+                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **telemetry)
     options = StackOptions(
         target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                              metrics_port=metrics_ports["target"], **telemetry),
+                              metrics_port=metrics_ports["target"], cpus=args.target_cpus, **telemetry),
         draft=draft,
         loop=loop_config(args),
         address=f"{args.host}:{args.port}",

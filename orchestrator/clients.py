@@ -57,6 +57,15 @@ class DraftClient:
                                            num_tokens=num_tokens, commit=commit)
         return await self.stub.Propose(request, timeout=timeout)
 
+    def predraft(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None, position: int,
+                 assumed_token_ids: Sequence[int], num_tokens: int, extra_branches: int,
+                 timeout: float) -> grpc.aio.UnaryStreamCall:
+        """The PreDraft stream: iterate it for branches, cancel it to stop listening."""
+        request = draft_pb2.PreDraftRequest(request_id=request_id, round=round_number, commit=commit,
+                                            position=position, assumed_token_ids=assumed_token_ids,
+                                            num_tokens=num_tokens, extra_branches=extra_branches)
+        return self.stub.PreDraft(request, timeout=timeout)
+
     async def close(self, request_id: str) -> None:
         await _close_quietly("draft", self.stub.CloseSession, request_id)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from orchestrator.loop import LoopConfig
 from orchestrator.server import OrchestratorOptions, add_loop_arguments
 from specmesh.security import TLSConfig
-from specmesh.service import DTYPE_CHOICES, ServiceOptions
+from specmesh.service import DTYPE_CHOICES, ServiceOptions, parse_cpu_list
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 1800.0  # first start assembles and converts the embedded models
@@ -48,6 +48,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, directory, .gguf or hub id")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for target-only")
     add_loop_arguments(parser)
+    parser.add_argument("--target-cpus", type=parse_cpu_list, default=None, metavar="LIST",
+                        help="pin the target service to these CPU cores, e.g. 0 or 0-3")
+    parser.add_argument("--draft-cpus", type=parse_cpu_list, default=None, metavar="LIST",
+                        help="pin the draft service to these CPU cores, e.g. 4-5")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
     parser.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     parser.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)

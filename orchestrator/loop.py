@@ -22,6 +22,7 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.timing import RoundBreakdown, RoundClock
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import draft_pb2, target_pb2
 
@@ -38,6 +39,10 @@ class LoopConfig:
     adaptive_k: bool = True
     draft_timeout_s: float = 5.0  # per-round deadline on the draft; past it, target-only
     target_timeout_s: float = 120.0  # per-call deadline on the target
+    # Draft the next round while the target verifies this one (orchestrator.pipelined):
+    # "on", "off", or "auto" = on when draft and target compute on separate hardware.
+    pipeline: str = "auto"
+    extra_branches: int | None = None  # pre-drafted rejection branches; None = from measured costs
 
 
 class SpeculationSwitch:
@@ -89,9 +94,11 @@ class SpeculativeGeneration:
                  eos_token_ids: set[int], config: LoopConfig,
                  on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
                  tracer: trace.Tracer | None = None, switch: SpeculationSwitch | None = None,
-                 policy: "DraftLengthPolicy | None" = None):
+                 policy: "DraftLengthPolicy | None" = None,
+                 on_timing: Callable[[RoundBreakdown], None] = lambda breakdown: None):
         self.request = request
         self.policy = policy  # None: every round drafts the request's k
+        self.on_timing = on_timing  # where each round's time went
         self.tracer = tracer or trace.NoOpTracer()
         self.switch = switch or SpeculationSwitch()
         self.on_round = on_round  # (drafted, accepted) after every verification round
@@ -106,6 +113,7 @@ class SpeculativeGeneration:
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
         self._draft_opening: asyncio.Task | None = None
         self._round = 0
+        self._clock = RoundClock()
 
     @property
     def generated(self) -> int:
@@ -165,14 +173,15 @@ class SpeculativeGeneration:
             span.set_attribute("specmesh.draft_length", k)
             # Off, the draft keeps its session: the next commit catches it up if speculation returns.
             started = time.monotonic()
-            proposal = await self._propose(k) if k > 0 else None
+            self._clock = RoundClock()
+            proposal = await self._proposal_for_round(k)
             proposed = time.monotonic()
             draft_ids = list(proposal.token_ids) if proposal else []
-            verified = await self.target.verify(
-                self.session_id, self._round, position, draft_ids,
-                list(proposal.distributions) if proposal else [],
-                timeout=self._timeout(self.config.target_timeout_s))
+            verified = await self._verify_round(position, proposal, k)
             _describe_round(span, proposal, verified)
+            breakdown = self._clock.finish(time.monotonic() - started)
+            _describe_breakdown(span, breakdown)
+        self.on_timing(breakdown)
         self._observe_round(RoundTiming(draft_s=proposed - started, verify_s=time.monotonic() - proposed),
                             len(draft_ids), verified.accepted_count)
         accepted = verified.accepted_count
@@ -182,6 +191,24 @@ class SpeculativeGeneration:
         self.sequence.extend(batch)
         self._count_round(len(draft_ids), accepted, len(batch))
         return batch
+
+    async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
+        """This round's draft tokens, or None for a target-only round."""
+        if k <= 0:
+            return None
+        started = time.monotonic()
+        proposal = await self._propose(k)
+        self._clock.draft_call(time.monotonic() - started, proposal.forward_ns / 1e9 if proposal else 0.0)
+        return proposal
+
+    async def _verify_round(self, position: int, proposal: draft_pb2.ProposeResponse | None,
+                            k: int) -> target_pb2.VerifyResponse:
+        started = time.monotonic()
+        verified = await self.target.verify(
+            self.session_id, self._round, position, list(proposal.token_ids) if proposal else [],
+            list(proposal.distributions) if proposal else [], timeout=self._timeout(self.config.target_timeout_s))
+        self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
+        return verified
 
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
@@ -262,6 +289,16 @@ def _describe_round(span: trace.Span, proposal: draft_pb2.ProposeResponse | None
     if proposal is not None:
         span.set_attributes({"specmesh.draft_forward_ns": proposal.forward_ns,
                              "specmesh.propose_response_bytes": proposal.ByteSize()})
+
+
+def _describe_breakdown(span: trace.Span, breakdown: RoundBreakdown) -> None:
+    """Where the round's time went (orchestrator.timing), in milliseconds."""
+    if not span.is_recording():
+        return
+    span.set_attributes({f"specmesh.time.{part}_ms": seconds * 1e3 for part, seconds in breakdown.parts().items()})
+    span.set_attribute("specmesh.time.wall_ms", breakdown.wall_s * 1e3)
+    if breakdown.predraft is not None:
+        span.set_attribute("specmesh.predraft", breakdown.predraft)
 
 
 _background: set[asyncio.Task] = set()

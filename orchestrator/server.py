@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.clients import DraftClient, TargetClient, open_channel
 from orchestrator.loop import LoopConfig
+from orchestrator.pipelined import PIPELINE_MODES, pipeline_enabled
 from orchestrator.servicer import AdminServicer, Backends, GenerationServicer
 from orchestrator.validation import ModelLimits
 
@@ -42,11 +43,18 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
                              "speculation does not pay; fixed: always --num-speculative-tokens")
     parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s,
                         help="seconds a draft round may take before the request goes target-only")
+    parser.add_argument("--pipeline", choices=PIPELINE_MODES, default=LoopConfig.pipeline,
+                        help="draft the next round while the target verifies; auto: when draft and target "
+                             "compute on separate hardware (hosts, devices or disjoint --*-cpus)")
+    parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
+                        help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
+                             "the measured draft and target costs leave time for)")
 
 
 def loop_config(args: argparse.Namespace) -> LoopConfig:
     return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
-                      adaptive_k=args.speculation_policy == "adaptive")
+                      adaptive_k=args.speculation_policy == "adaptive", pipeline=args.pipeline,
+                      extra_branches=args.extra_branches)
 
 
 class TokenizerMismatch(RuntimeError):
@@ -91,10 +99,15 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
     """Check the target (and the draft's info, when known) against the tokenizer; return the backends."""
     target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
+    # Replica pools' failover draft client has no PreDraft stream yet: pooled serving is sequential.
+    pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info) and hasattr(draft, "predraft")
+    if draft is not None:
+        log.info("speculation %s: target on %s %s, draft on %s %s", "pipelined" if pipelined else "sequential",
+                 target_info.host, target_info.device, draft_info.host, draft_info.device)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
-                    model=target_info.model)
+                    model=target_info.model, pipelined=pipelined)
 
 
 async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, *,

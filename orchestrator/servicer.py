@@ -14,6 +14,7 @@ from orchestrator.clients import DraftClient, TargetClient
 from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.policy import AdaptiveDraftLength, AdaptiveSpeculation
 from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
+from orchestrator.pipelined import PipelinedGeneration
 from orchestrator.validation import ModelLimits, validate_request
 from specmesh.errors import NotManagedHere
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
@@ -29,6 +30,7 @@ class Backends:
     eos_token_ids: set[int]
     limits: ModelLimits
     model: str  # the target model's name, for metrics and traces
+    pipelined: bool = False  # draft the next round while the target verifies (orchestrator.pipelined)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -62,10 +64,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         recorder.admitted()
         span = trace.get_current_span()  # the front end's server span: the root of this request's trace
         _describe_request(span, checked, self.backends.model)
-        generation = SpeculativeGeneration(checked, self.backends.target, self.backends.draft,
-                                           self.backends.eos_token_ids, self.config, on_round=recorder.round,
-                                           tracer=self.tracer, switch=self.switch,
-                                           policy=self._draft_length_policy(checked))
+        loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
+        generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
+                          self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
+                          policy=self._draft_length_policy(checked), on_timing=recorder.round_time)
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 if response.finish_reason:

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import random
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +44,8 @@ class Session:
     generator: torch.Generator
     round: int = 0  # highest round seen; older rounds are stale
     last_used: float = field(default_factory=time.monotonic)
+    seed: int = 0  # seeds generators derived per position (specmesh.sampling.generator_at)
+    ahead: object | None = None  # a service's own state that lives and dies with the session
 
     @property
     def cached_length(self) -> int:
@@ -99,6 +104,8 @@ class ModelEngine:
             context_window=self.context_window,
             device=str(self.device),
             open_sessions=len(self.sessions),
+            host=socket.gethostname(),
+            cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         )
 
     def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:
@@ -120,8 +127,10 @@ class ModelEngine:
             raise SessionExists(request_id)
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExhausted(f"{self.config.max_sessions} sessions already open")
+        salt = self.config.generator_salt
+        seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
         session = Session(request_id, list(prompt), DynamicCache(), sampling,
-                          make_generator(sampling.seed, self.config.generator_salt))
+                          make_generator(sampling.seed, salt), seed=seed)
         self.sessions[request_id] = session
         return session
 

@@ -62,6 +62,15 @@ class OrchestratorMetrics:
                              registry=r)
         self.e2e = Histogram("specmesh_e2e_request_latency_seconds", "End-to-end request latency", REQUEST,
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.round_time = Histogram(
+            "specmesh_round_time_seconds", "Where each verification round's time went, from the orchestrator: "
+            "part = draft_busy, target_busy, wire (call time not in forward passes), idle, or overlap (draft "
+            "and target busy at once; a round's wall time is the sum of the others minus it)",
+            (*REQUEST, "part"), buckets=LATENCY_BUCKETS, registry=r)
+        self.predraft_hits = Counter("specmesh_predraft_hits", "Pipelined rounds whose proposal was pre-drafted "
+                                     "for the verified outcome", REQUEST, registry=r)
+        self.predraft_misses = Counter("specmesh_predraft_misses", "Pipelined rounds that found no matching "
+                                       "pre-draft and drafted afresh", REQUEST, registry=r)
         self.requests_running = Gauge("specmesh_requests_running", "Requests streaming tokens", ("model",),
                                       registry=r)
         self.requests_waiting = Gauge("specmesh_requests_waiting", "Requests admitted, waiting for their first "
@@ -158,6 +167,16 @@ class RequestRecorder:
             m.num_accepted_tokens_per_pos.labels(**labels, position=str(position)).inc()
         if accepted < drafted:
             m.rejection_position.labels(**labels).observe(accepted)
+
+    def round_time(self, breakdown) -> None:
+        """One round's orchestrator.timing.RoundBreakdown."""
+        m, labels = self.metrics, self.labels
+        for part, seconds in breakdown.parts().items():
+            m.round_time.labels(**labels, part=part).observe(seconds)
+        if breakdown.predraft == "hit":
+            m.predraft_hits.labels(**labels).inc()
+        elif breakdown.predraft == "miss":
+            m.predraft_misses.labels(**labels).inc()
 
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, target_passes: int,
                  draft_fallback: bool, acceptance_rate: float | None, tpot_s: float | None, e2e_s: float) -> None:

@@ -87,6 +87,18 @@ def make_generator(seed: int | None, salt: int = 0) -> torch.Generator:
     return generator
 
 
+def generator_at(session_seed: int, position: int) -> torch.Generator:
+    """A generator for draws that start at `position`, derived from the session's seed.
+
+    The draft samples each proposal from the generator of its first position, so
+    the same prefix drafted twice (a pre-drafted branch and a fresh proposal, or a
+    pipelined and a sequential run) gives the same tokens, whatever the timing.
+    """
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((session_seed * 1_000_033 + position * 998_244_353 + 17) % (2**63))
+    return generator
+
+
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     """Draw one token id from probs [V] (need not be normalised)."""
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -40,6 +41,7 @@ class ServiceOptions:
     http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API (0 = any free port); None = off
     tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
     api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
+    cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -52,6 +54,8 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="seconds after which an untouched session is freed")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                         help="auto: bfloat16 where the device computes it natively, else float32")
+    parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
+                        help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
 
@@ -75,7 +79,28 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
     return ServiceOptions(model=args.model, host=args.host, port=args.port, device=args.device,
                           max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout,
                           dtype=args.dtype, metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
-                          trace_sample_ratio=args.trace_sample_ratio, tls=tls)
+                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus)
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """"0,2-3" -> (0, 2, 3), as taskset and cgroups write CPU lists."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 0 or 0-3,6)") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 0 or 0-3,6)")
+    return tuple(sorted(cpus))
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    """Run this process (every thread it has, and those it starts) on `cpus` only."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cpus)
+    torch.set_num_threads(len(cpus))  # one intra-op thread per core: more would only contend
 
 
 def native_bf16(device: str) -> bool:
@@ -97,6 +122,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
+    if options.cpus:
+        pin_cpus(options.cpus)
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     dtype = resolve_dtype(options.dtype, options.device)

@@ -85,11 +85,12 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       metrics: OrchestratorMetrics | None = None, disagreements=None,
                       adaptive_k: bool = False, server_tls: TLSConfig | None = None,
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
-                      api_key: str | None = None) -> Stack:
+                      api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
-    target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent."""
+    target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent.
+    `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs)."""
     target_engine = make_engine(target_dir, device, salt=0)
     target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements,
                                                                tls=server_tls)
@@ -102,7 +103,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     options = OrchestratorOptions(
         target_endpoint=f"127.0.0.1:{target_port}",
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
-        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k),
+        loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k,
+                        pipeline=pipeline, extra_branches=extra_branches),
         channel_tls=channel_tls)
     _, tokenizer = load(str(target_dir), device)
     servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics,

@@ -44,7 +44,8 @@ async def second_token_counts(stack, params: SamplingParams, seeds: range, vocab
 
     async def one(seed: int) -> int:
         async with limit:
-            token_ids, _, _ = await stack.generate(prompt=PROMPT, max_tokens=2, temperature=params.temperature,
+            # max_tokens 3: the round after the first token has room for a draft token (k = min(2, 3 - 1 - 1))
+            token_ids, _, _ = await stack.generate(prompt=PROMPT, max_tokens=3, temperature=params.temperature,
                                                    top_k=params.top_k, top_p=params.top_p, seed=seed,
                                                    num_speculative_tokens=2)
         return token_ids[1] if len(token_ids) > 1 else None

@@ -116,6 +116,10 @@ def check_trace(collector: Collector, stats: generation_pb2.GenerationStats) -> 
     assert sum(r["specmesh.proposed"] for r in rounds) == stats.draft_tokens
     assert all(r["specmesh.target_forward_ns"] > 0 and r["specmesh.next_token"] in ("recovered", "bonus")
                for r in rounds)
+    parts = ("draft_busy", "target_busy", "wire", "idle")  # where each round's time went (orchestrator.timing)
+    assert all(r["specmesh.time.target_busy_ms"] > 0 and min(r[f"specmesh.time.{p}_ms"] for p in parts) >= 0
+               and sum(r[f"specmesh.time.{p}_ms"] for p in parts) <= r["specmesh.time.wall_ms"] * 1.01 + 0.01
+               for r in rounds)
     verifies = [attributes(s) for s in clients.values() if s.name.endswith("TargetService/Verify")]
     assert sorted(v["specmesh.round"] for v in verifies) == list(range(1, stats.rounds + 1))
     assert all(v["rpc.request.bytes"] > 0 and "specmesh.position" in v for v in verifies)
@@ -131,6 +135,7 @@ def check_metrics(orchestrator: str, target: str, stats: generation_pb2.Generati
     assert value(orchestrator, "specmesh_spec_decode_num_draft_tokens_total{") == stats.draft_tokens
     assert value(orchestrator, 'specmesh_requests_total{finish_reason="length"') + \
         value(orchestrator, 'specmesh_requests_total{finish_reason="stop"') == 1
+    assert value(orchestrator, 'specmesh_round_time_seconds_count{') == 5 * stats.rounds  # five parts a round
     assert 'prompt_class="code"' in orchestrator and "process_resident_memory_bytes" in orchestrator
     assert value(target, 'specmesh_forward_seconds_count{model') >= stats.rounds + 1
     assert "specmesh_sessions_open" in target

@@ -82,3 +82,45 @@ class CommitResponse(_message.Message):
     request_id: str
     length: int
     def __init__(self, request_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class PreDraftRequest(_message.Message):
+    __slots__ = ("request_id", "round", "commit", "position", "assumed_token_ids", "num_tokens", "extra_branches")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    commit: Commit
+    position: int
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    extra_branches: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra_branches: _Optional[int] = ...) -> None: ...
+
+class DraftBranch(_message.Message):
+    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "position", "token_ids", "distributions", "forward_ns", "planned_accepted_counts", "planned_next_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_ACCEPTED_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_NEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    accepted_count: int
+    next_token_id: int
+    position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDistribution]
+    forward_ns: int
+    planned_accepted_counts: _containers.RepeatedScalarFieldContainer[int]
+    planned_next_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., planned_accepted_counts: _Optional[_Iterable[int]] = ..., planned_next_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class DraftServiceStub:
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.CommitRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_draft__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.PreDraft = channel.unary_stream(
+                '/specmesh.v1.DraftService/PreDraft',
+                request_serializer=specmesh_dot_v1_dot_draft__pb2.PreDraftRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_draft__pb2.DraftBranch.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specmesh.v1.DraftService/CloseSession',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -88,6 +93,22 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PreDraft(self, request, context):
+        """Server-streaming. Draft the next round while the target is still
+        verifying this one, one branch per likely verification outcome: first
+        the branch that assumes every assumed token is accepted and the draft's
+        own argmax is the bonus token (always sent, with no tokens when there is
+        nothing to draft, and naming the branches to follow), then up to
+        extra_branches branches that
+        assume a rejection at some position followed by the draft's best other
+        token there. Stops between forward steps as soon as a newer call for the
+        session arrives; a request whose round is older than one already seen is
+        refused (ABORTED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Unary. Free a session and its KV cache.
         """
@@ -119,6 +140,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=specmesh_dot_v1_dot_draft__pb2.CommitRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_draft__pb2.CommitResponse.SerializeToString,
+            ),
+            'PreDraft': grpc.unary_stream_rpc_method_handler(
+                    servicer.PreDraft,
+                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.PreDraftRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_draft__pb2.DraftBranch.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -212,6 +238,33 @@ class DraftService:
             '/specmesh.v1.DraftService/Commit',
             specmesh_dot_v1_dot_draft__pb2.CommitRequest.SerializeToString,
             specmesh_dot_v1_dot_draft__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreDraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specmesh.v1.DraftService/PreDraft',
+            specmesh_dot_v1_dot_draft__pb2.PreDraftRequest.SerializeToString,
+            specmesh_dot_v1_dot_draft__pb2.DraftBranch.FromString,
             options,
             channel_credentials,
             insecure,
