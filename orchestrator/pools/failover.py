@@ -131,18 +131,23 @@ class PooledClient:
     def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
         raise NotImplementedError
 
-
-class PooledTargetClient(PooledClient):
-    service = "target"
-
-    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                   timeout: float) -> target_pb2.TargetOpenResponse:
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, timeout: float):
         placement = self.sessions[request_id] = Placement(list(prompt), sampling)
         opened = await self._call(request_id, placement, timeout,
                                   lambda client, t: client.open(request_id, prompt, sampling, t))
         placement.opened = True
-        placement.sequence.append(opened.token_id)
+        self._opened(placement, opened)
         return opened
+
+    def _opened(self, placement: Placement, opened) -> None:
+        """What an open adds to the session's committed sequence (the target's first token)."""
+
+
+class PooledTargetClient(PooledClient):
+    service = "target"
+
+    def _opened(self, placement: Placement, opened: target_pb2.TargetOpenResponse) -> None:
+        placement.sequence.append(opened.token_id)  # the target's prefill committed the first token
 
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution],
@@ -164,13 +169,6 @@ class PooledTargetClient(PooledClient):
 class PooledDraftClient(PooledClient):
     service = "draft"
 
-    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                   timeout: float) -> draft_pb2.DraftOpenResponse:
-        placement = self.sessions[request_id] = Placement(list(prompt), sampling)
-        opened = await self._call(request_id, placement, timeout,
-                                  lambda client, t: client.open(request_id, prompt, sampling, t))
-        placement.opened = True
-        return opened
 
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
                       position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
