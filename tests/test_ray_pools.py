@@ -68,7 +68,9 @@ class RayStack:
         pool = self.pools.pools[role]
         deadline = time.monotonic() + timeout_s
         while len(pool.routable()) != count or len(pool.replicas) != count:
-            assert time.monotonic() < deadline, f"{role} pool: {pool.replicas}"
+            assert time.monotonic() < deadline, (
+                f"{role} pool: {pool.replicas}; controller actors {list(self.pools.controllers[role].actors)}, "
+                f"draining {list(self.pools.controllers[role].draining)}, refresher {pool._task}")
             await asyncio.sleep(0.2)
 
     def actor(self, role: str, name: str):

@@ -122,6 +122,12 @@ class ReplicaPool:
         while True:
             try:
                 await self.refresh()
+            except asyncio.CancelledError:
+                if _cancelling():  # stop(): this task itself is being cancelled
+                    raise
+                # An RPC whose channel was closed under it (a replica that moved) surfaces as
+                # CancelledError; it must not end discovery and health checks for good.
+                log.warning("%s pool refresh: a health check was cancelled", self.role)
             except Exception:  # noqa: BLE001 - keep checking; one bad round must not stop routing
                 log.exception("%s pool refresh failed", self.role)
             await asyncio.sleep(self.check_interval_s)
@@ -169,8 +175,8 @@ class ReplicaPool:
             log.info("%s replica %s not reachable yet: %s", self.role, replica.name, error)
             return
         if address != replica.address:
-            if replica.channel is not None:
-                await replica.channel.close()
+            if replica.channel is not None:  # calls still on it fail over; close it once they are done
+                _close_later(replica.channel, CHECK_TIMEOUT_S + 1.0)
             replica.address = address
             replica.channel = open_channel(address, self.tls, self.interceptors)
             replica.client = self.make_client(replica.channel)
@@ -206,3 +212,23 @@ def fixed_replicas(addresses: dict[str, str]) -> Discover:
     async def discover() -> dict[str, Resolve]:
         return {name: constant(address) for name, address in addresses.items()}
     return discover
+
+
+def _cancelling() -> bool:
+    """True when the current task has been asked to cancel (not when a call inside it was)."""
+    task = asyncio.current_task()
+    return bool(task is not None and getattr(task, "cancelling", lambda: 1)())
+
+
+_closing: set[asyncio.Task] = set()
+
+
+def _close_later(channel: grpc.aio.Channel, delay_s: float) -> None:
+    """Close a replaced channel after in-flight health checks on it have timed out."""
+    async def close() -> None:
+        await asyncio.sleep(delay_s)
+        await channel.close()
+    task = asyncio.ensure_future(close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
