@@ -73,7 +73,7 @@ class DraftLengthPolicy(Protocol):
 
 @dataclass(frozen=True)
 class RoundTiming:
-    draft_s: float  # wall time of the Propose call (0 in a target-only round)
+    draft_s: float  # wall time the round waited for its draft tokens (0 in a target-only round)
     verify_s: float  # wall time of the Verify call
 
 
@@ -175,14 +175,13 @@ class SpeculativeGeneration:
             started = time.monotonic()
             self._clock = RoundClock()
             proposal = await self._proposal_for_round(k)
-            proposed = time.monotonic()
             draft_ids = list(proposal.token_ids) if proposal else []
             verified = await self._verify_round(position, proposal, k)
             _describe_round(span, proposal, verified)
             breakdown = self._clock.finish(time.monotonic() - started)
             _describe_breakdown(span, breakdown)
         self.on_timing(breakdown)
-        self._observe_round(RoundTiming(draft_s=proposed - started, verify_s=time.monotonic() - proposed),
+        self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
                             len(draft_ids), verified.accepted_count)
         accepted = verified.accepted_count
         batch = draft_ids[:accepted] + [verified.next_token_id]
@@ -260,16 +259,16 @@ class SpeculativeGeneration:
                     self.session_id, self._round, reason)
         self.stats.draft_fallback = True
         draft, self.draft = self.draft, None
-        _spawn(draft.close(self.session_id))
+        spawn_background(draft.close(self.session_id))
 
     def _close_sessions(self) -> None:
         """Free both sessions in the background, even when the client's stream was cancelled."""
         if self._draft_opening is not None:
             self._draft_opening.cancel()
             self._draft_opening.add_done_callback(_retrieve_outcome)
-        _spawn(self.target.close(self.session_id))
+        spawn_background(self.target.close(self.session_id))
         if self.draft is not None:
-            _spawn(self.draft.close(self.session_id))
+            spawn_background(self.draft.close(self.session_id))
 
 
 def _describe_round(span: trace.Span, proposal: draft_pb2.ProposeResponse | None,
@@ -310,7 +309,7 @@ def _retrieve_outcome(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _spawn(coroutine) -> None:
+def spawn_background(coroutine) -> None:
     """Run a clean-up coroutine to completion independently of the caller's task."""
     task = asyncio.ensure_future(coroutine)
     _background.add(task)

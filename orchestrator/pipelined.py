@@ -24,6 +24,7 @@ import time
 import grpc
 
 from orchestrator.loop import SpeculativeGeneration
+from orchestrator.policy import Ewma
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -118,19 +119,15 @@ class CostMeter:
     """Running means of the draft's per-step and the target's per-round forward times."""
 
     def __init__(self):
-        self.draft_step_s: float | None = None
-        self.verify_s: float | None = None
-
-    @staticmethod
-    def _mean(old: float | None, new: float) -> float:
-        return new if old is None else 0.8 * old + 0.2 * new
+        self.draft_step = Ewma(weight=0.2)
+        self.verify = Ewma(weight=0.2)
 
     def observe_draft(self, forward_s: float, steps: int) -> None:
         if steps > 0:
-            self.draft_step_s = self._mean(self.draft_step_s, forward_s / steps)
+            self.draft_step.update(forward_s / steps)
 
     def observe_verify(self, forward_s: float) -> None:
-        self.verify_s = self._mean(self.verify_s, forward_s)
+        self.verify.update(forward_s)
 
     def extra_branches(self, k: int) -> int:
         """Rejection branches that fit in the draft's idle time during a verification.
@@ -139,10 +136,11 @@ class CostMeter:
         each further branch k steps. Branches past the idle time would delay the
         next round instead of being free.
         """
-        if self.draft_step_s is None or self.verify_s is None or self.draft_step_s <= 0:
+        step_s, verify_s = self.draft_step.value, self.verify.value
+        if step_s is None or verify_s is None or step_s <= 0:
             return 0
-        idle = self.verify_s - (k + 2) * self.draft_step_s
-        return max(0, min(MAX_AUTO_EXTRA_BRANCHES, math.floor(idle / (k * self.draft_step_s))))
+        idle = verify_s - (k + 2) * step_s
+        return max(0, min(MAX_AUTO_EXTRA_BRANCHES, math.floor(idle / (k * step_s))))
 
 
 class PipelinedGeneration(SpeculativeGeneration):

@@ -99,8 +99,7 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
     """Check the target (and the draft's info, when known) against the tokenizer; return the backends."""
     target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
-    # Replica pools' failover draft client has no PreDraft stream yet: pooled serving is sequential.
-    pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info) and hasattr(draft, "predraft")
+    pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info)
     if draft is not None:
         log.info("speculation %s: target on %s %s, draft on %s %s", "pipelined" if pipelined else "sequential",
                  target_info.host, target_info.device, draft_info.host, draft_info.device)

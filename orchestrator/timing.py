@@ -38,6 +38,8 @@ class RoundClock:
     def __init__(self):
         self.draft_busy_s = 0.0
         self.target_busy_s = 0.0
+        self.draft_wall_s = 0.0  # the round's waits for its draft tokens (Propose, or a pre-draft)
+        self.target_wall_s = 0.0  # its Verify calls
         self.wire_s = 0.0
         self.overlapped_draft_s = 0.0
         self.predraft: str | None = None
@@ -46,11 +48,13 @@ class RoundClock:
         """A draft call (or a wait for a pre-draft) on the critical path."""
         busy = min(forward_s, wall_s)
         self.draft_busy_s += busy
+        self.draft_wall_s += wall_s
         self.wire_s += wall_s - busy
 
     def target_call(self, wall_s: float, forward_s: float) -> None:
         busy = min(forward_s, wall_s)
         self.target_busy_s += busy
+        self.target_wall_s += wall_s
         self.wire_s += wall_s - busy
 
     def draft_behind(self, forward_s: float) -> None:

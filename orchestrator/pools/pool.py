@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.clients import open_channel
+from orchestrator.loop import spawn_background
 
 log = logging.getLogger(__name__)
 Resolve = Callable[[], Awaitable[str]]
@@ -220,15 +221,10 @@ def _cancelling() -> bool:
     return bool(task is not None and getattr(task, "cancelling", lambda: 1)())
 
 
-_closing: set[asyncio.Task] = set()
-
-
 def _close_later(channel: grpc.aio.Channel, delay_s: float) -> None:
     """Close a replaced channel after in-flight health checks on it have timed out."""
     async def close() -> None:
         await asyncio.sleep(delay_s)
         await channel.close()
-    task = asyncio.ensure_future(close())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
+    spawn_background(close())
 

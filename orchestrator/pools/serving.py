@@ -7,6 +7,7 @@ orchestrator owns, discovering their replicas as named actors in the namespace.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -137,6 +138,9 @@ async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, 
     draft_info = None
     if draft is not None and draft.pool.routable():
         draft_info = await draft.model_info(STARTUP_TIMEOUT_S)
+    if loop.pipeline == "on":
+        log.warning("replica pools serve sequentially: their failover draft client has no PreDraft yet")
+    loop = dataclasses.replace(loop, pipeline="off")
     backends = await backends_for(tokenizer, target, draft, draft_info, loop)
     servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider))
     servicer.pools = pools
