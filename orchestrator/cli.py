@@ -44,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     pools_cli.add_serve_arguments(serve)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
-    generate.add_argument("--endpoint", default="127.0.0.1:50051")
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
     generate.add_argument("--top-k", type=int, default=None)
@@ -60,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args.add_parser(commands)
     speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
     speculation.add_argument("state", choices=["on", "off", "status"])
-    speculation.add_argument("--endpoint", default="127.0.0.1:50051")
     add_client_arguments(speculation)
     pools_cli.add_parsers(commands)
     return parser

@@ -117,7 +117,8 @@ async def _close_quietly(service: str, method, request_id: str) -> None:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """TLS and API-key flags of the command-line clients (generate, speculation, scale, ...)."""
+    """Endpoint, TLS and API-key flags of the command-line clients (generate, speculation, scale, ...)."""
+    parser.add_argument("--endpoint", default="127.0.0.1:50051", help="the orchestrator's gRPC host:port")
     add_client_tls_arguments(parser)
     add_api_key_arguments(parser, serving=False)
 

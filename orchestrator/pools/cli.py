@@ -123,11 +123,9 @@ def add_parsers(commands) -> None:
     scale = commands.add_parser("scale", help="set the number of draft or target replicas (Ray pools)")
     scale.add_argument("pool", choices=["draft", "target"])
     scale.add_argument("replicas", type=int)
-    scale.add_argument("--endpoint", default="127.0.0.1:50051")
     add_client_arguments(scale)
     scale.set_defaults(handler=lambda args: asyncio.run(_admin(args, _scale)))
     replicas = commands.add_parser("replicas", help="list the replica pools and each replica's state")
-    replicas.add_argument("--endpoint", default="127.0.0.1:50051")
     add_client_arguments(replicas)
     replicas.set_defaults(handler=lambda args: asyncio.run(_admin(args, _list)))
 
