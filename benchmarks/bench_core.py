@@ -27,8 +27,8 @@ import grpc
 import torch
 
 from orchestrator.bench.peer import PeerPair, hf_generate
-from orchestrator.launcher import ProcessGroup, StackOptions, start_stack
-from orchestrator.loop import LoopConfig
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.decoding.loop import LoopConfig
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, resolve_dtype
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 

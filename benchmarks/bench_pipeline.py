@@ -28,10 +28,10 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench_core import PROMPTS
-from orchestrator.launcher import START_TIMEOUT_S, ProcessGroup, run_draft, run_orchestrator, run_target
-from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions
-from orchestrator.timing import PARTS
+from orchestrator.deployment.launch import START_TIMEOUT_S, ProcessGroup, run_draft, run_orchestrator, run_target
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.decoding.timing import PARTS
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 

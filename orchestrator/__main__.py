@@ -12,8 +12,9 @@ import argparse
 import logging
 import sys
 
-from orchestrator.launcher import Ready, run_orchestrator
-from orchestrator.server import OrchestratorOptions, add_loop_arguments, loop_config
+from orchestrator.deployment.launch import Ready, run_orchestrator
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.decoding.options import add_loop_arguments, loop_config
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, api_key_from_args, client_tls_from_args, server_tls_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
@@ -52,8 +53,8 @@ def main() -> None:
 
 
 def _join_pools(address: str, namespace: str):
-    from orchestrator.pools.cli import init_ray
-    from orchestrator.pools.serving import PoolsOptions
+    from orchestrator.deployment.ray_cli import init_ray
+    from orchestrator.deployment.serving import PoolsOptions
     init_ray(address, namespace)
     return PoolsOptions(namespace=namespace)  # no pool specs: discover the replicas, own none
 

@@ -169,7 +169,7 @@ class RequestRecorder:
             m.rejection_position.labels(**labels).observe(accepted)
 
     def round_time(self, breakdown) -> None:
-        """One round's orchestrator.timing.RoundBreakdown."""
+        """One round's orchestrator.decoding.timing.RoundBreakdown."""
         m, labels = self.metrics, self.labels
         for part, seconds in breakdown.parts().items():
             m.round_time.labels(**labels, part=part).observe(seconds)

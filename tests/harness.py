@@ -10,9 +10,10 @@ from pathlib import Path
 import grpc
 
 from draft_service.server import create_server as create_draft_server
-from orchestrator.clients import open_channel
-from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions, create_server as create_orchestrator_server
+from orchestrator.deployment.clients import open_channel
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.frontend.server import create_server as create_orchestrator_server
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics

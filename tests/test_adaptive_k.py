@@ -9,8 +9,8 @@ import time
 import torch
 
 from harness import start_stack
-from orchestrator.loop import RoundTiming
-from orchestrator.policy import AdaptiveSpeculation, PolicyConfig, expected_tokens
+from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.policy import AdaptiveSpeculation, PolicyConfig, expected_tokens
 from test_greedy_parity import target_greedy
 from test_sampling_parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, total_variation
 from specmesh.sampling import SamplingParams

@@ -16,10 +16,11 @@ from harness import load, start_stack
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.runner import arrival_times
-from orchestrator.cli import main as specmesh_main
-from orchestrator.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions, create_servicer
+from orchestrator.frontend.cli import main as specmesh_main
+from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.frontend.server import create_servicer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {"command", "started_at", "finished_at", "config", "server", "machine", "prompts", "configurations",
@@ -78,7 +79,7 @@ def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_p
     prompt_file.write_text("\n".join(json.dumps(line) for line in JSONL) + "\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "bench", "--target", str(tiny_llama_dir),
+        [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--target", str(tiny_llama_dir),
          "--draft", str(tiny_llama_perturbed_dir), "--num-speculative-tokens", "3",
          "--speculation-policy", "fixed", "--prompt-file", str(prompt_file),
          "--num-prompts", "4", "--max-concurrency", "1", "2", "--ab", "--peer", "--num-warmups", "1",

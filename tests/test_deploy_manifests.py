@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.cli import build_parser
+from orchestrator.frontend.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deploy" / "kuberay"

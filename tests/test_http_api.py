@@ -9,8 +9,9 @@ import openai
 import pytest
 
 from harness import load, start_stack
-from orchestrator.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.server import OrchestratorOptions, create_servicer
+from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.frontend.server import create_servicer
 from tiny_models import TINY_PROMPTS
 
 

@@ -21,7 +21,7 @@ from specmesh.v1 import draft_pb2
 from test_greedy_parity import target_greedy
 from test_metrics import metric
 from test_sampling_parity import expected_sampling_tv, total_variation
-from orchestrator.timing import PARTS
+from orchestrator.decoding.timing import PARTS
 from tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 32

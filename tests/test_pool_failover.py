@@ -14,12 +14,12 @@ import torch
 
 from draft_service.server import create_server as create_draft_server
 from harness import load, make_engine
-from orchestrator.clients import DraftClient, TargetClient, UpstreamError
-from orchestrator.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
-from orchestrator.pools.cli import replica_device
-from orchestrator.pools.controller import autoscale
-from orchestrator.pools.failover import PooledDraftClient, PooledTargetClient
-from orchestrator.pools.pool import ReplicaPool, fixed_replicas
+from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamError
+from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.deployment.ray_cli import replica_device
+from orchestrator.deployment.ray_controller import autoscale
+from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
+from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
 from specmesh import models
 from specmesh.sampling import SamplingParams
 from target_service.server import create_server as create_target_server

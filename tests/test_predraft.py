@@ -9,8 +9,8 @@ import torch
 
 from draft_service.engine import CommitSpec, DraftEngine
 from harness import make_engine
-from orchestrator.pipelined import CostMeter, Predraft, pipeline_enabled, separate_compute
-from orchestrator.timing import RoundClock
+from orchestrator.decoding.pipelined import CostMeter, Predraft, pipeline_enabled, separate_compute
+from orchestrator.decoding.timing import RoundClock
 from specmesh.sampling import SamplingParams
 from specmesh.service import parse_cpu_list
 from specmesh.v1 import common_pb2, draft_pb2

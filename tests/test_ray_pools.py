@@ -18,11 +18,11 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from harness import load  # noqa: E402
-from orchestrator.loop import LoopConfig  # noqa: E402
-from orchestrator.pools.controller import PoolSpec  # noqa: E402
-from orchestrator.pools.replica import ReplicaConfig  # noqa: E402
-from orchestrator.pools.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
-from orchestrator.server import serve_grpc  # noqa: E402
+from orchestrator.decoding.loop import LoopConfig  # noqa: E402
+from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
+from orchestrator.deployment.ray_replica import ReplicaConfig  # noqa: E402
+from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
+from orchestrator.frontend.server import serve_grpc  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
 from test_greedy_parity import target_greedy  # noqa: E402

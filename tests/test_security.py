@@ -15,10 +15,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import load, start_stack
-from orchestrator.cli import build_parser, main as cli_main
-from orchestrator.clients import open_channel
-from orchestrator.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.server import OrchestratorOptions, create_servicer
+from orchestrator.frontend.cli import build_parser, main as cli_main
+from orchestrator.deployment.clients import open_channel
+from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.frontend.server import create_servicer
 from pki import make_pki
 from specmesh.security import SecurityConfigError, TLSConfig, security_from_args
 from specmesh.service import ServiceOptions, add_service_arguments

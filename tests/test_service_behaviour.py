@@ -14,7 +14,8 @@ from grpc_status import rpc_status
 
 from draft_service.server import create_server as create_draft_server
 from harness import load, make_engine, start_stack
-from orchestrator.server import OrchestratorOptions, TokenizerMismatch, create_server
+from orchestrator.deployment.backends import OrchestratorOptions, TokenizerMismatch
+from orchestrator.frontend.server import create_server
 from specmesh.v1 import generation_pb2
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS

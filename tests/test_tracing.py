@@ -116,7 +116,7 @@ def check_trace(collector: Collector, stats: generation_pb2.GenerationStats) -> 
     assert sum(r["specmesh.proposed"] for r in rounds) == stats.draft_tokens
     assert all(r["specmesh.target_forward_ns"] > 0 and r["specmesh.next_token"] in ("recovered", "bonus")
                for r in rounds)
-    parts = ("draft_busy", "target_busy", "wire", "idle")  # where each round's time went (orchestrator.timing)
+    parts = ("draft_busy", "target_busy", "wire", "idle")  # where each round's time went (orchestrator.decoding.timing)
     assert all(r["specmesh.time.target_busy_ms"] > 0 and min(r[f"specmesh.time.{p}_ms"] for p in parts) >= 0
                and sum(r[f"specmesh.time.{p}_ms"] for p in parts) <= r["specmesh.time.wall_ms"] * 1.01 + 0.01
                for r in rounds)

@@ -22,8 +22,8 @@ from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
 from orchestrator.bench.runner import Configuration, LoadSettings, run_load, warm_up
-from orchestrator.launcher import ProcessGroup, StackOptions, start_stack
-from orchestrator.server import loop_config
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.decoding.options import loop_config
 from specmesh.service import ServiceOptions
 
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], float]]  # (configuration, mode) -> (records, seconds)

@@ -6,7 +6,7 @@ import argparse
 import math
 
 from orchestrator.bench.prompts import KINDS
-from orchestrator.launcher import add_model_arguments
+from orchestrator.deployment.launch import add_model_arguments
 
 EPILOG = """examples:
   specmesh bench --ab                                  # start the embedded pair, speculation on vs off

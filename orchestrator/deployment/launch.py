@@ -17,8 +17,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from orchestrator.loop import LoopConfig
-from orchestrator.server import OrchestratorOptions, add_loop_arguments
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.decoding.options import add_loop_arguments
 from specmesh.security import TLSConfig
 from specmesh.service import DTYPE_CHOICES, ServiceOptions, parse_cpu_list
 
@@ -138,8 +139,8 @@ def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address:
 
 
 async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: ServiceOptions, ready) -> None:
-    from orchestrator.http_api import create_app, start_http_server, stop_http_server
-    from orchestrator.server import create_servicer, serve_grpc
+    from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+    from orchestrator.frontend.server import create_servicer, serve_grpc
     from specmesh.metrics import OrchestratorMetrics, serve_metrics
     from specmesh.models import load_tokenizer
     from specmesh.server import serve_until_signal

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.loop import RoundTiming
+from orchestrator.decoding.loop import RoundTiming
 
 EWMA_WEIGHT = 0.5  # weight of the newest observation: costs move with load, follow them quickly
 

@@ -20,8 +20,8 @@ from typing import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.clients import open_channel
-from orchestrator.loop import spawn_background
+from orchestrator.deployment.clients import open_channel
+from orchestrator.decoding.loop import spawn_background
 
 log = logging.getLogger(__name__)
 Resolve = Callable[[], Awaitable[str]]

@@ -9,14 +9,14 @@ import sys
 
 import grpc
 
-from orchestrator import stats_view
+from orchestrator.frontend import stats_view
 from orchestrator.bench import args as bench_args
-from orchestrator.clients import add_client_arguments, client_channel
-from orchestrator.launcher import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
-from orchestrator.launcher import install_stop_flag, ready_message, start_stack
-from orchestrator.pools import cli as pools_cli
-from orchestrator.server import loop_config
-from orchestrator.servicer import FINISH_REASON_NAMES
+from orchestrator.deployment.clients import add_client_arguments, client_channel
+from orchestrator.deployment.launch import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
+from orchestrator.deployment.launch import install_stop_flag, ready_message, start_stack
+from orchestrator.deployment import ray_cli as pools_cli
+from orchestrator.decoding.options import loop_config
+from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, security_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments

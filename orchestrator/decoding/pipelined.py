@@ -23,8 +23,8 @@ import time
 
 import grpc
 
-from orchestrator.loop import SpeculativeGeneration
-from orchestrator.policy import Ewma
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.policy import Ewma
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from orchestrator.loop import GenerationRequest
+from orchestrator.decoding.loop import GenerationRequest
 from specmesh.errors import InvalidArgument
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import generation_pb2

@@ -21,8 +21,8 @@ import grpc
 
 from opentelemetry import trace
 
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.timing import RoundBreakdown, RoundClock
+from orchestrator.deployment.clients import DraftClient, TargetClient
+from orchestrator.decoding.timing import RoundBreakdown, RoundClock
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import draft_pb2, target_pb2
 
@@ -35,11 +35,11 @@ class LoopConfig:
     # passes and acceptance of the embedded pair is ~0.85, so k=7 measured best (README).
     num_speculative_tokens: int = 7
     # Adaptive: k per round from observed acceptance and costs, up to the request's k
-    # (orchestrator.policy). Requests that name their k, or sample with a seed, keep it fixed.
+    # (orchestrator.decoding.policy). Requests that name their k, or sample with a seed, keep it fixed.
     adaptive_k: bool = True
     draft_timeout_s: float = 5.0  # per-round deadline on the draft; past it, target-only
     target_timeout_s: float = 120.0  # per-call deadline on the target
-    # Draft the next round while the target verifies this one (orchestrator.pipelined):
+    # Draft the next round while the target verifies this one (orchestrator.decoding.pipelined):
     # "on", "off", or "auto" = on when draft and target compute on separate hardware.
     pipeline: str = "auto"
     extra_branches: int | None = None  # pre-drafted rejection branches; None = from measured costs
@@ -291,7 +291,7 @@ def _describe_round(span: trace.Span, proposal: draft_pb2.ProposeResponse | None
 
 
 def _describe_breakdown(span: trace.Span, breakdown: RoundBreakdown) -> None:
-    """Where the round's time went (orchestrator.timing), in milliseconds."""
+    """Where the round's time went (orchestrator.decoding.timing), in milliseconds."""
     if not span.is_recording():
         return
     span.set_attributes({f"specmesh.time.{part}_ms": seconds * 1e3 for part, seconds in breakdown.parts().items()})

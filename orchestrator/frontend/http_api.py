@@ -27,8 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from orchestrator.clients import UpstreamError
-from orchestrator.servicer import FINISH_REASON_NAMES, GenerationServicer
+from orchestrator.deployment.clients import UpstreamError
+from orchestrator.frontend.servicer import FINISH_REASON_NAMES, GenerationServicer
 from specmesh.errors import InvalidArgument
 from specmesh.models import chat_token_ids
 from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, TLSConfig, authorized

@@ -15,10 +15,10 @@ import sys
 
 import grpc
 
-from orchestrator.clients import add_client_arguments, client_channel
-from orchestrator.pools.controller import PoolSpec
-from orchestrator.pools.replica import ReplicaConfig
-from orchestrator.pools.serving import PoolsOptions
+from orchestrator.deployment.clients import add_client_arguments, client_channel
+from orchestrator.deployment.ray_controller import PoolSpec
+from orchestrator.deployment.ray_replica import ReplicaConfig
+from orchestrator.deployment.serving import PoolsOptions
 from specmesh.service import ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
@@ -165,8 +165,9 @@ def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=No
     """Start (or join) a Ray cluster, the pools' replica actors, and an orchestrator in this process."""
     import ray
 
-    from orchestrator.launcher import run_orchestrator
-    from orchestrator.server import OrchestratorOptions, loop_config
+    from orchestrator.deployment.launch import run_orchestrator
+    from orchestrator.deployment.backends import OrchestratorOptions
+    from orchestrator.decoding.options import loop_config
     options = pools_options(args, security)
     init_ray(args.address, args.ray_namespace, options)
     orchestrator = OrchestratorOptions("", None, loop_config(args), pools=options)
@@ -189,7 +190,7 @@ class _ReadyLine:
         self.host = host
 
     def put(self, ready) -> None:
-        from orchestrator.launcher import ready_message
+        from orchestrator.deployment.launch import ready_message
         if ready.error:
             print(f"specmesh serve: {ready.error}", file=sys.stderr, flush=True)
             return

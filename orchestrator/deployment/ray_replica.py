@@ -17,7 +17,7 @@ from specmesh.service import ServiceOptions
 
 log = logging.getLogger(__name__)
 ROLES = ("draft", "target")
-GENERATOR_SALT = {"target": 0, "draft": 1}  # as in orchestrator.launcher
+GENERATOR_SALT = {"target": 0, "draft": 1}  # as in orchestrator.deployment.launch
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def advertised_host(bind_host: str) -> str:
 
 
 class ReplicaActor:
-    """Use through `ray.remote(ReplicaActor).options(...)`; see orchestrator.pools.controller."""
+    """Use through `ray.remote(ReplicaActor).options(...)`; see orchestrator.deployment.ray_controller."""
 
     def __init__(self, config: ReplicaConfig):
         if config.role not in ROLES:

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.pools.controller import PoolController, PoolSpec, new_pool, ray_discovery
-from orchestrator.pools.failover import MAX_REPLICA_FAILURES, PooledDraftClient, PooledTargetClient
-from orchestrator.pools.pool import ReplicaPool
+from orchestrator.deployment.backends import STARTUP_TIMEOUT_S, backends_for
+from orchestrator.frontend.servicer import GenerationServicer
+from specmesh.telemetry import client_interceptors, tracer
+from orchestrator.deployment.ray_controller import PoolController, PoolSpec, new_pool, ray_discovery
+from orchestrator.deployment.failover import MAX_REPLICA_FAILURES, PooledDraftClient, PooledTargetClient
+from orchestrator.deployment.pool import ReplicaPool
 from specmesh.errors import InvalidArgument, NotManagedHere
 from specmesh.security import TLSConfig
 from specmesh.v1 import admin_pb2
@@ -117,7 +120,6 @@ class Pools:
 async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
                                  tracer_provider: TracerProvider | None = None, metrics=None):
     """The Generation servicer over pools; `options` is an OrchestratorOptions with `pools` set."""
-    from specmesh.telemetry import client_interceptors
     pools = Pools.from_options(options.pools, client_interceptors(tracer_provider))
     return await servicer_over_pools(tokenizer, pools, options.loop, tracer_provider=tracer_provider,
                                      metrics=metrics)
@@ -125,9 +127,6 @@ async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
 
 async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, loop, *,
                               tracer_provider: TracerProvider | None = None, metrics=None):
-    from orchestrator.server import STARTUP_TIMEOUT_S, backends_for
-    from orchestrator.servicer import GenerationServicer
-    from specmesh.telemetry import tracer
     await pools.start()
     failures = pools.options.max_replica_failures
     target = PooledTargetClient(pools.pools["target"], max_replica_failures=failures,

@@ -10,12 +10,12 @@ import grpc
 from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.policy import AdaptiveDraftLength, AdaptiveSpeculation
-from orchestrator.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
-from orchestrator.pipelined import PipelinedGeneration
-from orchestrator.validation import ModelLimits, validate_request
+from orchestrator.deployment.clients import DraftClient, TargetClient
+from orchestrator.frontend.detokenizer import IncrementalDetokenizer
+from orchestrator.decoding.policy import AdaptiveDraftLength, AdaptiveSpeculation
+from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
+from orchestrator.decoding.pipelined import PipelinedGeneration
+from orchestrator.frontend.validation import ModelLimits, validate_request
 from specmesh.errors import NotManagedHere
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -30,7 +30,7 @@ class Backends:
     eos_token_ids: set[int]
     limits: ModelLimits
     model: str  # the target model's name, for metrics and traces
-    pipelined: bool = False  # draft the next round while the target verifies (orchestrator.pipelined)
+    pipelined: bool = False  # draft the next round while the target verifies (orchestrator.decoding.pipelined)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -44,7 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
         self.adaptive = AdaptiveSpeculation()
-        self.pools = None  # orchestrator.pools.serving.Pools when serving from replica pools
+        self.pools = None  # orchestrator.deployment.serving.Pools when serving from replica pools
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
@@ -54,7 +54,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             yield response
 
     async def generate(self, request: generation_pb2.GenerateRequest, time_remaining: float | None = None):
-        """The Generate stream, for any front end (gRPC here, HTTP in orchestrator.http_api).
+        """The Generate stream, for any front end (gRPC here, HTTP in orchestrator.frontend.http_api).
 
         Raises InvalidArgument before the first response when the request is bad.
         """
@@ -125,7 +125,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def __init__(self, switch: SpeculationSwitch, pools=None):
         self.switch = switch
-        self.pools = pools  # orchestrator.pools.serving.Pools, or None: no pools here
+        self.pools = pools  # orchestrator.deployment.serving.Pools, or None: no pools here
 
     async def SetSpeculation(self, request: admin_pb2.SetSpeculationRequest, context: grpc.aio.ServicerContext):
         self.switch.enabled = request.enabled

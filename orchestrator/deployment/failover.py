@@ -24,8 +24,8 @@ from typing import Awaitable, Callable, Sequence
 
 import grpc
 
-from orchestrator.clients import UpstreamError
-from orchestrator.pools.pool import NoHealthyReplica, Replica, ReplicaPool
+from orchestrator.deployment.clients import UpstreamError
+from orchestrator.deployment.pool import NoHealthyReplica, Replica, ReplicaPool
 from specmesh.errors import SpecmeshError
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2

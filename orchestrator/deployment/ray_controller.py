@@ -17,9 +17,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.clients import DraftClient, TargetClient
-from orchestrator.pools.pool import Discover, ReplicaGone, ReplicaPool, Resolve
-from orchestrator.pools.replica import ReplicaActor, ReplicaConfig
+from orchestrator.deployment.clients import DraftClient, TargetClient
+from orchestrator.deployment.pool import Discover, ReplicaGone, ReplicaPool, Resolve
+from orchestrator.deployment.ray_replica import ReplicaActor, ReplicaConfig
 
 log = logging.getLogger(__name__)
 ACTOR_PREFIX = "specmesh-"

@@ -1,0 +1,1 @@
+"""The speculative decoding loop, its pipelined variant, the draft-length policy and round timing."""

@@ -1,0 +1,31 @@
+"""The speculative loop's command-line flags, shared by `specmesh serve`, `specmesh bench` and `python -m orchestrator`."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.pipelined import PIPELINE_MODES
+
+
+def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    """The speculative loop's flags, shared by `specmesh serve` and `python -m orchestrator`."""
+    parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens,
+                        help="draft tokens per round; with the adaptive policy, the most per round")
+    parser.add_argument("--speculation-policy", choices=("adaptive", "fixed"), default="adaptive",
+                        help="adaptive: choose k per round from measured acceptance and costs, 0 when "
+                             "speculation does not pay; fixed: always --num-speculative-tokens")
+    parser.add_argument("--draft-timeout", type=float, default=LoopConfig.draft_timeout_s,
+                        help="seconds a draft round may take before the request goes target-only")
+    parser.add_argument("--pipeline", choices=PIPELINE_MODES, default=LoopConfig.pipeline,
+                        help="draft the next round while the target verifies; auto: when draft and target "
+                             "compute on separate hardware (hosts, devices or disjoint --*-cpus)")
+    parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
+                        help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
+                             "the measured draft and target costs leave time for)")
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
+                      adaptive_k=args.speculation_policy == "adaptive", pipeline=args.pipeline,
+                      extra_branches=args.extra_branches)

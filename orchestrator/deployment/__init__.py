@@ -1,0 +1,1 @@
+"""Deployment: clients of the draft and target services, replica pools and failover, Ray and local backends, launch."""

@@ -1,0 +1,78 @@
+"""Connect the orchestrator to its draft and target: check the tokenizers, decide pipelining."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opentelemetry.sdk.trace import TracerProvider
+from transformers import PreTrainedTokenizerBase
+
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.pipelined import pipeline_enabled
+from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.frontend.servicer import Backends
+from orchestrator.frontend.validation import ModelLimits
+from specmesh import models
+from specmesh.security import TLSConfig
+from specmesh.telemetry import client_interceptors
+from specmesh.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from orchestrator.deployment.serving import PoolsOptions
+
+log = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 30.0
+
+
+class TokenizerMismatch(RuntimeError):
+    """Draft and target (or the orchestrator's tokenizer) disagree on the vocabulary."""
+
+
+@dataclass(frozen=True)
+class OrchestratorOptions:
+    target_endpoint: str  # unused with pools
+    draft_endpoint: str | None  # None: serve target-only
+    loop: LoopConfig = LoopConfig()
+    channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
+    pools: "PoolsOptions | None" = None  # Ray replica pools instead of the two endpoints
+
+
+def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
+                       draft: common_pb2.ModelInfo | None) -> None:
+    """Refuse to start when draft and target would mean different things by a token id."""
+    if draft is not None and draft.vocab_fingerprint != target.vocab_fingerprint:
+        raise TokenizerMismatch(
+            f"draft model {draft.model!r} and target model {target.model!r} have different tokenizer "
+            f"vocabularies (fingerprints {draft.vocab_fingerprint[:12]} vs {target.vocab_fingerprint[:12]}); "
+            "speculative decoding needs a draft that shares the target's tokenizer")
+    if tokenizer_fingerprint != target.vocab_fingerprint:
+        raise TokenizerMismatch(
+            f"the orchestrator's tokenizer differs from the target model {target.model!r}'s")
+
+
+async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions,
+                           tracer_provider: TracerProvider | None = None) -> Backends:
+    interceptors = client_interceptors(tracer_provider)
+    target = TargetClient(open_channel(options.target_endpoint, options.channel_tls, interceptors))
+    draft, draft_info = None, None
+    if options.draft_endpoint:
+        draft = DraftClient(open_channel(options.draft_endpoint, options.channel_tls, interceptors))
+        draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
+    return await backends_for(tokenizer, target, draft, draft_info, options.loop)
+
+
+async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_info: common_pb2.ModelInfo | None,
+                       loop: LoopConfig) -> Backends:
+    """Check the target (and the draft's info, when known) against the tokenizer; return the backends."""
+    target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
+    check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
+    pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info)
+    if draft is not None:
+        log.info("speculation %s: target on %s %s, draft on %s %s", "pipelined" if pipelined else "sequential",
+                 target_info.host, target_info.device, draft_info.host, draft_info.device)
+    limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
+                         default_num_speculative_tokens=loop.num_speculative_tokens)
+    return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
+                    model=target_info.model, pipelined=pipelined)

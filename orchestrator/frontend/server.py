@@ -1,0 +1,53 @@
+"""Serve the orchestrator's client-facing gRPC API (Generation and Admin) over its backends."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+from opentelemetry.sdk.trace import TracerProvider
+from transformers import PreTrainedTokenizerBase
+
+from orchestrator.deployment.backends import OrchestratorOptions, connect_backends
+from orchestrator.deployment.serving import create_pooled_servicer
+from orchestrator.frontend.servicer import AdminServicer, GenerationServicer
+from specmesh.metrics import OrchestratorMetrics
+from specmesh.security import TLSConfig
+from specmesh.server import start_server
+from specmesh.telemetry import tracer
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, *,
+                          tracer_provider: TracerProvider | None = None,
+                          metrics: OrchestratorMetrics | None = None) -> GenerationServicer:
+    """Connect to the services and check them; the result serves gRPC and HTTP alike."""
+    if options.pools is not None:
+        return await create_pooled_servicer(tokenizer, options, tracer_provider=tracer_provider, metrics=metrics)
+    backends = await connect_backends(tokenizer, options, tracer_provider)
+    return GenerationServicer(tokenizer, backends, options.loop, metrics, tracer(tracer_provider))
+
+
+async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0", *,
+                     max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
+                     tls: TLSConfig | None = None, api_key: str | None = None,
+                     ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """Serve Generation and Admin (both behind `api_key` when set; the kill switch is an admin act)."""
+    def register(server: grpc.aio.Server) -> None:
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools), server)
+    return await start_server(register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address,
+                              max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, api_key=api_key,
+                              tracer_provider=tracer_provider)
+
+
+async def create_server(
+    tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions, address: str = "127.0.0.1:0",
+    *, max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
+    metrics: OrchestratorMetrics | None = None, tls: TLSConfig | None = None, api_key: str | None = None,
+) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    servicer = await create_servicer(tokenizer, options, tracer_provider=tracer_provider, metrics=metrics)
+    return await serve_grpc(servicer, address, max_concurrent_rpcs=max_concurrent_rpcs,
+                            tracer_provider=tracer_provider, tls=tls, api_key=api_key)
