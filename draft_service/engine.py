@@ -59,9 +59,10 @@ class DraftEngine:
         self.engine = engine
         self.greedy_proposals = greedy_proposals
 
-    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> int:
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                   caller: str = "") -> int:
         """Prefill all but the last prompt token; return forward ns."""
-        session = self.engine.new_session(request_id, prompt, sampling)
+        session = self.engine.new_session(request_id, prompt, sampling, caller)
         session.ahead = DraftState()
         if len(prompt) < 2:
             return 0

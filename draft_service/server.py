@@ -1,4 +1,8 @@
-"""Create the draft service's gRPC server over a loaded model."""
+"""Create the draft service's gRPC server over a loaded model.
+
+With `internal_token` every DraftService call must carry it (`authorization: Bearer <token>`,
+sent by the orchestrator); gRPC health and reflection stay open for probes.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
 from specmesh.engine import ModelEngine
 from specmesh.metrics import ServiceMetrics
-from specmesh.security import TLSConfig
+from specmesh.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
 from specmesh.server import start_server
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
 
@@ -20,10 +24,11 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
                         greedy_proposals: bool = False, max_concurrent_rpcs: int | None = None,
                         tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
-                        tls: TLSConfig | None = None,
+                        tls: TLSConfig | None = None, internal_token: str | None = None,
                         ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     metrics = metrics or ServiceMetrics.for_engine("draft", engine)
     servicer = DraftServicer(DraftEngine(engine, greedy_proposals=greedy_proposals), metrics)
     return await start_server(lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
                               [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
-                              tls=tls, tracer_provider=tracer_provider)
+                              tls=tls, tracer_provider=tracer_provider, api_key=internal_token,
+                              unauthenticated_message=INTERNAL_UNAUTHENTICATED_MESSAGE)

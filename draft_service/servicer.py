@@ -7,6 +7,7 @@ import grpc
 from draft_service.engine import CommitSpec, DraftEngine
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
+from specmesh.security import caller_of
 from specmesh.telemetry import annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -22,7 +23,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
-                                            sampling_from_pb(request.sampling))
+                                            sampling_from_pb(request.sampling), caller_of(context))
         self.metrics.observe_forward("prefill", forward_ns)
         annotate_current_span(forward_ns=forward_ns)
         return draft_pb2.DraftOpenResponse(request_id=request.request_id,

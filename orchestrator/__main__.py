@@ -4,7 +4,9 @@ replica pools that `specmesh serve --target-replicas N` runs on a Ray cluster:
 python -m orchestrator --ray-address HEAD:6379 --tokenizer MODEL --port 50052.
 
 The --tls-cert/--tls-key/--tls-ca flags secure the client-facing port; --tls-root-ca and
---tls-client-cert/--tls-client-key the channels to the draft and target services."""
+--tls-client-cert/--tls-client-key the channels to the draft and target services, which get
+the internal token from --internal-token-file or SPECMESH_INTERNAL_TOKEN (default: the API
+key, which is the token of the pools `specmesh serve --api-key` runs on Ray)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from orchestrator.deployment.launch import Ready, run_orchestrator
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.decoding.options import add_loop_arguments, loop_config
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
-                               add_server_tls_arguments, api_key_from_args, client_tls_from_args, server_tls_from_args)
+                               add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
+                               client_tls_from_args, internal_token_from_args, server_tls_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 
@@ -36,16 +39,19 @@ def main() -> None:
     add_server_tls_arguments(parser)
     add_client_tls_arguments(parser)
     add_api_key_arguments(parser, serving=True)
+    add_internal_token_arguments(parser, serving=False)
     args = parser.parse_args()
     if (args.target is None) == (args.ray_address is None):
         parser.error("give exactly one of --target and --ray-address")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s orchestrator %(levelname)s %(message)s")
     try:
         tls, channel_tls, api_key = server_tls_from_args(args), client_tls_from_args(args), api_key_from_args(args)
+        internal_token = internal_token_from_args(args) or api_key
     except SecurityConfigError as error:
         parser.error(str(error))
     options = OrchestratorOptions(args.target or "", args.draft, loop_config(args), channel_tls,
-                                  pools=_join_pools(args.ray_address, args.ray_namespace) if args.ray_address else None)
+                                  pools=_join_pools(args.ray_address, args.ray_namespace) if args.ray_address else None,
+                                  internal_token=internal_token)
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                                http_port=args.http_port, tls=tls, api_key=api_key)

@@ -46,6 +46,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     seed: int = 0  # seeds generators derived per position (specmesh.sampling.generator_at)
     ahead: object | None = None  # a service's own state that lives and dies with the session
+    caller: str = ""  # who opened it (specmesh.security.caller_of), for the per-caller limit
 
     @property
     def cached_length(self) -> int:
@@ -63,12 +64,21 @@ class Session:
 class EngineConfig:
     model_name: str
     max_sessions: int = 256
+    # Sessions one caller may hold; None = three quarters of max_sessions, so that one caller
+    # (a leaking orchestrator, or one of several) can never take every slot.
+    max_sessions_per_caller: int | None = None
     generator_salt: int = 0  # keeps the draft's random stream apart from the target's
     # Pad a forward of n > 1 new tokens to a multiple of this many rows. MKL's fp32
     # GEMM on our AMD CPUs costs one full weight pass per row for 2, 3 and 5-7 rows,
     # but one pass for 4 or 8 (see README, "Figures"). Trailing pad rows cannot
     # change the real rows (attention is causal) and are cropped from the cache.
     row_multiple: int = 1
+
+    @property
+    def caller_limit(self) -> int:
+        if self.max_sessions_per_caller is not None:
+            return self.max_sessions_per_caller
+        return max(1, self.max_sessions - self.max_sessions // 4)
 
 
 def default_row_multiple(device: str, dtype: torch.dtype) -> int:
@@ -113,8 +123,9 @@ class ModelEngine:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidArgument(field_name, f"token id {token_id} outside [0, {self.vocab_size})")
 
-    def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Session:
-        """Register an empty-cache session for `prompt`; the caller prefills it."""
+    def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                    caller: str = "") -> Session:
+        """Register an empty-cache session for `prompt` opened by `caller`; the service prefills it."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not prompt:
@@ -127,12 +138,20 @@ class ModelEngine:
             raise SessionExists(request_id)
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExhausted(f"{self.config.max_sessions} sessions already open")
+        self._check_caller_limit(caller)
         salt = self.config.generator_salt
         seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
         session = Session(request_id, list(prompt), DynamicCache(), sampling,
-                          make_generator(sampling.seed, salt), seed=seed)
+                          make_generator(sampling.seed, salt), seed=seed, caller=caller)
         self.sessions[request_id] = session
         return session
+
+    def _check_caller_limit(self, caller: str) -> None:
+        limit = self.config.caller_limit
+        held = sum(1 for session in self.sessions.values() if session.caller == caller)
+        if held >= limit:
+            raise CapacityExhausted(f"caller {caller or 'unknown'} already holds {held} sessions: the per-caller "
+                                    f"limit is {limit} of {self.config.max_sessions}")
 
     def get(self, request_id: str) -> Session:
         session = self.sessions.get(request_id)

@@ -8,9 +8,13 @@ PEM files are read once, at start-up, so a missing or unreadable file is an erro
 that names its flag before anything listens; the bytes then travel with the options
 to the processes (or Ray actors) that serve.
 
-The API key guards the client-facing API only (Generation and Admin over gRPC, the
-OpenAI routes over HTTP): callers send `authorization: Bearer <key>`. The internal
-draft and target services are guarded by mutual TLS instead.
+The API key guards the client-facing API (Generation and Admin over gRPC, the OpenAI
+routes over HTTP): callers send `authorization: Bearer <key>`. The internal draft and
+target services are guarded the same way by the internal token, which the orchestrator
+sends on every call (`token_interceptors`): `specmesh serve` generates one per
+deployment and hands it to its children, Ray deployments use the API key, and
+standalone services read it from `--internal-token-file` or SPECMESH_INTERNAL_TOKEN.
+Under mutual TLS they also accept only certificates from the configured CA.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -25,6 +30,9 @@ import grpc
 
 AUTHORIZATION = "authorization"
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key (send 'authorization: Bearer <key>')"
+INTERNAL_UNAUTHENTICATED_MESSAGE = ("missing or invalid internal token: only the deployment's orchestrator may "
+                                    "call this service (it sends 'authorization: Bearer <token>')")
+INTERNAL_TOKEN_ENV = "SPECMESH_INTERNAL_TOKEN"
 
 
 class SecurityConfigError(ValueError):
@@ -146,15 +154,19 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
         raise SecurityConfigError("give --api-key or --api-key-file, not both")
     if not args.api_key_file:
         return args.api_key or None
+    return _read_secret(args.api_key_file, "--api-key-file")
+
+
+def _read_secret(path: str, flag: str) -> str:
+    """A key or token from a file (surrounding whitespace dropped); errors name the flag."""
     try:
-        with open(args.api_key_file, encoding="utf-8") as key_file:
-            key = key_file.read().strip()
+        with open(path, encoding="utf-8") as secret_file:
+            secret = secret_file.read().strip()
     except OSError as error:
-        raise SecurityConfigError(f"--api-key-file: cannot read {args.api_key_file}: "
-                                  f"{error.strerror or error}") from error
-    if not key:
-        raise SecurityConfigError(f"--api-key-file: {args.api_key_file} is empty")
-    return key
+        raise SecurityConfigError(f"{flag}: cannot read {path}: {error.strerror or error}") from error
+    if not secret:
+        raise SecurityConfigError(f"{flag}: {path} is empty")
+    return secret
 
 
 def bearer_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -169,14 +181,17 @@ def authorized(header: str | None, api_key: str) -> bool:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Aborts calls to the guarded services with UNAUTHENTICATED unless they carry the API key.
+    """Aborts calls to the guarded services with UNAUTHENTICATED unless they carry the key.
 
-    Health and reflection stay open, so probes and grpcurl's discovery work without the key.
+    The key is the API key (client-facing services) or the internal token (draft and
+    target). Health and reflection stay open, so probes and grpcurl's discovery work
+    without it.
     """
 
-    def __init__(self, api_key: str, guarded_services: Iterable[str]):
+    def __init__(self, api_key: str, guarded_services: Iterable[str], message: str = UNAUTHENTICATED_MESSAGE):
         self.api_key = api_key
         self.prefixes = tuple(f"/{name}/" for name in guarded_services)
+        self.message = message
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -186,19 +201,78 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if authorized(metadata.get(AUTHORIZATION), self.api_key):
             return handler
         # The same kind of handler, refusing: one that returns for single responses, a generator for streams.
-        denials = {"unary_unary": _deny, "stream_unary": _deny, "unary_stream": _deny_stream,
-                   "stream_stream": _deny_stream}
+        message = self.message
+
+        async def deny(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # makes this an async generator, the shape a streaming handler has
+        denials = {"unary_unary": deny, "stream_unary": deny, "unary_stream": deny_stream,
+                   "stream_stream": deny_stream}
         kind = next(kind for kind in denials if getattr(handler, kind) is not None)
         return handler._replace(**{kind: denials[kind]})
 
 
-async def _deny(request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+class _MetadataAdder:
+    """Appends fixed metadata to every call's; one subclass per call shape (grpc.aio files each by type)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]):
+        self.metadata = metadata
+
+    def _with_metadata(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *self.metadata))
 
 
-async def _deny_stream(request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-    yield  # makes this an async generator, the shape a streaming handler has
+class _UnaryUnaryAdder(_MetadataAdder, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._with_metadata(client_call_details), request)
+
+
+class _UnaryStreamAdder(_MetadataAdder, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._with_metadata(client_call_details), request)
+
+
+def token_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that send `token` as `authorization: Bearer` on every call (none without one).
+
+    For the orchestrator's channels to the draft and target, pooled or not; their calls are
+    unary or server-streaming.
+    """
+    metadata = bearer_metadata(token)
+    return [_UnaryUnaryAdder(metadata), _UnaryStreamAdder(metadata)] if metadata else []
+
+
+def new_internal_token() -> str:
+    """A fresh per-deployment internal token (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def add_internal_token_arguments(parser: argparse.ArgumentParser, serving: bool) -> None:
+    """--internal-token-file; the token itself only through the environment, never on a command line."""
+    what = ("require this token from the orchestrator" if serving
+            else "send this token to the draft and target services (default: the API key)")
+    parser.add_argument("--internal-token-file", default=_env("SPECMESH_INTERNAL_TOKEN_FILE"), metavar="PATH",
+                        help=f"{what}; read from this file (env SPECMESH_INTERNAL_TOKEN_FILE, or the token "
+                             f"itself in {INTERNAL_TOKEN_ENV})")
+
+
+def internal_token_from_args(args: argparse.Namespace) -> str | None:
+    """The token from --internal-token-file, else from SPECMESH_INTERNAL_TOKEN; None when neither is set."""
+    if not args.internal_token_file:
+        return _env(INTERNAL_TOKEN_ENV)
+    return _read_secret(args.internal_token_file, "--internal-token-file")
+
+
+def caller_of(context: grpc.aio.ServicerContext) -> str:
+    """Whom a call comes from, for per-caller session limits: its connection's peer address.
+
+    Each orchestrator holds one connection per service (gRPC shares it among the
+    channels of a process), so this is one orchestrator process.
+    """
+    return context.peer() or "unknown"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@
 health and reflection services, and installs `ErrorInterceptor`, the one place
 where domain errors become status codes (INVALID_ARGUMENT carries a google.rpc
 BadRequest naming the field) and anything unexpected becomes INTERNAL. Transport
-security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the API
-key check (`specmesh.security.ApiKeyInterceptor`) on the services it is asked to guard.
+security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the key
+check (`specmesh.security.ApiKeyInterceptor`: the API key, or the internal token of the
+draft and target) on the services it is asked to guard.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.errors import InvalidArgument, SpecmeshError
-from specmesh.security import ApiKeyInterceptor, TLSConfig
+from specmesh.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
 from specmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
@@ -98,15 +99,17 @@ async def start_server(
     tls: TLSConfig | None = None,
     api_key: str | None = None,
     tracer_provider: TracerProvider | None = None,
+    unauthenticated_message: str = UNAUTHENTICATED_MESSAGE,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
-    services in `service_names` require it; health and reflection stay open.
+    services in `service_names` require it (the API key, or the draft's and target's internal
+    token), refusing with `unauthenticated_message`; health and reflection stay open.
     """
     names = list(service_names)
     # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below.
-    auth = [ApiKeyInterceptor(api_key, names)] if api_key else []
+    auth = [ApiKeyInterceptor(api_key, names, unauthenticated_message)] if api_key else []
     interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
                              options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])

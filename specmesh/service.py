@@ -15,7 +15,8 @@ import torch
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
 from specmesh.metrics import ServiceMetrics, serve_metrics
-from specmesh.security import SecurityConfigError, TLSConfig, add_server_tls_arguments, server_tls_from_args
+from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
+                               internal_token_from_args, server_tls_from_args)
 from specmesh.server import serve_until_signal
 from specmesh.telemetry import make_tracer_provider
 
@@ -32,6 +33,7 @@ class ServiceOptions:
     port: int = 0
     device: str = "cpu"
     max_sessions: int = 256
+    max_sessions_per_caller: int | None = None  # None = three quarters of max_sessions (EngineConfig)
     session_idle_timeout_s: float = 600.0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     dtype: str = "float32"  # or "auto"; the draft may be faster in bf16: its precision never changes the output
@@ -42,6 +44,7 @@ class ServiceOptions:
     tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
     api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
     cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
+    internal_token: str | None = None  # draft/target: calls must carry it (from the orchestrator); None = open
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -50,6 +53,9 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (sharded over every visible GPU)")
     parser.add_argument("--max-sessions", type=int, default=256)
+    parser.add_argument("--max-sessions-per-caller", type=int, default=None, metavar="N",
+                        help="sessions one caller (one orchestrator connection) may hold; "
+                             "default: three quarters of --max-sessions")
     parser.add_argument("--session-idle-timeout", type=float, default=600.0,
                         help="seconds after which an untouched session is freed")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
@@ -58,6 +64,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
+    add_internal_token_arguments(parser, serving=True)
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
@@ -71,15 +78,19 @@ def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_por
 
 
 def options_from_args(args: argparse.Namespace) -> ServiceOptions:
-    """The options; an unusable TLS setting exits with a message naming its flag."""
+    """The options; an unusable TLS or token setting exits with a message naming its flag."""
     try:
-        tls = server_tls_from_args(args)
+        tls, token = server_tls_from_args(args), internal_token_from_args(args)
     except SecurityConfigError as error:
         raise SystemExit(f"error: {error}") from error
+    if token is None and not (tls and tls.mutual):
+        log.warning("no internal token (--internal-token-file) and no mutual TLS: anyone who reaches "
+                    "%s can call this service", args.host)
     return ServiceOptions(model=args.model, host=args.host, port=args.port, device=args.device,
-                          max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout,
-                          dtype=args.dtype, metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
-                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus)
+                          max_sessions=args.max_sessions, max_sessions_per_caller=args.max_sessions_per_caller,
+                          session_idle_timeout_s=args.session_idle_timeout, dtype=args.dtype,
+                          metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
+                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -128,7 +139,8 @@ def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
         torch.set_num_threads(options.num_threads)
     dtype = resolve_dtype(options.dtype, options.device)
     model, tokenizer = models.load_model(options.model, device=options.device, dtype=dtype)
-    config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions, generator_salt=generator_salt,
+    config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
+                          max_sessions_per_caller=options.max_sessions_per_caller, generator_salt=generator_salt,
                           row_multiple=default_row_multiple(options.device, dtype))
     engine = ModelEngine(model, tokenizer, config)
     engine.warm_up()
@@ -156,7 +168,8 @@ async def run_model_service(service: str, create_server: CreateServer, engine: M
     metrics = ServiceMetrics.for_engine(service, engine)
     metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
     server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
-                                               metrics=metrics, tls=options.tls, **server_kwargs)
+                                               metrics=metrics, tls=options.tls,
+                                               internal_token=options.internal_token, **server_kwargs)
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
     on_ready(port, metrics_port)
     try:

@@ -39,21 +39,23 @@ class TargetEngine:
         self.engine = engine
         self.disagreements = disagreements
 
-    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Opened:
-        session = self.engine.new_session(request_id, prompt, sampling)
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                   caller: str = "") -> Opened:
+        session = self.engine.new_session(request_id, prompt, sampling, caller)
         try:
             return await self.engine.run(self._prefill, session)
         except BaseException:
             self.engine.close(request_id)
             raise
 
-    async def resume(self, request_id: str, committed: Sequence[int], sampling: SamplingParams) -> Opened:
+    async def resume(self, request_id: str, committed: Sequence[int], sampling: SamplingParams,
+                     caller: str = "") -> Opened:
         """Take over a session another replica lost: prefill its committed sequence, sample nothing.
 
         The cache covers all but the last committed token, as after any round, so the
         next Verify at position len(committed) feeds that token with its drafts.
         """
-        session = self.engine.new_session(request_id, committed, sampling)
+        session = self.engine.new_session(request_id, committed, sampling, caller)
         # A seeded stream restarted from the seed would reuse the uniforms that already
         # decided earlier tokens; salting it with the position keeps the draws fresh.
         session.generator = make_generator(sampling.seed, salt=len(committed))

@@ -1,4 +1,8 @@
-"""Create the target service's gRPC server over a loaded model."""
+"""Create the target service's gRPC server over a loaded model.
+
+With `internal_token` every TargetService call must carry it (`authorization: Bearer <token>`,
+sent by the orchestrator); gRPC health and reflection stay open for probes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.engine import ModelEngine
 from specmesh.metrics import ServiceMetrics
-from specmesh.security import TLSConfig
+from specmesh.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
 from specmesh.server import start_server
 from specmesh.v1 import target_pb2, target_pb2_grpc
 from target_service.disagreements import DisagreementLog
@@ -21,10 +25,11 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
                         max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
                         metrics: ServiceMetrics | None = None, disagreements: DisagreementLog | None = None,
-                        tls: TLSConfig | None = None,
+                        tls: TLSConfig | None = None, internal_token: str | None = None,
                         ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     metrics = metrics or ServiceMetrics.for_engine("target", engine)
     servicer = TargetServicer(TargetEngine(engine, disagreements), metrics)
     return await start_server(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
                               [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
-                              tls=tls, tracer_provider=tracer_provider)
+                              tls=tls, tracer_provider=tracer_provider, api_key=internal_token,
+                              unauthenticated_message=INTERNAL_UNAUTHENTICATED_MESSAGE)

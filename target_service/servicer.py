@@ -6,6 +6,7 @@ import grpc
 
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
+from specmesh.security import caller_of
 from specmesh.telemetry import annotate_current_span
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
@@ -21,7 +22,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
         open_ = self.engine.resume if request.resume else self.engine.open
-        opened = await open_(request.request_id, list(request.prompt_token_ids), sampling_from_pb(request.sampling))
+        opened = await open_(request.request_id, list(request.prompt_token_ids), sampling_from_pb(request.sampling),
+                             caller_of(context))
         self.metrics.observe_forward("prefill", opened.forward_ns)
         annotate_current_span(forward_ns=opened.forward_ns)
         response = target_pb2.TargetOpenResponse(request_id=request.request_id,

@@ -17,7 +17,7 @@ from orchestrator.frontend.server import create_server as create_orchestrator_se
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
-from specmesh.security import TLSConfig, bearer_metadata
+from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 from target_service.server import create_server as create_target_server
 
@@ -45,6 +45,11 @@ class Stack:
     channel: grpc.aio.Channel | None = None
     channel_tls: TLSConfig | None = None  # the orchestrator's identity towards the draft and target
     api_key: str | None = None
+    internal_token: str | None = None  # the draft and target require it; the orchestrator sends it
+
+    def internal_channel(self, port: int) -> grpc.aio.Channel:
+        """A channel to the draft or target as the orchestrator has one (its TLS identity and token)."""
+        return open_channel(f"127.0.0.1:{port}", self.channel_tls, token_interceptors(self.internal_token))
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -61,7 +66,7 @@ class Stack:
         return token_ids, "".join(text), last
 
     async def open_sessions(self) -> tuple[int, int]:
-        target = target_pb2_grpc.TargetServiceStub(open_channel(f"127.0.0.1:{self.target_port}", self.channel_tls))
+        target = target_pb2_grpc.TargetServiceStub(self.internal_channel(self.target_port))
         info = await target.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=10)
         draft_count = len(self.draft_engine.sessions) if self.draft_engine else 0
         return info.open_sessions, draft_count
@@ -86,35 +91,37 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       metrics: OrchestratorMetrics | None = None, disagreements=None,
                       adaptive_k: bool = False, server_tls: TLSConfig | None = None,
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
-                      api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None) -> Stack:
+                      api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
+                      internal_token: str | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
-    target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent.
+    target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent;
+    `internal_token`: required by the draft and target, sent by the orchestrator.
     `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs)."""
     target_engine = make_engine(target_dir, device, salt=0)
     target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements,
-                                                               tls=server_tls)
+                                                               tls=server_tls, internal_token=internal_token)
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
         draft_engine = make_engine(draft_dir, device, salt=1)
         servers["draft"], draft_port, _ = await create_draft_server(draft_engine, greedy_proposals=greedy_proposals,
-                                                                   tls=server_tls)
+                                                                   tls=server_tls, internal_token=internal_token)
     options = OrchestratorOptions(
         target_endpoint=f"127.0.0.1:{target_port}",
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
         loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k,
                         pipeline=pipeline, extra_branches=extra_branches),
-        channel_tls=channel_tls)
+        channel_tls=channel_tls, internal_token=internal_token)
     _, tokenizer = load(str(target_dir), device)
     servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics,
                                                                         tls=server_tls, api_key=api_key)
     stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers,
-                  channel_tls=channel_tls, api_key=api_key)
+                  channel_tls=channel_tls, api_key=api_key, internal_token=internal_token)
     stack.channel = open_channel(f"127.0.0.1:{port}", client_tls)
     return stack
 
 
 def draft_stub(stack: Stack) -> draft_pb2_grpc.DraftServiceStub:
-    return draft_pb2_grpc.DraftServiceStub(open_channel(f"127.0.0.1:{stack.draft_port}", stack.channel_tls))
+    return draft_pb2_grpc.DraftServiceStub(stack.internal_channel(stack.draft_port))

@@ -24,6 +24,7 @@ from orchestrator.bench.report import machine_info, print_report, write_json
 from orchestrator.bench.runner import Configuration, LoadSettings, run_load, warm_up
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
 from orchestrator.decoding.options import loop_config
+from specmesh.security import new_internal_token
 from specmesh.service import ServiceOptions
 
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], float]]  # (configuration, mode) -> (records, seconds)
@@ -76,10 +77,12 @@ def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configura
 def start_own_stack(group: ProcessGroup, args) -> str:
     """The pair as `specmesh serve` runs it, on free local ports, metrics and tracing off."""
     http = args.protocol == "http"
+    token = new_internal_token()  # as under `specmesh serve`: only this orchestrator may call the pair
     options = StackOptions(
-        target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, trace_exporter="none"),
+        target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, trace_exporter="none",
+                              internal_token=token),
         draft=ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                             trace_exporter="none"),
+                             trace_exporter="none", internal_token=token),
         loop=loop_config(args),
         address="127.0.0.1:0",
         orchestrator=ServiceOptions(model=args.target, http_port=0 if http else -1, trace_exporter="none"))

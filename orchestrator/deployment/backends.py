@@ -15,7 +15,7 @@ from orchestrator.deployment.clients import DraftClient, TargetClient, open_chan
 from orchestrator.frontend.servicer import Backends
 from orchestrator.frontend.validation import ModelLimits
 from specmesh import models
-from specmesh.security import TLSConfig
+from specmesh.security import TLSConfig, token_interceptors
 from specmesh.telemetry import client_interceptors
 from specmesh.v1 import common_pb2
 
@@ -37,6 +37,7 @@ class OrchestratorOptions:
     loop: LoopConfig = LoopConfig()
     channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
     pools: "PoolsOptions | None" = None  # Ray replica pools instead of the two endpoints
+    internal_token: str | None = None  # sent on every call to the draft and target; None = send none
 
 
 def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
@@ -54,7 +55,7 @@ def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
 
 async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions,
                            tracer_provider: TracerProvider | None = None) -> Backends:
-    interceptors = client_interceptors(tracer_provider)
+    interceptors = [*client_interceptors(tracer_provider), *token_interceptors(options.internal_token)]
     target = TargetClient(open_channel(options.target_endpoint, options.channel_tls, interceptors))
     draft, draft_info = None, None
     if options.draft_endpoint:

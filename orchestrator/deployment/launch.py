@@ -94,7 +94,7 @@ def start_stack(group: "ProcessGroup", options: StackOptions) -> dict[str, Ready
     orchestrator = OrchestratorOptions(
         target_endpoint=f"{dial_host(options.target.host)}:{ready['target'].port}",
         draft_endpoint=f"{dial_host(options.draft.host)}:{ready['draft'].port}" if "draft" in ready else None,
-        loop=options.loop, channel_tls=options.channel_tls)
+        loop=options.loop, channel_tls=options.channel_tls, internal_token=options.target.internal_token)
     group.start("orchestrator", run_orchestrator, options.target.model, orchestrator, options.address,
                 options.orchestrator)
     ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))

@@ -19,6 +19,7 @@ from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.ray_controller import PoolSpec
 from orchestrator.deployment.ray_replica import ReplicaConfig
 from orchestrator.deployment.serving import PoolsOptions
+from specmesh.security import new_internal_token
 from specmesh.service import ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
@@ -74,12 +75,12 @@ def replica_device(device: str, num_gpus: float) -> str:
 
 
 def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtype: str, tls=None,
-              **replica) -> PoolSpec:
+              internal_token: str | None = None, **replica) -> PoolSpec:
     get = lambda name: getattr(args, f"{role}_{name}")  # noqa: E731
     num_cpus, num_gpus = get("num_cpus"), get("num_gpus")
     service = ServiceOptions(model=model, host=args.host, device=replica_device(device, num_gpus), dtype=dtype,
                              num_threads=max(1, math.floor(num_cpus)), trace_exporter=args.trace_exporter,
-                             trace_sample_ratio=args.trace_sample_ratio, tls=tls)
+                             trace_sample_ratio=args.trace_sample_ratio, tls=tls, internal_token=internal_token)
     replicas = 1 if get("replicas") is None else get("replicas")
     return PoolSpec(ReplicaConfig(role, service, **replica), replicas=replicas, min_replicas=get("min_replicas"),
                     max_replicas=get("max_replicas"), num_cpus=num_cpus, num_gpus=num_gpus,
@@ -87,16 +88,17 @@ def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtyp
                     sessions_per_replica=args.sessions_per_replica, drain_grace_s=args.drain_grace)
 
 
-def pools_options(args: argparse.Namespace, security=None) -> PoolsOptions:
-    """security: specmesh.security settings; replicas get the serving TLS material as bytes."""
+def pools_options(args: argparse.Namespace, security=None, internal_token: str | None = None) -> PoolsOptions:
+    """security: specmesh.security settings; replicas get the serving TLS material as bytes, and
+    `internal_token` (required from the orchestrators that call them)."""
     server_tls = security.server_tls if security else None
     log = (args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None
-    target = pool_spec(args, "target", args.target, args.device, args.target_dtype, server_tls,
+    target = pool_spec(args, "target", args.target, args.device, args.target_dtype, server_tls, internal_token,
                        disagreement_log=log)
     draft = None
     if args.draft.lower() != "none" and args.draft_replicas != 0:
         draft = pool_spec(args, "draft", args.draft, args.draft_device or args.device, args.draft_dtype,
-                          server_tls, greedy_proposals=args.greedy_draft)
+                          server_tls, internal_token, greedy_proposals=args.greedy_draft)
     return PoolsOptions(namespace=args.ray_namespace, target=target, draft=draft,
                         max_replica_failures=args.max_replica_failures,
                         channel_tls=security.channel_tls if security else None)
@@ -168,9 +170,11 @@ def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=No
     from orchestrator.deployment.launch import run_orchestrator
     from orchestrator.deployment.backends import OrchestratorOptions
     from orchestrator.decoding.options import loop_config
-    options = pools_options(args, security)
+    # The API key where one is configured: orchestrators that join these pools hold it too.
+    internal_token = (security.api_key if security else None) or new_internal_token()
+    options = pools_options(args, security, internal_token)
     init_ray(args.address, args.ray_namespace, options)
-    orchestrator = OrchestratorOptions("", None, loop_config(args), pools=options)
+    orchestrator = OrchestratorOptions("", None, loop_config(args), pools=options, internal_token=internal_token)
     telemetry = ServiceOptions(model=args.target, host=args.host, metrics_port=metrics_port,
                                http_port=args.http_port, trace_exporter=args.trace_exporter,
                                trace_sample_ratio=args.trace_sample_ratio,

@@ -83,13 +83,15 @@ class ReplicaActor:
 
 
 async def _create_server(config: ReplicaConfig, engine, provider):
-    bind = f"{config.service.host}:0"
+    # Bind only the address the pool dials: the node's IP when --host is a wildcard, never every interface.
+    bind = f"{advertised_host(config.service.host)}:0"
+    token = config.service.internal_token
     if config.role == "draft":
         from draft_service.server import create_server
-        return await create_server(engine, bind, greedy_proposals=config.greedy_proposals,
-                                   tracer_provider=provider, tls=config.service.tls, **config.extra)
+        return await create_server(engine, bind, greedy_proposals=config.greedy_proposals, tracer_provider=provider,
+                                   tls=config.service.tls, internal_token=token, **config.extra)
     from target_service.disagreements import DisagreementLog
     from target_service.server import create_server
     disagreements = DisagreementLog(*config.disagreement_log) if config.disagreement_log else None
     return await create_server(engine, bind, tracer_provider=provider, disagreements=disagreements,
-                               tls=config.service.tls, **config.extra)
+                               tls=config.service.tls, internal_token=token, **config.extra)

@@ -21,7 +21,7 @@ from orchestrator.deployment.ray_controller import PoolController, PoolSpec, new
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES, PooledDraftClient, PooledTargetClient
 from orchestrator.deployment.pool import ReplicaPool
 from specmesh.errors import InvalidArgument, NotManagedHere
-from specmesh.security import TLSConfig
+from specmesh.security import TLSConfig, token_interceptors
 from specmesh.v1 import admin_pb2
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ class Pools:
 async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
                                  tracer_provider: TracerProvider | None = None, metrics=None):
     """The Generation servicer over pools; `options` is an OrchestratorOptions with `pools` set."""
-    pools = Pools.from_options(options.pools, client_interceptors(tracer_provider))
+    interceptors = [*client_interceptors(tracer_provider), *token_interceptors(options.internal_token)]
+    pools = Pools.from_options(options.pools, interceptors)
     return await servicer_over_pools(tokenizer, pools, options.loop, tracer_provider=tracer_provider,
                                      metrics=metrics)
 

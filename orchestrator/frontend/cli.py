@@ -18,7 +18,7 @@ from orchestrator.deployment import ray_cli as pools_cli
 from orchestrator.decoding.options import loop_config
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
-                               add_server_tls_arguments, security_from_args)
+                               add_server_tls_arguments, new_internal_token, security_from_args)
 from specmesh.service import ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -75,13 +75,16 @@ def serve(args: argparse.Namespace) -> int:
     metrics_ports = _metrics_ports(args.metrics_port)
     disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
         if args.disagreement_log else None
+    # Only this deployment's orchestrator may call its draft and target; the token reaches the
+    # children with their start-up arguments (pickled over a pipe), never on a command line.
+    internal = dict(internal_token=new_internal_token(), **telemetry)
     draft = None
     if args.draft.lower() != "none":
         draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **telemetry)
+                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **internal)
     options = StackOptions(
         target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                              metrics_port=metrics_ports["target"], cpus=args.target_cpus, **telemetry),
+                              metrics_port=metrics_ports["target"], cpus=args.target_cpus, **internal),
         draft=draft,
         loop=loop_config(args),
         address=f"{args.host}:{args.port}",
@@ -95,6 +98,8 @@ def serve(args: argparse.Namespace) -> int:
         group.stop()
         return 1
     print(ready_message(args.host, ready["orchestrator"]), flush=True)
+    internal = [f"{name} {args.host}:{ready[name].port}" for name in ("target", "draft") if name in ready]
+    print("internal services (the orchestrator's token required): " + ", ".join(internal), flush=True)
     metrics = [f"{name} http://{args.host}:{r.metrics_port}/metrics" for name, r in sorted(ready.items())
                if r.metrics_port is not None]
     if metrics:
