@@ -4,32 +4,39 @@ Concurrent greedy streams equal the target's own output; killing a draft and a
 target replica mid-stream changes nothing a client sees, and Ray restarts them
 into their pools; scaling pools up and down under load loses nothing. The
 cluster and the replicas are shared by the module's tests (a Ray start and a
-replica start each cost seconds).
+replica start each cost seconds). The replicas require an internal token, which the
+orchestrators' pools send.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 
 import grpc
+import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ray = pytest.importorskip("ray")
 
 from harness import load  # noqa: E402
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
-from orchestrator.deployment.ray_replica import ReplicaConfig  # noqa: E402
+from orchestrator.deployment.ray_replica import ReplicaActor, ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
 from orchestrator.frontend.server import serve_grpc  # noqa: E402
+from specmesh.security import token_interceptors  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
-from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc  # noqa: E402
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
+from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402
 from test_greedy_parity import target_greedy  # noqa: E402
 from tiny_models import TINY_PROMPTS  # noqa: E402
 
 NAMESPACE = "specmesh-test"
 LONG = 200  # tokens: long enough streams to lose replicas in the middle of
+TOKEN = "ray-internal-token"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +48,7 @@ def ray_cluster():
 
 
 def pool_spec(role: str, model_dir) -> PoolSpec:
-    service = ServiceOptions(model=str(model_dir), num_threads=1)
+    service = ServiceOptions(model=str(model_dir), num_threads=1, internal_token=TOKEN)
     return PoolSpec(ReplicaConfig(role, service), replicas=2, num_cpus=0.25, drain_grace_s=20.0)
 
 
@@ -82,7 +89,7 @@ async def ray_stack(ray_cluster, tiny_llama_dir, tiny_llama_perturbed_dir):
     options = PoolsOptions(namespace=NAMESPACE, target=pool_spec("target", tiny_llama_dir),
                            draft=pool_spec("draft", tiny_llama_perturbed_dir), check_interval_s=0.25,
                            start_timeout_s=120.0)
-    pools = Pools.from_options(options)
+    pools = Pools.from_options(options, token_interceptors(TOKEN))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
     server, port, _ = await serve_grpc(servicer)
@@ -106,7 +113,7 @@ async def test_concurrent_streams_equal_their_solo_output(ray_stack):
 
 async def test_a_second_orchestrator_joins_the_pools(ray_stack, tiny_llama_dir):
     """Discovery through Ray: named replica actors in the namespace, owned by the first orchestrator."""
-    joined = Pools.from_options(PoolsOptions(namespace=NAMESPACE, check_interval_s=0.25))
+    joined = Pools.from_options(PoolsOptions(namespace=NAMESPACE, check_interval_s=0.25), token_interceptors(TOKEN))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     servicer = await servicer_over_pools(tokenizer, joined, LoopConfig(num_speculative_tokens=2))
     try:
@@ -119,6 +126,35 @@ async def test_a_second_orchestrator_joins_the_pools(ray_stack, tiny_llama_dir):
             joined.scale("target", 3)
     finally:
         await joined.stop()
+
+
+async def test_replicas_bind_the_host_and_refuse_calls_without_the_token(ray_stack):
+    stubs = {"draft": draft_pb2_grpc.DraftServiceStub, "target": target_pb2_grpc.TargetServiceStub}
+    for role, stub in stubs.items():
+        for replica in ray_stack.pools.pools[role].routable():
+            assert replica.address.startswith("127.0.0.1:"), replica  # --host, not every interface
+            async with grpc.aio.insecure_channel(replica.address) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub(channel).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, replica
+
+
+async def test_a_wildcard_host_binds_only_the_nodes_address(ray_cluster, tiny_llama_dir):
+    """--host 0.0.0.0 on a cluster: a replica listens on the address it advertises, not on every interface."""
+    config = ReplicaConfig("target", ServiceOptions(model=str(tiny_llama_dir), host="0.0.0.0", num_threads=1,
+                                                    internal_token=TOKEN))
+    replica = ray.remote(ReplicaActor).options(num_cpus=0.25).remote(config)
+    try:
+        address = await asyncio.wait_for(replica.address.remote(), 120)
+        host, port = address.rsplit(":", 1)
+        bound = {ipaddress.ip_address(c.laddr.ip) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
+    finally:
+        ray.kill(replica, no_restart=True)
+    assert host == ray.util.get_node_ip_address()
+    assert {getattr(ip, "ipv4_mapped", None) or ip for ip in bound} == {ipaddress.ip_address(host)}
 
 
 async def test_killed_replicas_cost_nothing_and_rejoin(ray_stack):
