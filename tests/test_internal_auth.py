@@ -27,7 +27,7 @@ from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_metadata, internal_token_from_args,
                                token_interceptors)
 from specmesh.service import add_service_arguments, options_from_args
-from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.server import create_server as create_target_server
 from test_cli import start_serve
 from test_greedy_parity import target_greedy
@@ -230,7 +230,7 @@ async def test_serve_refuses_unauthenticated_calls_on_every_port(api_key, tiny_l
     if api_key:
         (tmp_path / "api-key").write_text(api_key)
         key_args = ["--api-key-file", str(tmp_path / "api-key")]
-    process, endpoint, lines = await asyncio.to_thread(
+    process, _, lines = await asyncio.to_thread(
         start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
         "--metrics-port", "0", *key_args, expect_metrics=True)
     try:
@@ -266,3 +266,43 @@ async def test_serve_refuses_unauthenticated_calls_on_every_port(api_key, tiny_l
         assert unkeyed == grpc.StatusCode.UNAUTHENTICATED and completion.status_code == 401
     else:
         assert unkeyed == expected and completion.status_code == 200
+
+
+async def test_serve_on_ray_with_an_api_key_refuses_unauthenticated_calls(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                          tmp_path):
+    """Ray mode: the replicas' internal token is the API key; without it every specmesh port refuses."""
+    pytest.importorskip("ray")
+    (tmp_path / "api-key").write_text("ray-api-key")
+    process, endpoint, lines = await asyncio.to_thread(
+        start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+        "--target-replicas", "1", "--draft-replicas", "1", "--metrics-port", "-1",
+        "--api-key-file", str(tmp_path / "api-key"))
+    keyed = bearer_metadata("ray-api-key")
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            try:
+                unkeyed = await generate_with(channel)
+            except grpc.aio.AioRpcError as error:
+                unkeyed = error.code()
+            keyed_tokens = await generate_with(channel, keyed)
+            pools = (await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10,
+                                                                          metadata=keyed)).pools
+        replicas = {pool.pool: replica.address for pool in pools for replica in pool.replicas}
+        internal = {}
+        for role, address in replicas.items():
+            port = int(address.rsplit(":", 1)[1])
+            internal[role] = (address.rsplit(":", 1)[0], await internal_call_code(port, role),
+                              await internal_call_code(port, role, bearer_metadata("wrong")),
+                              await internal_call_code(port, role, keyed), await health_status(port))
+        http_port = re.search(r"OpenAI API http://127\.0\.0\.1:(\d+)/v1", "\n".join(lines)).group(1)
+        async with httpx.AsyncClient() as http:
+            completion = await http.post(f"http://127.0.0.1:{http_port}/v1/completions",
+                                         json={"prompt": TINY_PROMPTS[0], "max_tokens": 4})
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+    assert unkeyed == grpc.StatusCode.UNAUTHENTICATED and completion.status_code == 401
+    assert keyed_tokens == list(target_greedy(str(tiny_llama_dir), "cpu", TINY_PROMPTS[0], MAX_TOKENS))
+    refused, serving = grpc.StatusCode.UNAUTHENTICATED, health_pb2.HealthCheckResponse.SERVING
+    assert internal == {role: ("127.0.0.1", refused, refused, grpc.StatusCode.OK, serving)
+                        for role in ("draft", "target")}
