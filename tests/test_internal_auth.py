@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 
 import grpc
 import httpx
@@ -29,7 +33,7 @@ from specmesh.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_m
 from specmesh.service import add_service_arguments, options_from_args
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.server import create_server as create_target_server
-from test_cli import start_serve
+from test_cli import ROOT, start_serve
 from test_greedy_parity import target_greedy
 from test_security import generate_with
 from tiny_models import TINY_PROMPTS
@@ -306,3 +310,42 @@ async def test_serve_on_ray_with_an_api_key_refuses_unauthenticated_calls(tiny_l
     refused, serving = grpc.StatusCode.UNAUTHENTICATED, health_pb2.HealthCheckResponse.SERVING
     assert internal == {role: ("127.0.0.1", refused, refused, grpc.StatusCode.OK, serving)
                         for role in ("draft", "target")}
+
+
+def start_module(module: str, *args: str, env: dict[str, str]) -> tuple[subprocess.Popen, int]:
+    """`python -m module args`; return the process and the port its 'listening on' line names."""
+    process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **env),
+                               cwd=ROOT)
+    lines = []
+    for line in process.stdout:
+        lines.append(line.strip())
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        if found:
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+            return process, int(found.group(1))
+    raise AssertionError(f"{module} exited before it was ready:\n" + "\n".join(lines[-30:]))
+
+
+async def test_standalone_services_and_orchestrator_share_a_token_file(tiny_llama_dir, tmp_path):
+    """Multi-machine set-up: the target reads the token from the environment, the orchestrator from a file."""
+    (tmp_path / "token").write_text("standalone-token\n")
+    target, target_port = await asyncio.to_thread(
+        start_module, "target_service", "--model", str(tiny_llama_dir), env={INTERNAL_TOKEN_ENV: "standalone-token"})
+    processes = [target]
+    try:
+        unauthenticated = await internal_call_code(target_port, "target")
+        authenticated = await internal_call_code(target_port, "target", bearer_metadata("standalone-token"))
+        orchestrator, port = await asyncio.to_thread(
+            start_module, "orchestrator", "--target", f"127.0.0.1:{target_port}", "--tokenizer", str(tiny_llama_dir),
+            "--port", "0", "--internal-token-file", str(tmp_path / "token"), env={})
+        processes.append(orchestrator)
+        async with channel_to(port) as channel:
+            token_ids = await generate_with(channel)
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            assert process.wait(timeout=60) == 0
+    assert (unauthenticated, authenticated) == (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK)
+    assert token_ids == list(target_greedy(str(tiny_llama_dir), "cpu", TINY_PROMPTS[0], MAX_TOKENS))
