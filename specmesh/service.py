@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from specmesh import models
+from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
 from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.security import SecurityConfigError, TLSConfig, add_server_tls_arguments, server_tls_from_args
@@ -42,6 +43,7 @@ class ServiceOptions:
     tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
     api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
     cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -58,6 +60,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
+    add_shutdown_arguments(parser)
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
@@ -79,7 +82,8 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
     return ServiceOptions(model=args.model, host=args.host, port=args.port, device=args.device,
                           max_sessions=args.max_sessions, session_idle_timeout_s=args.session_idle_timeout,
                           dtype=args.dtype, metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
-                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus)
+                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus,
+                          shutdown_grace_s=args.shutdown_grace)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -157,10 +161,12 @@ async def run_model_service(service: str, create_server: CreateServer, engine: M
     metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
     server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
                                                metrics=metrics, tls=options.tls, **server_kwargs)
+    # On SIGTERM: new sessions refused, open ones served until their orchestrator closes them (or the grace ends).
+    drain_of(server).hold_sessions(lambda: len(engine.sessions))
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
     on_ready(port, metrics_port)
     try:
-        await serve_until_signal(server, health)
+        await serve_until_signal(server, health, options.shutdown_grace_s)
     finally:
         reaper.cancel()
         if provider is not None:
