@@ -21,13 +21,15 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import load, start_stack
+from harness import load, make_engine, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
 from specmesh.drain import drain_of
 from specmesh.server import stop_server
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from target_service.server import SERVICE_NAME as TARGET_SERVICE_NAME
+from target_service.server import create_server as create_target_server
 from test_cli import start_serve
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
@@ -149,6 +151,43 @@ async def test_streams_still_running_at_the_end_of_the_grace_are_cut_off(orchest
     assert "shutting down" in cut.value.details() and "0.3 s shutdown grace" in cut.value.details()
     assert http_cut.value.body["code"] == "server_shutting_down" and "grace" in http_cut.value.message
     assert await orchestrator.stack.wait_sessions_freed() == (0, 0)
+
+
+
+async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new_ones(tiny_llama_dir):
+    """Ctrl-C reaches every process of `specmesh serve` at once: the target must not fail the
+    orchestrator's in-flight stream, only turn new sessions away."""
+    engine = make_engine(tiny_llama_dir)
+    target, target_port, target_health = await create_target_server(engine)
+    drain_of(target).hold_sessions(lambda: len(engine.sessions))  # as specmesh.service.run_model_service does
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    servicer = await create_servicer(tokenizer, OrchestratorOptions(f"127.0.0.1:{target_port}", None))
+    server, port, _ = await serve_grpc(servicer)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{target_port}") as target_channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(request(), timeout=60)
+            tokens = list((await call.read()).token_ids)
+            gate = threading.Event()
+            blocker = asyncio.ensure_future(engine.run(gate.wait, 60))  # hold the stream in flight
+            stopping = asyncio.ensure_future(stop_server(target, target_health, 60.0))
+            try:
+                await wait_for_health(target_channel, TARGET_SERVICE_NAME, NOT_SERVING)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await read_rest(stub.Generate(request(4), timeout=30))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+                assert not stopping.done() and len(engine.sessions) == 1
+            finally:
+                gate.set()
+                await blocker
+            tokens += await read_rest(call)
+        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
+        await asyncio.wait_for(stopping, 30)  # done once the orchestrator closed the session
+        assert not engine.sessions
+    finally:
+        await server.stop(None)
+        await target.stop(None)
 
 
 # ---- `specmesh serve` as a user runs it: SIGTERM to the serve process
