@@ -27,7 +27,7 @@ from orchestrator.frontend.http_api import create_app, start_http_server, stop_h
 from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
 from specmesh.drain import drain_of
 from specmesh.server import stop_server
-from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from target_service.server import SERVICE_NAME as TARGET_SERVICE_NAME
 from target_service.server import create_server as create_target_server
 from test_cli import start_serve
@@ -264,3 +264,41 @@ async def test_sigterm_with_a_short_grace_cuts_the_stream_off_and_exits_0(tiny_l
         assert await asyncio.to_thread(serve.exit_code) == 0
     finally:
         serve.kill()
+
+
+def listening_process(port: int) -> psutil.Process:
+    return next(psutil.Process(c.pid) for c in psutil.net_connections(kind="tcp")
+                if c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid)
+
+
+async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_llama_dir, tiny_llama_perturbed_dir):
+    """Ray mode: the driver drains while the replica actors still serve, then takes them down."""
+    pytest.importorskip("ray")
+    process, endpoint, _ = await asyncio.to_thread(
+        start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+        "--num-speculative-tokens", "3", "--metrics-port", "-1", "--shutdown-grace", "60",
+        "--target-replicas", "1", "--draft-replicas", "1", "--target-num-cpus", "0.5", "--draft-num-cpus", "0.5",
+        "--ray-namespace", "specmesh-drain-test")
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            pools = (await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(),
+                                                                          timeout=30)).pools
+            target_address = next(p for p in pools if p.pool == "target").replicas[0].address
+            target = listening_process(int(target_address.rsplit(":", 1)[1]))
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(request(), timeout=120)
+            tokens = list((await call.read()).token_ids)
+            target.suspend()  # the stream stays in flight until the checks below are done
+            try:
+                process.send_signal(signal.SIGTERM)
+                await wait_for_health(channel, SERVICE_NAME, NOT_SERVING)
+                await assert_refused(stub)
+            finally:
+                target.resume()
+            tokens += await read_rest(call)
+        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
+        assert await asyncio.to_thread(process.wait, 120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
