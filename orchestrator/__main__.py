@@ -20,6 +20,7 @@ from orchestrator.decoding.options import add_loop_arguments, loop_config
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
                                client_tls_from_args, internal_token_from_args, server_tls_from_args)
+from specmesh.drain import add_shutdown_arguments
 from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
 
 
@@ -40,6 +41,7 @@ def main() -> None:
     add_client_tls_arguments(parser)
     add_api_key_arguments(parser, serving=True)
     add_internal_token_arguments(parser, serving=False)
+    add_shutdown_arguments(parser)
     args = parser.parse_args()
     if (args.target is None) == (args.ray_address is None):
         parser.error("give exactly one of --target and --ray-address")
@@ -54,7 +56,8 @@ def main() -> None:
                                   internal_token=internal_token)
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                               http_port=args.http_port, tls=tls, api_key=api_key)
+                               http_port=args.http_port, tls=tls, api_key=api_key,
+                               shutdown_grace_s=args.shutdown_grace)
     run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
 
 

@@ -60,3 +60,9 @@ class NotManagedHere(SpecmeshError):
     """An operation for a part this process does not own (e.g. scaling pools it only joined)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ShuttingDown(SpecmeshError):
+    """The server is draining (specmesh.drain): new work is refused, late work cut off."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -7,11 +7,14 @@ BadRequest naming the field) and anything unexpected becomes INTERNAL. Transport
 security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the key
 check (`specmesh.security.ApiKeyInterceptor`: the API key, or the internal token of the
 draft and target) on the services it is asked to guard.
+Every server has a `specmesh.drain.Drain` (`drain_of(server)`): `serve_until_signal` drains
+on SIGTERM/SIGINT (NOT_SERVING, new calls UNAVAILABLE, in-flight ones get the grace) and stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from typing import Callable, Iterable
@@ -25,6 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
 
+from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, STOP_MARGIN_S, Drain, DrainInterceptor, drain_of
+from specmesh.drain import register as register_drain
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
 from specmesh.telemetry import server_interceptors
@@ -63,7 +68,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+            # Health's Watch writes with context.write from a coroutine rather than yielding.
+            wrap = self._wrap_stream if inspect.isasyncgenfunction(handler.unary_stream) else self._wrap_unary
+            return handler._replace(unary_stream=wrap(handler.unary_stream, method))
         return handler
 
     @staticmethod
@@ -100,20 +107,25 @@ async def start_server(
     api_key: str | None = None,
     tracer_provider: TracerProvider | None = None,
     unauthenticated_message: str = UNAUTHENTICATED_MESSAGE,
+    drain: Drain | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
     services in `service_names` require it (the API key, or the draft's and target's internal
-    token), refusing with `unauthenticated_message`; health and reflection stay open.
+    token), refusing with `unauthenticated_message`; health and reflection stay open. `drain`: the one
+    to share (the orchestrator's HTTP API uses its gRPC server's); None = a new one.
     """
     names = list(service_names)
-    # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below.
+    drain = drain or Drain()
+    # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below;
+    # the drain innermost, so ErrorInterceptor turns its ShuttingDown into UNAVAILABLE.
     auth = [ApiKeyInterceptor(api_key, names, unauthenticated_message)] if api_key else []
-    interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor()]
+    interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor(), DrainInterceptor(drain, names)]
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
                              options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
     register(server)
+    register_drain(server, drain)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(names + [reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
@@ -125,17 +137,29 @@ async def start_server(
 
 
 async def stop_server(server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float) -> None:
-    """Report NOT_SERVING, let in-flight calls finish for grace_s, then stop."""
-    await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    """Drain: NOT_SERVING, new calls refused, in-flight calls get grace_s and are then cut off; stop."""
+    drain = drain_of(server)
+    await health.enter_graceful_shutdown()  # every service NOT_SERVING, and it stays so
+    drain.begin(grace_s)
+    left = await drain.wait()
+    if left:
+        log.warning("stopping with %d calls or sessions still in flight after the %g s grace", left, grace_s)
+    await server.stop(STOP_MARGIN_S)  # what is left: health watches, calls that ignored the cut-off
+    log.info("drained and stopped")
+
+
+async def wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; return which."""
+    received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda sig=sig: received.done() or received.set_result(sig))
+    return await received
 
 
 async def serve_until_signal(server: grpc.aio.Server, health: health_aio.HealthServicer,
-                             grace_s: float = 5.0) -> None:
-    """Block until SIGINT/SIGTERM, then shut down gracefully."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+                             grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+    """Block until SIGINT/SIGTERM, then drain for up to grace_s and stop."""
+    sig = await wait_for_signal()
+    log.info("%s: draining for up to %g s", signal.Signals(sig).name, grace_s)
     await stop_server(server, health, grace_s)

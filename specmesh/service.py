@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from specmesh import models
+from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
 from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
@@ -45,6 +46,7 @@ class ServiceOptions:
     api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
     cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
     internal_token: str | None = None  # draft/target: calls must carry it (from the orchestrator); None = open
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -65,6 +67,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
     add_internal_token_arguments(parser, serving=True)
+    add_shutdown_arguments(parser)
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
@@ -90,7 +93,8 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
                           max_sessions=args.max_sessions, max_sessions_per_caller=args.max_sessions_per_caller,
                           session_idle_timeout_s=args.session_idle_timeout, dtype=args.dtype,
                           metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
-                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token)
+                          trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token,
+                          shutdown_grace_s=args.shutdown_grace)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -170,10 +174,12 @@ async def run_model_service(service: str, create_server: CreateServer, engine: M
     server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
                                                metrics=metrics, tls=options.tls,
                                                internal_token=options.internal_token, **server_kwargs)
+    # On SIGTERM: new sessions refused, open ones served until their orchestrator closes them (or the grace ends).
+    drain_of(server).hold_sessions(lambda: len(engine.sessions))
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
     on_ready(port, metrics_port)
     try:
-        await serve_until_signal(server, health)
+        await serve_until_signal(server, health, options.shutdown_grace_s)
     finally:
         reaper.cancel()
         if provider is not None:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from orchestrator.frontend.cli import build_parser
+from specmesh.drain import STOP_MARGIN_S, stop_bound_s
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deploy" / "kuberay"
@@ -172,3 +173,25 @@ def test_image_ray_version_matches_the_cluster():
     assert raycluster()["spec"]["rayVersion"] == ray_version
     entrypoint = shlex.split(re.search(r'^ENTRYPOINT \["(\w+)"\]', dockerfile, re.MULTILINE).group(1))
     assert entrypoint == ["specmesh"]
+
+
+def pre_stop_sleep_s(container_: dict) -> float:
+    command = container_["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
+def test_pods_outlive_the_drivers_drain():
+    """The driver drains within its bound after its preStop; Ray and the replicas stay up that long,
+    and Kubernetes waits for all of it before SIGKILL."""
+    grace = build_parser().parse_args(serve_args()).shutdown_grace
+    assert "--shutdown-grace" in serve_args() and grace > 0
+    templates = pod_templates(raycluster())
+    driver_done_s = pre_stop_sleep_s(container(templates["head"], "specmesh")) + stop_bound_s(grace)
+    assert pre_stop_sleep_s(container(templates["head"], "specmesh")) > 0  # endpoints go before the drain
+    others = [("head", "ray-head")] + [(group, "ray-worker") for group in templates if group != "head"]
+    for group, name in others:
+        assert pre_stop_sleep_s(container(templates[group], name)) >= driver_done_s, group
+    for group, template in templates.items():
+        slowest = max(pre_stop_sleep_s(c) for c in template["spec"]["containers"])
+        assert template["spec"]["terminationGracePeriodSeconds"] > max(slowest, driver_done_s) + STOP_MARGIN_S, group

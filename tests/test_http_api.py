@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import openai
@@ -12,23 +13,31 @@ from harness import load, start_stack
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
+from specmesh.metrics import OrchestratorMetrics
 from tiny_models import TINY_PROMPTS
 
 
 @pytest.fixture
-async def api(tiny_llama_dir, tiny_llama_perturbed_dir, device):
-    """(stack, openai client, base url) with the HTTP API over the stack's services."""
+async def served(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """(stack, the HTTP API's request metrics, base url) with the HTTP API over the stack's services."""
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
     _, tokenizer = load(str(tiny_llama_dir), device)
+    metrics = OrchestratorMetrics()
     servicer = await create_servicer(tokenizer, OrchestratorOptions(
-        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}"))
+        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}"), metrics=metrics)
     server, port, task = await start_http_server(create_app(servicer), "127.0.0.1", 0)
-    base = f"http://127.0.0.1:{port}/v1"
+    yield stack, metrics, f"http://127.0.0.1:{port}/v1"
+    await stop_http_server(server, task)
+    await stack.stop()
+
+
+@pytest.fixture
+async def api(served):
+    """(stack, openai client, base url)."""
+    stack, _, base = served
     client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
     yield stack, client, base
     await client.close()
-    await stop_http_server(server, task)
-    await stack.stop()
 
 
 async def test_completion_matches_grpc_and_reports_usage(api, tiny_llama_dir):
@@ -89,26 +98,61 @@ async def test_unknown_model_is_404_and_models_lists_the_served_one(api, tiny_ll
     assert [m.id async for m in client.models.list()] == [str(tiny_llama_dir)]
 
 
-async def test_disconnecting_client_frees_both_sessions(api):
-    stack, _, base = api
+def requests_in(metrics: OrchestratorMetrics, series: str) -> float:
+    return sum(sample.value for family in metrics.registry.collect() for sample in family.samples
+               if sample.name == series)
+
+
+async def eventually(condition, timeout_s: float = 30.0) -> None:
+    """Until `await condition()` is true; fails the test at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+async def hang_up_mid_generation(stack, metrics: OrchestratorMetrics, hang_up) -> None:
+    """The target is held while the client hangs up, so the generation cannot finish first: the
+    server must see the disconnect and abandon it; then both sessions must be freed."""
+    gate = threading.Event()
+    blocker = asyncio.ensure_future(stack.target_engine.run(gate.wait, 60))
+    try:
+        await hang_up()
+        async def abandoned() -> bool:
+            return requests_in(metrics, "specmesh_requests_running") + \
+                requests_in(metrics, "specmesh_requests_waiting") == 0
+        await eventually(abandoned)
+    finally:
+        gate.set()
+        await blocker
+    assert await stack.wait_sessions_freed() == (0, 0)
+    assert requests_in(metrics, "specmesh_requests_total") == 0  # abandoned, never finished
+
+
+async def test_disconnecting_client_frees_both_sessions(served):
+    stack, metrics, base = served
     async with httpx.AsyncClient(timeout=30) as http:
         body = {"prompt": "def f(x):", "max_tokens": 200, "temperature": 0, "stream": True}
         async with http.stream("POST", f"{base}/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
-                    break  # one event received, then hang up
-        assert response.status_code == 200
-    assert await stack.wait_sessions_freed() == (0, 0)
+                    break  # one event received: both sessions are open
+            assert response.status_code == 200 and await stack.open_sessions() == (1, 1)
+            await hang_up_mid_generation(stack, metrics, response.aclose)
 
 
-async def test_disconnect_during_unstreamed_completion_frees_sessions(api):
-    stack, _, base = api
+async def test_disconnect_during_unstreamed_completion_frees_sessions(served):
+    stack, metrics, base = served
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.ensure_future(http.post(f"{base}/completions", json={
             "prompt": "def f(x):", "max_tokens": 240, "temperature": 0}))
-        for _ in range(100):  # wait until the generation is under way
-            if (await stack.open_sessions())[0]:
-                break
-            await asyncio.sleep(0.01)
-        request.cancel()
-    assert await stack.wait_sessions_freed() == (0, 0)
+
+        async def sessions_open() -> bool:
+            return await stack.open_sessions() == (1, 1)
+        await eventually(sessions_open)  # the generation is under way
+
+        async def hang_up() -> None:
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        await hang_up_mid_generation(stack, metrics, hang_up)
+    assert request.cancelled()

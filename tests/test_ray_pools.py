@@ -155,14 +155,18 @@ async def test_a_wildcard_host_binds_only_the_nodes_address(ray_cluster, tiny_ll
         ray.kill(replica, no_restart=True)
     assert host == ray.util.get_node_ip_address()
     assert {getattr(ip, "ipv4_mapped", None) or ip for ip in bound} == {ipaddress.ip_address(host)}
+async def start_streams(stack: RayStack) -> list[asyncio.Future]:
+    """One long stream per prompt; returns once every one has its first token (its sessions are placed)."""
+    started = [asyncio.Event() for _ in TINY_PROMPTS]
+    streams = [asyncio.ensure_future(stack.generate(p, LONG, e)) for p, e in zip(TINY_PROMPTS, started)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    return streams
 
 
 async def test_killed_replicas_cost_nothing_and_rejoin(ray_stack):
     target = ray_stack.servicer.backends.target
     failovers = target.failovers
-    started = [asyncio.Event() for _ in TINY_PROMPTS]
-    streams = [asyncio.ensure_future(ray_stack.generate(p, LONG, e)) for p, e in zip(TINY_PROMPTS, started)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    streams = await start_streams(ray_stack)
     # Both target replicas hold running sessions now; kill one of each pool (Ray restarts them).
     ray.kill(ray_stack.actor("target", "specmesh-target-0"), no_restart=False)
     ray.kill(ray_stack.actor("draft", "specmesh-draft-0"), no_restart=False)
@@ -184,21 +188,23 @@ async def test_scaling_under_load_loses_nothing(ray_stack):
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await scale(ray_stack, "target", 0)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    streams = [asyncio.ensure_future(ray_stack.generate(p, LONG)) for p in TINY_PROMPTS]
-    await asyncio.sleep(0.2)
+    streams = await start_streams(ray_stack)
     assert (await scale(ray_stack, "target", 3)).desired_replicas == 3
     assert (await scale(ray_stack, "draft", 3)).desired_replicas == 3
     for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
         assert tokens == ray_stack.expected(prompt, LONG), prompt
     await ray_stack.wait_serving("target", 3)  # the new replicas get traffic once healthy
     await ray_stack.wait_serving("draft", 3)
-    streams = [asyncio.ensure_future(ray_stack.generate(p, LONG)) for p in TINY_PROMPTS]
-    await asyncio.sleep(0.2)
-    await scale(ray_stack, "target", 1)  # drains two target replicas that hold sessions
-    drained = await scale(ray_stack, "draft", 2)
-    states = [r.state for r in drained.replicas]  # a drained replica without sessions may be gone already
-    assert states.count("serving") == 2 and states.count("draining") <= 1, states
+    streams = await start_streams(ray_stack)
+    # A scale-down marks its replicas draining before anything else runs: the answer shows exactly that.
+    target_states = [r.state for r in (await scale(ray_stack, "target", 1)).replicas]
+    draft_states = [r.state for r in (await scale(ray_stack, "draft", 2)).replicas]
+    assert sorted(target_states) == ["draining", "draining", "serving"], target_states
+    assert sorted(draft_states) == ["draining", "serving", "serving"], draft_states
     for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
         assert tokens == ray_stack.expected(prompt, LONG), prompt
-    await ray_stack.wait_serving("target", 1)
+    await ray_stack.wait_serving("target", 1)  # the drained replicas leave once their sessions are done
     await ray_stack.wait_serving("draft", 2)
+    replicas = (await ray_stack.admin.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10)).pools
+    assert [(p.pool, [r.state for r in p.replicas]) for p in replicas] == [
+        ("draft", ["serving", "serving"]), ("target", ["serving"])]

@@ -26,6 +26,7 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
 
     def __init__(self):
         self.spans: list[tuple[str, trace_pb2.Span]] = []
+        self.received = asyncio.Condition()  # notified after every export
 
     async def Export(self, request, context):
         for resource_spans in request.resource_spans:
@@ -33,6 +34,8 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                            if a.key == "service.name")
             for scope_spans in resource_spans.scope_spans:
                 self.spans.extend((service, span) for span in scope_spans.spans)
+        async with self.received:
+            self.received.notify_all()
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -54,14 +57,30 @@ async def generate(endpoint: str) -> generation_pb2.GenerateResponse:
     return last
 
 
-async def wait_for_trace(collector: Collector, services: set[str], timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.1)):
-        roots = [s for _, s in collector.spans if s.name.endswith("Generation/Generate")]
-        if roots and services <= {svc for svc, s in collector.spans if s.trace_id == roots[0].trace_id}:
-            await asyncio.sleep(0.5)  # the last batches
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"no complete trace; got {sorted({svc for svc, _ in collector.spans})}")
+def trace_complete(collector: Collector, stats: generation_pb2.GenerationStats) -> bool:
+    """The request's root span, its every round and Verify on both ends, and every remote span's parent."""
+    roots = [s for _, s in collector.spans if s.name.endswith("Generation/Generate")]
+    if not roots:
+        return False
+    trace = [(service, s) for service, s in collector.spans if s.trace_id == roots[0].trace_id]
+    local = {s.span_id for service, s in trace if service == "specmesh-orchestrator"}
+    remote = [(service, s) for service, s in trace if service != "specmesh-orchestrator"]
+
+    def count(service: str, name_end: str) -> int:
+        return sum(1 for svc, s in trace if svc == service and s.name.endswith(name_end))
+    return ({service for service, _ in remote} == {"specmesh-draft", "specmesh-target"}
+            and all(s.parent_span_id in local for _, s in remote)
+            and count("specmesh-orchestrator", "specmesh.round") == stats.rounds
+            and count("specmesh-orchestrator", "TargetService/Verify") == stats.rounds
+            and count("specmesh-target", "TargetService/Verify") == stats.rounds)
+
+
+async def wait_for_trace(collector: Collector, stats: generation_pb2.GenerationStats, timeout_s: float = 30.0) -> None:
+    try:
+        async with collector.received:
+            await asyncio.wait_for(collector.received.wait_for(lambda: trace_complete(collector, stats)), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"no complete trace; got {sorted({svc for svc, _ in collector.spans})}") from None
 
 
 def scrape(url: str) -> str:
@@ -84,7 +103,7 @@ async def test_one_trace_across_three_processes_and_metrics(tiny_llama_dir, tiny
             "--num-speculative-tokens", "3", "--metrics-port", "0", expect_metrics=True)
         metrics = dict(part.strip().split(" ") for part in lines[-1].removeprefix("metrics: ").split(","))
         last = await generate(endpoint)
-        await wait_for_trace(collector, {"specmesh-orchestrator", "specmesh-draft", "specmesh-target"})
+        await wait_for_trace(collector, last.stats)
         orchestrator_metrics = await asyncio.to_thread(scrape, metrics["orchestrator"])
         target_metrics = await asyncio.to_thread(scrape, metrics["target"])
     finally:

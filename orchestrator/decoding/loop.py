@@ -309,6 +309,11 @@ def _retrieve_outcome(task: asyncio.Task) -> None:
         task.exception()
 
 
+def pending_clean_ups() -> int:
+    """Clean-ups still running (a draining orchestrator waits for them: they free the services' sessions)."""
+    return len(_background)
+
+
 def spawn_background(coroutine) -> None:
     """Run a clean-up coroutine to completion independently of the caller's task."""
     task = asyncio.ensure_future(coroutine)

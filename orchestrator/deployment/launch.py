@@ -143,6 +143,7 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     from orchestrator.frontend.server import create_servicer, serve_grpc
     from specmesh.metrics import OrchestratorMetrics, serve_metrics
     from specmesh.models import load_tokenizer
+    from specmesh.drain import drain_of
     from specmesh.server import serve_until_signal
     from specmesh.telemetry import make_tracer_provider
     provider = make_tracer_provider("specmesh-orchestrator", telemetry.trace_exporter, telemetry.trace_sample_ratio)
@@ -154,11 +155,11 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
                                             api_key=telemetry.api_key)
     http = None
     if telemetry.http_port is not None and telemetry.http_port >= 0:
-        http = await start_http_server(create_app(servicer, telemetry.api_key), telemetry.host, telemetry.http_port,
-                                       telemetry.tls)
+        app = create_app(servicer, telemetry.api_key, drain_of(server))
+        http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
     ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:
-        await serve_until_signal(server, health)
+        await serve_until_signal(server, health, telemetry.shutdown_grace_s)  # drains HTTP too: one drain
     finally:
         if http is not None:
             await stop_http_server(http[0], http[2])
@@ -215,14 +216,18 @@ class ProcessGroup:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for process in self.processes:
-            if process.is_alive():
-                process.terminate()  # SIGTERM: each server shuts down gracefully
-        deadline = time.monotonic() + grace_s
-        for process in self.processes:
-            process.join(max(0.1, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
+        """SIGTERM the orchestrator and wait up to grace_s for its drain, then the model services: they
+        serve its in-flight streams to the end."""
+        orchestrator = [p for p in self.processes if p.name == "orchestrator"]
+        for group in (orchestrator, [p for p in self.processes if p not in orchestrator]):
+            for process in group:
+                if process.is_alive():
+                    process.terminate()  # SIGTERM: each server drains (specmesh.drain)
+            deadline = time.monotonic() + grace_s
+            for process in group:
+                process.join(max(0.1, deadline - time.monotonic()))
+                if process.is_alive():
+                    process.kill()
 
 
 def install_stop_flag() -> list[bool]:

@@ -179,8 +179,9 @@ def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=No
                                http_port=args.http_port, trace_exporter=args.trace_exporter,
                                trace_sample_ratio=args.trace_sample_ratio,
                                tls=security.server_tls if security else None,
-                               api_key=security.api_key if security else None)
-    try:
+                               api_key=security.api_key if security else None,
+                               shutdown_grace_s=args.shutdown_grace)
+    try:  # returns after the drain on SIGTERM/SIGINT (specmesh.drain), while the replicas still serve
         run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, _ReadyLine(args.host))
     finally:
         ray.shutdown()  # the replica actors belong to this driver and go with it

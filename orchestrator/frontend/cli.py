@@ -19,6 +19,7 @@ from orchestrator.decoding.options import loop_config
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, new_internal_token, security_from_args)
+from specmesh.drain import add_shutdown_arguments, stop_bound_s
 from specmesh.service import ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_tls_arguments(serve)
     add_client_tls_arguments(serve)
     add_api_key_arguments(serve, serving=True)
+    add_shutdown_arguments(serve)
     pools_cli.add_serve_arguments(serve)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
@@ -71,7 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     group = ProcessGroup()
     stop_flag = install_stop_flag()
     telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                     tls=security.server_tls)
+                     tls=security.server_tls, shutdown_grace_s=args.shutdown_grace)
     metrics_ports = _metrics_ports(args.metrics_port)
     disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
         if args.disagreement_log else None
@@ -105,7 +107,7 @@ def serve(args: argparse.Namespace) -> int:
     if metrics:
         print("metrics: " + ", ".join(metrics), flush=True)
     group.wait_any_exit(lambda: stop_flag[0])
-    group.stop()
+    group.stop(stop_bound_s(args.shutdown_grace))  # the orchestrator drains first, then the services
     return 0
 
 

@@ -5,7 +5,9 @@ chat template), GET /v1/models, GET /health. `stream: true` answers with
 server-sent events ending in `data: [DONE]`. Errors use OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 naming the parameter,
 401 without the API key (when one is set; /health stays open), 404 for an unknown
-model, 503/504 when the target service fails or times out.
+model, 503/504 when the target service fails or times out, 503 (code `server_shutting_down`) once
+the server drains (specmesh.drain; /health turns 503 too). A stream still running when the
+shutdown grace ends gets a last `data: {"error": ...}` event, which OpenAI's clients raise.
 Responses carry `usage` and, as an extra field, the speculation `stats`. A client
 that disconnects cancels its generation, which frees both services' sessions.
 """
@@ -29,7 +31,8 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.deployment.clients import UpstreamError
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES, GenerationServicer
-from specmesh.errors import InvalidArgument
+from specmesh.drain import REFUSED_MESSAGE, Drain
+from specmesh.errors import InvalidArgument, ShuttingDown
 from specmesh.models import chat_token_ids
 from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, TLSConfig, authorized
 from specmesh.v1 import generation_pb2
@@ -85,10 +88,24 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(status_code=self.status, headers=headers, content={"error": {
-            "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+        return JSONResponse(status_code=self.status, headers=headers, content=self.body())
+
+
+def shutting_down(message: str) -> OpenAIError:
+    return OpenAIError(503, message, code="server_shutting_down", kind="server_error")
+
+
+def drain_check(drain: Drain):
+    """A route dependency refusing new requests once the server drains."""
+    async def check() -> None:
+        if drain.draining:
+            raise shutting_down(REFUSED_MESSAGE)
+    return check
 
 
 def api_key_check(api_key: str | None):
@@ -130,8 +147,9 @@ def completion_prompt(body: CompletionRequest) -> dict[str, Any]:
 class OpenAIFrontEnd:
     """Turns OpenAI requests into Generate streams and the stream back into OpenAI objects."""
 
-    def __init__(self, servicer: GenerationServicer):
+    def __init__(self, servicer: GenerationServicer, drain: Drain):
         self.servicer = servicer
+        self.drain = drain  # in-flight requests are tracked on it; cut off when its grace ends
         self.model = servicer.backends.model
         self.created = int(time.time())
 
@@ -153,7 +171,8 @@ class OpenAIFrontEnd:
         """Start generating; bad parameters raise here, before any byte is sent."""
         stream = self.servicer.generate(request)
         try:
-            first = await anext(stream)
+            async with self.drain.track():
+                first = await anext(stream)
         except InvalidArgument as error:
             raise OpenAIError(400, str(error), PARAMETER_NAMES.get(error.field, error.field)) from error
         return _prepend(first, stream)
@@ -191,9 +210,10 @@ def envelope(front: OpenAIFrontEnd, request_id: str, chat: bool, chunk: bool) ->
 
 async def collect(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, request_id: str) -> dict[str, Any]:
     text, last = [], None
-    async for response in stream:
-        text.append(response.text)
-        last = response
+    async with front.drain.track():
+        async for response in stream:
+            text.append(response.text)
+            last = response
     finish = FINISH_REASON_NAMES.get(last.finish_reason)
     return {**envelope(front, request_id, chat, chunk=False), "choices": [choice(chat, "".join(text), finish, False)],
             "usage": usage(last.stats), "stats": speculation_stats(last.stats)}
@@ -201,19 +221,25 @@ async def collect(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, requ
 
 async def events(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, request_id: str,
                  include_usage: bool) -> AsyncIterator[str]:
-    """SSE lines; cancelled (and so the generation with it) when the client goes away."""
+    """SSE lines; cancelled (and so the generation with it) when the client goes away; an error
+    event instead of `[DONE]` when the shutdown grace ends first."""
     first = True
-    async for response in stream:
-        finish = FINISH_REASON_NAMES.get(response.finish_reason)
-        if response.text or finish or first:
-            data = {**envelope(front, request_id, chat, chunk=True),
-                    "choices": [choice(chat, response.text, finish, True, first)]}
-            if finish:
-                data["stats"] = speculation_stats(response.stats)
-                if include_usage:
-                    data["usage"] = usage(response.stats)
-            yield f"data: {json.dumps(data)}\n\n"
-            first = False
+    try:
+        async with front.drain.track():
+            async for response in stream:
+                finish = FINISH_REASON_NAMES.get(response.finish_reason)
+                if response.text or finish or first:
+                    data = {**envelope(front, request_id, chat, chunk=True),
+                            "choices": [choice(chat, response.text, finish, True, first)]}
+                    if finish:
+                        data["stats"] = speculation_stats(response.stats)
+                        if include_usage:
+                            data["usage"] = usage(response.stats)
+                    yield f"data: {json.dumps(data)}\n\n"
+                    first = False
+    except ShuttingDown as error:
+        yield f"data: {json.dumps(shutting_down(str(error)).body())}\n\n"
+        return
     yield "data: [DONE]\n\n"
 
 
@@ -238,32 +264,35 @@ async def _unless_disconnected(http_request: Request, work):
     return task.result()
 
 
-def create_app(servicer: GenerationServicer, api_key: str | None = None) -> FastAPI:
-    """The app; with `api_key`, every /v1 route requires it."""
-    front = OpenAIFrontEnd(servicer)
+def create_app(servicer: GenerationServicer, api_key: str | None = None, drain: Drain | None = None) -> FastAPI:
+    """The app; with `api_key`, every /v1 route requires it. `drain`: the gRPC server's
+    (specmesh.drain.drain_of), so one SIGTERM drains both fronts; None = one of its own."""
+    front = OpenAIFrontEnd(servicer, drain or Drain())
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding")
 
     @app.get("/health")
     async def health():
+        if front.drain.draining:
+            return JSONResponse(status_code=503, content={"status": "shutting down"})
         return {"status": "ok"}
 
-    add_openai_routes(app, front, Depends(api_key_check(api_key)))
+    add_openai_routes(app, front, Depends(api_key_check(api_key)), Depends(drain_check(front.drain)))
     install_error_handlers(app)
     return app
 
 
-def add_openai_routes(app: FastAPI, front: OpenAIFrontEnd, auth) -> None:
+def add_openai_routes(app: FastAPI, front: OpenAIFrontEnd, auth, admitted) -> None:
     @app.get("/v1/models", dependencies=[auth])
     async def models():
         return {"object": "list", "data": [{"id": front.model, "object": "model", "created": front.created,
                                             "owned_by": "specmesh"}]}
 
-    @app.post("/v1/completions", dependencies=[auth])
+    @app.post("/v1/completions", dependencies=[auth, admitted])
     async def completions(body: CompletionRequest, http_request: Request):
         front.check_model(body.model)
         return await answer(front, http_request, body, generate_request(body, **completion_prompt(body)), False)
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions", dependencies=[auth, admitted])
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         front.check_model(body.model)
         return await answer(front, http_request, body, generate_request(body, **front.chat_prompt(body)), True)
@@ -280,6 +309,10 @@ def install_error_handlers(app: FastAPI) -> None:
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = location[0] if location else None
         return OpenAIError(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid')}", param).response()
+
+    @app.exception_handler(ShuttingDown)
+    async def shutdown_error(request: Request, error: ShuttingDown):
+        return shutting_down(str(error)).response()
 
     @app.exception_handler(UpstreamError)
     async def upstream_error(request: Request, error: UpstreamError):

@@ -7,11 +7,13 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
+from orchestrator.decoding.loop import pending_clean_ups
 from orchestrator.deployment.backends import OrchestratorOptions, connect_backends
 from orchestrator.deployment.serving import create_pooled_servicer
 from orchestrator.frontend.servicer import AdminServicer, GenerationServicer
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.security import TLSConfig
+from specmesh.drain import drain_of
 from specmesh.server import start_server
 from specmesh.telemetry import tracer
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -38,9 +40,11 @@ async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0",
     def register(server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools), server)
-    return await start_server(register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address,
-                              max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, api_key=api_key,
-                              tracer_provider=tracer_provider)
+    server, port, health = await start_server(register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address,
+                                              max_concurrent_rpcs=max_concurrent_rpcs, tls=tls, api_key=api_key,
+                                              tracer_provider=tracer_provider)
+    drain_of(server).wait_also_for(pending_clean_ups)  # a drained stream's sessions are closed before exit
+    return server, port, health
 
 
 async def create_server(
