@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from specmesh import models
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.penalties import penalize_logits
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.v1 import common_pb2
 
@@ -46,6 +47,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     seed: int = 0  # seeds generators derived per position (specmesh.sampling.generator_at)
     ahead: object | None = None  # a service's own state that lives and dies with the session
+    output_start: int = 0  # position of the first generated token (penalties count from here)
 
     @property
     def cached_length(self) -> int:
@@ -57,6 +59,16 @@ class Session:
             raise StaleRound(f"round {round_number} is stale: session is at round {self.round}")
         self.round = round_number
         self.last_used = time.monotonic()
+
+    def penalize(self, logits: torch.Tensor, position: int | None = None,
+                 draft_ids: Sequence[int] = ()) -> torch.Tensor:
+        """The request's penalties and biases on logits [n, V] -> [n, V].
+
+        Row i predicts the token after token_ids[:position] + draft_ids[:i]
+        (position None: after the whole sequence).
+        """
+        history = self.token_ids if position is None else self.token_ids[:position]
+        return penalize_logits(logits, history, self.output_start, self.sampling, draft_ids)
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,8 @@ class ModelEngine:
         salt = self.config.generator_salt
         seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
         session = Session(request_id, list(prompt), DynamicCache(), sampling,
-                          make_generator(sampling.seed, salt), seed=seed)
+                          make_generator(sampling.seed, salt), seed=seed,
+                          output_start=sampling.output_start or len(prompt))
         self.sessions[request_id] = session
         return session
 
