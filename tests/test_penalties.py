@@ -94,10 +94,28 @@ async def test_greedy_parity_with_transformers_processors(tiny_llama_dir, tiny_l
     assert changed, "the penalty must change the output, or parity proves nothing"
 
 
+ALL_PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 1.25,
+                 "logit_bias": {5: 4.0}}
+
+
+@pytest.mark.parametrize("extra_branches", [0, 3])
+async def test_pipelined_greedy_parity_with_penalties(tiny_llama_dir, tiny_llama_perturbed_dir, device,
+                                                      extra_branches):
+    """Pre-drafted branches (the draft's guesses after assumed tokens) keep the output exact."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device, pipeline="on",
+                              extra_branches=extra_branches)
+    try:
+        for prompt in TINY_PROMPTS[:3]:
+            token_ids, _, _ = await stack.generate(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                   **ALL_PENALTIES)
+            assert token_ids == target_greedy_with(str(tiny_llama_dir), device, prompt, ALL_PENALTIES), prompt
+    finally:
+        await stack.stop()
+
+
 async def test_draft_applies_the_same_penalties(tiny_llama_dir, device):
     """A draft identical to the target proposes exactly the target's tokens, penalties included."""
-    fields = {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": 1.25,
-              "logit_bias": {5: 4.0}}
+    fields = ALL_PENALTIES
     stack = await start_stack(tiny_llama_dir, tiny_llama_dir, k=4, device=device)
     try:
         token_ids, _, last = await stack.generate(prompt=TINY_PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0,
