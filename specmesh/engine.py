@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import socket
@@ -135,6 +136,7 @@ class ModelEngine:
             raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens leave no room in the "
                                   f"{self.context_window}-token context window")
         self.check_token_ids("prompt_token_ids", prompt)
+        check_penalties(sampling)
         if request_id in self.sessions:
             raise SessionExists(request_id)
         if len(self.sessions) >= self.config.max_sessions:
@@ -238,3 +240,14 @@ class ModelEngine:
         surplus = session.cached_length - keep
         if surplus > 0:
             session.cache.crop(-surplus)  # negative = remove that many tokens from the end
+
+
+def check_penalties(sampling: SamplingParams) -> None:
+    """A direct caller's garbage never reaches the logits (the orchestrator checks clients' ranges)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(sampling, name)):
+            raise InvalidArgument(f"sampling.{name}", "must be finite")
+    if sampling.repetition_penalty < 0:
+        raise InvalidArgument("sampling.repetition_penalty", "must be >= 0 (0 or 1: off)")
+    if not all(math.isfinite(bias) for _, bias in sampling.logit_bias):
+        raise InvalidArgument("sampling.logit_bias", "biases must be finite")

@@ -8,12 +8,19 @@ wire's float32 fields carry them unchanged.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           SequenceBiasLogitsProcessor)
 
-from harness import load, start_stack
+from draft_service.server import create_server as create_draft_server
+from harness import load, make_engine, start_stack
+from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.deployment.clients import DraftClient, open_channel
+from orchestrator.deployment.failover import PooledTargetClient
+from test_pool_failover import Replicas
 from specmesh.penalties import penalize_logits
 from specmesh.sampling import SamplingParams
 from tiny_models import TINY_PROMPTS
@@ -143,3 +150,38 @@ def test_verification_rows_see_the_draft_tokens_before_them():
 def test_no_penalties_leave_logits_untouched():
     logits = torch.randn(2, 10)
     assert penalize_logits(logits, [1, 2], 1, SamplingParams(repetition_penalty=1.0)) is logits
+
+
+@pytest.mark.parametrize("fields", [ALL_PENALTIES, {"frequency_penalty": -1.0}, {"presence_penalty": 2.0}])
+async def test_a_resumed_target_session_keeps_penalties_and_logprobs(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                     fields):
+    """After failover the new replica counts only the generated tokens as output (output_start)."""
+    targets = await Replicas.start("target", tiny_llama_dir, 2)
+    target = PooledTargetClient(targets.pool)
+    draft_server, draft_port, _ = await create_draft_server(make_engine(tiny_llama_perturbed_dir, salt=1))
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    sampling = replace(checked_sampling(fields, len(tokenizer.encode(TINY_PROMPTS[0]))), logprobs=0)
+    request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(TINY_PROMPTS[0]),
+                                max_tokens=MAX_TOKENS, sampling=sampling, stop=[], num_speculative_tokens=2)
+    gen = SpeculativeGeneration(request, target, DraftClient(open_channel(f"127.0.0.1:{draft_port}")),
+                                {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=2))
+    tokens = []
+    try:
+        async for batch in gen.tokens():
+            tokens.extend(batch)
+            if gen.stats.rounds == 2 and not target.failovers:
+                await targets.stop(target.sessions[gen.session_id].replica.name)
+    finally:
+        await targets.stop_all()
+        await targets.pool.stop()
+        await draft_server.stop(None)
+    assert target.failovers == 1
+    assert tokens == target_greedy_with(str(tiny_llama_dir), "cpu", TINY_PROMPTS[0], fields)
+    assert [entry.token_id for entry in gen.logprobs] == tokens
+
+
+def checked_sampling(fields: dict, prompt_length: int) -> SamplingParams:
+    """Greedy sampling params carrying `fields` as the orchestrator's validation builds them."""
+    return SamplingParams(temperature=0.0, output_start=prompt_length,
+                          logit_bias=tuple(fields.get("logit_bias", {}).items()),
+                          **{k: v for k, v in fields.items() if k != "logit_bias"})

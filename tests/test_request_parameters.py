@@ -12,8 +12,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from harness import load, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.server import create_servicer
-from specmesh.v1 import generation_pb2
+from specmesh.v1 import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from test_service_behaviour import bad_request_field
 from tiny_models import TINY_PROMPTS
 
@@ -102,3 +103,18 @@ async def test_user_is_recorded_on_the_trace_and_changes_nothing(llama_stack, ti
     without, _, _ = await llama_stack.generate(**fields)
     assert [t for r in with_user for t in r.token_ids] == without
     assert exporter.get_finished_spans()[0].attributes["user.id"] == "alice"
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"presence_penalty": math.nan}, "sampling.presence_penalty"),
+    ({"repetition_penalty": -2.0}, "sampling.repetition_penalty"),
+    ({"logit_bias": {3: math.inf}}, "sampling.logit_bias"),
+])
+async def test_target_refuses_garbage_penalties_from_a_direct_caller(llama_stack, sampling, field):
+    target = target_pb2_grpc.TargetServiceStub(open_channel(f"127.0.0.1:{llama_stack.target_port}"))
+    request = target_pb2.TargetOpenRequest(request_id="direct", prompt_token_ids=[5, 6, 7],
+                                           sampling=common_pb2.SamplingParams(**sampling))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await target.OpenSession(request, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_request_field(raised.value) == field
+    assert await llama_stack.open_sessions() == (0, 0)
