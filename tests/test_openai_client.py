@@ -5,12 +5,30 @@ from __future__ import annotations
 import openai
 import pytest
 
+from harness import load, start_stack
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.frontend.server import create_servicer
 from specmesh.v1 import generation_pb2
-from test_http_api import api  # noqa: F401  (the fixture: stack, client, base url)
 from tiny_models import TINY_PROMPTS
 
 PROMPT = TINY_PROMPTS[0]
 MESSAGES = [{"role": "user", "content": "write a function"}]
+
+
+@pytest.fixture
+async def api(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """(stack, openai client, base url): the HTTP API over a real stack, as in test_http_api."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    servicer = await create_servicer(tokenizer, OrchestratorOptions(
+        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}"))
+    server, port, task = await start_http_server(create_app(servicer), "127.0.0.1", 0)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    yield stack, client, f"http://127.0.0.1:{port}/v1"
+    await client.close()
+    await stop_http_server(server, task)
+    await stack.stop()
 
 
 async def grpc_logprobs(stack, **fields) -> list:
