@@ -46,6 +46,13 @@ async def test_completion_logprobs_are_the_targets(api):
     assert all(1 <= len(top) <= 3 and max(top.values()) >= chosen
                for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs))
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    streamed = {"tokens": [], "text_offset": []}
+    async for chunk in await client.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0,
+                                                       logprobs=3, stream=True):
+        chunk_logprobs = chunk.choices[0].logprobs
+        for key in streamed:
+            streamed[key] += getattr(chunk_logprobs, key) if chunk_logprobs else []
+    assert streamed == {"tokens": logprobs.tokens, "text_offset": logprobs.text_offset}
 
 
 async def test_chat_logprobs_streamed_and_not(api):

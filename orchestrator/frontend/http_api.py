@@ -122,7 +122,8 @@ UNIMPLEMENTED = {
     "tool_choice": lambda value, body: value in (None, "none"),
     "function_call": lambda value, body: value in (None, "none"),
     "parallel_tool_calls": lambda value, body: not body.tools,
-    "response_format": lambda value, body: value is None or (isinstance(value, dict) and value.get("type") == "text"),
+    "response_format": lambda value, body: value is None or (isinstance(value, dict)
+                                                             and value.get("type") == "text"),
     "modalities": lambda value, body: value in (None, ["text"]),
     "audio": lambda value, body: value is None,
     "prediction": lambda value, body: value is None,
@@ -274,6 +275,10 @@ class Rendering:
             return chat_logprobs(self.texts, entries)
         return completion_logprobs(self.texts, entries, text_offset)
 
+    def text_length(self, entries: Sequence[common_pb2.TokenLogprob]) -> int:
+        """Characters of these tokens' own texts: how far a completion's text_offset moves."""
+        return sum(len(self.texts(entry.token_id)) for entry in entries) if self.texts else 0
+
 
 def choice(chat: bool, text: str, finish: str | None, delta: bool, first: bool = False, index: int = 0,
            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -318,19 +323,20 @@ async def collect(front: OpenAIFrontEnd, stream: AsyncIterator, rendering: Rende
 async def events(front: OpenAIFrontEnd, stream: AsyncIterator, rendering: Rendering, request_id: str,
                  include_usage: bool) -> AsyncIterator[str]:
     """SSE lines; cancelled (and so the generation with it) when the client goes away."""
-    offsets, lasts = {}, {}  # per choice: characters sent so far; last responses
+    text_offsets, lasts = {}, {}  # per choice: where its next token's text starts; its last response
     async for response in stream:
         index, finish = response.index, FINISH_REASON_NAMES.get(response.finish_reason)
-        first = index not in offsets
+        first = index not in text_offsets
+        text_offset = text_offsets.setdefault(index, len(rendering.echo))
         if response.text or finish or first or response.logprobs:
             text = (rendering.echo if first else "") + response.text
-            logprobs = rendering.logprobs(response.logprobs, offsets.get(index, len(rendering.echo)))
+            logprobs = rendering.logprobs(response.logprobs, text_offset)
             data = {**envelope(front, request_id, rendering.chat, chunk=True),
                     "choices": [choice(rendering.chat, text, finish, True, first, index, logprobs)]}
             if finish:
                 data["stats"] = speculation_stats(response.stats)
                 lasts[index] = response
-            offsets[index] = offsets.get(index, 0) + len(text)
+            text_offsets[index] += rendering.text_length(response.logprobs)
             yield f"data: {json.dumps(data)}\n\n"
     if include_usage:  # OpenAI's last chunk: no choices, the usage of all of them
         usage_chunk = {**envelope(front, request_id, rendering.chat, chunk=True), "choices": [],
