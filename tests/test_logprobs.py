@@ -93,3 +93,24 @@ async def test_no_logprobs_unless_asked(llama_stack):
     token_ids, logprobs, _ = await generate_with_logprobs(llama_stack, prompt=TINY_PROMPTS[0], temperature=0.0,
                                                           top_logprobs=0)
     assert len(logprobs) == len(token_ids) and all(not entry.top_token_ids for entry in logprobs)
+
+
+async def test_pipelined_logprobs_are_the_targets(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """Drafting ahead changes which proposal a round verifies, never the logprobs of what it commits."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device, pipeline="on",
+                              extra_branches=2)
+    try:
+        token_ids, logprobs, last = await generate_with_logprobs(stack, prompt=TINY_PROMPTS[1], temperature=0.0,
+                                                                 frequency_penalty=0.5)
+    finally:
+        await stack.stop()
+    assert last.stats.accepted_tokens > 0
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    prompt_ids = tokenizer.encode(TINY_PROMPTS[1])
+    expected = direct_logprobs(str(tiny_llama_dir), device, prompt_ids, token_ids)
+    penalized = expected.clone()  # log_softmax shifts by a constant per row: subtract the penalty, renormalise
+    for row in range(len(token_ids)):
+        counts = torch.bincount(torch.tensor(token_ids[:row], dtype=torch.long), minlength=expected.shape[1])
+        penalized[row] = torch.log_softmax(expected[row] - 0.5 * counts[:expected.shape[1]], dim=-1)
+    assert not torch.allclose(penalized, expected), "the output must repeat tokens for the penalty to show"
+    assert_matches(logprobs, token_ids, penalized)

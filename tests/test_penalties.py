@@ -12,6 +12,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import (LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           SequenceBiasLogitsProcessor)
 
@@ -133,18 +135,22 @@ async def test_draft_applies_the_same_penalties(tiny_llama_dir, device):
     assert last.stats.draft_tokens > 0 and last.stats.acceptance_rate == 1.0
 
 
-def test_verification_rows_see_the_draft_tokens_before_them():
+@settings(max_examples=60, deadline=None)
+@given(history=st.lists(st.integers(0, 39), min_size=1, max_size=12),
+       drafts=st.lists(st.integers(0, 39), max_size=5),
+       repetition=st.sampled_from([1.0, 0.5, 1.7]), presence=st.floats(-2, 2), frequency=st.floats(-2, 2),
+       bias=st.dictionaries(st.integers(0, 45), st.floats(-100, 100), max_size=3), data=st.data())
+def test_verification_rows_see_the_draft_tokens_before_them(history, drafts, repetition, presence, frequency,
+                                                            bias, data):
     """Row j of a verification equals the single-row penalty after history + draft[:j]."""
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 50, generator=generator)  # [k+1, V]
-    history, drafts = [3, 9, 9, 4, 3], [4, 11, 4]
-    params = SamplingParams(repetition_penalty=1.7, presence_penalty=0.3, frequency_penalty=0.9,
-                            logit_bias=((11, -2.0), (49, 1.0)))
-    rows = penalize_logits(logits, history, 2, params, drafts)  # [4, V]
-    for j in range(4):
-        alone = penalize_logits(logits[j:j + 1], history + drafts[:j], 2, params)
+    output_start = data.draw(st.integers(0, len(history)))
+    logits = torch.randn(len(drafts) + 1, 40, generator=torch.Generator().manual_seed(len(history)))  # [k+1, V]
+    params = SamplingParams(repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+                            logit_bias=tuple(bias.items()))  # ids >= 40: a larger model's, dropped here
+    rows = penalize_logits(logits, history, output_start, params, drafts)  # [k+1, V]
+    for j in range(len(drafts) + 1):
+        alone = penalize_logits(logits[j:j + 1], history + drafts[:j], output_start, params)
         torch.testing.assert_close(rows[j:j + 1], alone, rtol=0, atol=0)
-    assert not torch.equal(rows[3], penalize_logits(logits[3:], history, 2, params)[0])
 
 
 def test_no_penalties_leave_logits_untouched():
