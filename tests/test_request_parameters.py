@@ -99,10 +99,13 @@ async def test_user_is_recorded_on_the_trace_and_changes_nothing(llama_stack, ti
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     fields = {"prompt": TINY_PROMPTS[0], "max_tokens": 8, "temperature": 0.0}
     with provider.get_tracer("test").start_as_current_span("request"):
-        with_user = [r async for r in servicer.generate(generation_pb2.GenerateRequest(user="alice", **fields))]
-    without, _, _ = await llama_stack.generate(**fields)
-    assert [t for r in with_user for t in r.token_ids] == without
-    assert exporter.get_finished_spans()[0].attributes["user.id"] == "alice"
+        with_user = [r async for r in servicer.generate(generation_pb2.GenerateRequest(
+            user="alice", n=2, presence_penalty=0.5, **fields))]
+    without, _, _ = await llama_stack.generate(presence_penalty=0.5, **fields)
+    assert [t for r in with_user if r.index == 0 for t in r.token_ids] == without
+    attributes = exporter.get_finished_spans()[0].attributes
+    assert attributes["user.id"] == "alice" and attributes["gen_ai.request.choice.count"] == 2
+    assert attributes["gen_ai.request.presence_penalty"] == 0.5
 
 
 @pytest.mark.parametrize("sampling, field", [

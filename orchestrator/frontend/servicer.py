@@ -200,6 +200,8 @@ def _describe_request(span: trace.Span, request: GenerationRequest, model: str, 
         "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
         "specmesh.num_speculative_tokens": request.num_speculative_tokens,
         "specmesh.prompt_class": request.prompt_class, "gen_ai.request.choice.count": n,
+        "gen_ai.request.presence_penalty": request.sampling.presence_penalty,
+        "gen_ai.request.frequency_penalty": request.sampling.frequency_penalty,
     })
     if request.user:
         span.set_attribute("user.id", request.user)  # OpenAI's `user`: recorded, no effect
