@@ -32,45 +32,43 @@ def penalize_logits(logits: torch.Tensor, history: Sequence[int], output_start: 
     """logits [n, V]: row i predicts the token after history + draft_ids[:i] -> float32 [n, V].
 
     `output_start`: the position where the generated output begins in history.
-    Returns `logits` itself when the request has no penalties or biases.
+    Returns `logits` itself when the request has no penalties or biases. Only the
+    columns of tokens that occur are touched: a 150k vocabulary costs a copy, not
+    a pass of arithmetic.
     """
     if not params.penalizes:
         return logits
     n, vocab = logits.shape
     scores = logits.float().clone()  # [n, V]
-    earlier_drafts = _running_counts(draft_ids[: n - 1], n, vocab)  # [n, V]
+    columns, anywhere, in_output = _occurrences(history, output_start, draft_ids[: n - 1], n)
+    touched = scores[:, columns]  # [n, U]
     if params.repetition_penalty not in (0.0, 1.0):
-        seen = (_counts(history, vocab) + earlier_drafts) > 0  # [n, V] prompt and output
         penalty = params.repetition_penalty
-        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        penalized = torch.where(touched < 0, touched * penalty, touched / penalty)
+        touched = torch.where(anywhere > 0, penalized, touched)
     if params.presence_penalty or params.frequency_penalty:
-        output_counts = _counts(history[output_start:], vocab) + earlier_drafts  # [n, V]
-        scores -= params.frequency_penalty * output_counts + params.presence_penalty * (output_counts > 0)
-    if params.logit_bias:
-        scores += _bias_vector(params.logit_bias, vocab)  # broadcast over rows
+        touched = touched - params.frequency_penalty * in_output - params.presence_penalty * (in_output > 0)
+    scores[:, columns] = touched
+    for token_id, bias in params.logit_bias:
+        if 0 <= token_id < vocab:  # ids beyond this model's vocabulary (a smaller draft's) are dropped
+            scores[:, token_id] += bias
     return scores
 
 
-def _counts(token_ids: Sequence[int], vocab: int) -> torch.Tensor:
-    """How often each token id occurs in token_ids -> [V] float32."""
-    if not len(token_ids):
-        return torch.zeros(vocab)
-    return torch.bincount(torch.as_tensor(list(token_ids), dtype=torch.long), minlength=vocab)[:vocab].float()
+def _occurrences(history: Sequence[int], output_start: int, draft_ids: Sequence[int],
+                 rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token ids that occur, and how often before each row.
 
-
-def _running_counts(draft_ids: Sequence[int], rows: int, vocab: int) -> torch.Tensor:
-    """Row i counts draft_ids[:i] -> [rows, V] float32 (row 0 is all zeros)."""
-    running = torch.zeros(rows, vocab)
-    for index, token_id in enumerate(draft_ids):
-        if token_id < vocab:
-            running[index + 1:, token_id] += 1
-    return running
-
-
-def _bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab: int) -> torch.Tensor:
-    """[V] float32; ids beyond this model's vocabulary (a smaller draft's) are dropped."""
-    bias = torch.zeros(vocab)
-    for token_id, value in logit_bias:
-        if 0 <= token_id < vocab:
-            bias[token_id] += value
-    return bias
+    Returns (columns [U], anywhere [rows, U], in_output [rows, U]): counts over
+    history + draft_ids[:row], and over its generated part (from output_start on).
+    """
+    token_ids = torch.tensor(list(history) + list(draft_ids), dtype=torch.long)
+    columns, column_of = torch.unique(token_ids, return_inverse=True)  # [U], [len(history) + k]
+    history_columns, draft_columns = column_of[: len(history)], column_of[len(history):].tolist()
+    ones = torch.ones(len(history))
+    whole = torch.zeros(columns.numel()).index_add_(0, history_columns, ones)  # [U]
+    output = torch.zeros(columns.numel()).index_add_(0, history_columns[output_start:], ones[output_start:])
+    running = torch.zeros(rows, columns.numel())  # row i: draft_ids[:i]
+    for index, column in enumerate(draft_columns):
+        running[index + 1:, column] += 1
+    return columns, whole + running, output + running
