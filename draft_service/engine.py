@@ -136,6 +136,7 @@ class DraftEngine:
     def _draw(self, session: Session, logits: torch.Tensor,
               generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None]:
         """logits [1, V] -> (token, the exact distribution it was drawn from or None)."""
+        logits = session.penalize(logits)  # as the target will at this position
         if session.sampling.greedy or self.greedy_proposals:
             return int(logits[0].argmax()), None
         distribution = encode_distribution(logits_to_probs(logits, session.sampling)[0])
@@ -201,13 +202,14 @@ class DraftEngine:
         """(logits [1, V] for the bonus position, the extra branches to draft, forward ns)."""
         if not extra_branches:
             logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
-            return logits, [], forward_ns
+            return session.penalize(logits), [], forward_ns
         # Re-score the assumed tokens in one forward (cheap on a batch-friendly device):
         # fed from position - 1 on, row j of the logits predicts position + j.
         surplus = session.cached_length - max(0, position - 1)
         if surplus > 0:
             session.cache.crop(-surplus)  # negative = remove that many tokens from the end
         logits, forward_ns = self.engine.feed_uncached(session, keep_rows=len(assumed) + 1)  # [k+1, V]
+        logits = session.penalize(logits, position, assumed)
         plans = plan_extra_branches(logits, assumed, extra_branches, self.engine.eos_token_ids)
         return logits[-1:], plans, forward_ns
 

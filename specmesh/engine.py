@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import socket
@@ -28,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from specmesh import models
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.penalties import penalize_logits
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.v1 import common_pb2
 
@@ -47,6 +49,7 @@ class Session:
     seed: int = 0  # seeds generators derived per position (specmesh.sampling.generator_at)
     ahead: object | None = None  # a service's own state that lives and dies with the session
     caller: str = ""  # who opened it (specmesh.security.caller_of), for the per-caller limit
+    output_start: int = 0  # position of the first generated token (penalties count from here)
 
     @property
     def cached_length(self) -> int:
@@ -58,6 +61,16 @@ class Session:
             raise StaleRound(f"round {round_number} is stale: session is at round {self.round}")
         self.round = round_number
         self.last_used = time.monotonic()
+
+    def penalize(self, logits: torch.Tensor, position: int | None = None,
+                 draft_ids: Sequence[int] = ()) -> torch.Tensor:
+        """The request's penalties and biases on logits [n, V] -> [n, V].
+
+        Row i predicts the token after token_ids[:position] + draft_ids[:i]
+        (position None: after the whole sequence).
+        """
+        history = self.token_ids if position is None else self.token_ids[:position]
+        return penalize_logits(logits, history, self.output_start, self.sampling, draft_ids)
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,7 @@ class ModelEngine:
             raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens leave no room in the "
                                   f"{self.context_window}-token context window")
         self.check_token_ids("prompt_token_ids", prompt)
+        check_penalties(sampling)
         if request_id in self.sessions:
             raise SessionExists(request_id)
         if len(self.sessions) >= self.config.max_sessions:
@@ -142,7 +156,8 @@ class ModelEngine:
         salt = self.config.generator_salt
         seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
         session = Session(request_id, list(prompt), DynamicCache(), sampling,
-                          make_generator(sampling.seed, salt), seed=seed, caller=caller)
+                          make_generator(sampling.seed, salt), seed=seed, caller=caller,
+                          output_start=sampling.output_start or len(prompt))
         self.sessions[request_id] = session
         return session
 
@@ -244,3 +259,14 @@ class ModelEngine:
         surplus = session.cached_length - keep
         if surplus > 0:
             session.cache.crop(-surplus)  # negative = remove that many tokens from the end
+
+
+def check_penalties(sampling: SamplingParams) -> None:
+    """A direct caller's garbage never reaches the logits (the orchestrator checks clients' ranges)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(sampling, name)):
+            raise InvalidArgument(f"sampling.{name}", "must be finite")
+    if sampling.repetition_penalty < 0:
+        raise InvalidArgument("sampling.repetition_penalty", "must be >= 0 (0 or 1: off)")
+    if not all(math.isfinite(bias) for _, bias in sampling.logit_bias):
+        raise InvalidArgument("sampling.logit_bias", "biases must be finite")

@@ -25,6 +25,13 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
+    # Applied to the logits first, by specmesh.penalties.penalize_logits.
+    presence_penalty: float = 0.0  # OpenAI's, over the generated output
+    frequency_penalty: float = 0.0  # OpenAI's, over the generated output
+    repetition_penalty: float = 1.0  # transformers', over prompt and output; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    output_start: int = 0  # position where the generated output begins; 0 = the session's prompt length
+    logprobs: int | None = None  # target only: return logprobs with this many alternatives; None = none
 
     @property
     def greedy(self) -> bool:
@@ -36,6 +43,12 @@ class SamplingParams:
         """True when top-k or top-p can zero out part of the vocabulary."""
         return self.top_k > 0 or self.top_p < 1.0
 
+    @property
+    def penalizes(self) -> bool:
+        """True when penalties or biases change the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty not in (0.0, 1.0))
+
 
 def sampling_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
@@ -43,12 +56,21 @@ def sampling_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
         top_k=sampling.top_k,
         top_p=sampling.top_p if sampling.top_p > 0 else 1.0,
         seed=sampling.seed if sampling.HasField("seed") else None,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty or 1.0,
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
+        output_start=sampling.output_start,
+        logprobs=sampling.logprobs if sampling.HasField("logprobs") and sampling.logprobs >= 0 else None,
     )
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                     top_p=params.top_p, seed=params.seed)
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, logit_bias=dict(params.logit_bias),
+        output_start=params.output_start, logprobs=params.logprobs)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

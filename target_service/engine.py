@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -13,6 +13,7 @@ from specmesh.errors import InvalidArgument, PositionMismatch
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
 from specmesh.v1 import common_pb2
 from target_service.disagreements import Disagreement, DisagreementLog, context_hash
+from target_service.logprobs import token_logprobs
 from target_service.rejection_sampler import Verdict, verify_greedy, verify_sampled
 
 MAX_DRAFT_TOKENS = 32
@@ -23,6 +24,7 @@ class Opened:
     token_id: int  # first generated token, at position len(prompt)
     committed_length: int
     forward_ns: int
+    logprob: common_pb2.TokenLogprob | None = None  # when the session asks for logprobs
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Verification:
     verdict: Verdict
     committed_length: int
     forward_ns: int
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # one per committed token, if asked
 
 
 class TargetEngine:
@@ -70,9 +73,18 @@ class TargetEngine:
 
     def _prefill(self, session: Session) -> Opened:
         logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+        logits = session.penalize(logits)
         token_id = self._next_token(session, logits)
+        logprobs = self._logprobs(session, logits, [token_id])
         session.token_ids.append(token_id)
-        return Opened(token_id, len(session.token_ids), forward_ns)
+        return Opened(token_id, len(session.token_ids), forward_ns, logprobs[0] if logprobs else None)
+
+    @staticmethod
+    def _logprobs(session: Session, logits: torch.Tensor, token_ids: list[int]) -> list[common_pb2.TokenLogprob]:
+        """logits [m, V], penalized, row i deciding token_ids[i] -> their logprobs if the session asks."""
+        if session.sampling.logprobs is None:
+            return []
+        return token_logprobs(logits[: len(token_ids)], token_ids, session.sampling.logprobs)
 
     def _next_token(self, session: Session, logits: torch.Tensor) -> int:
         """logits [1, V] -> a token from the target alone."""
@@ -110,8 +122,9 @@ class TargetEngine:
                 draft_distributions: Sequence[common_pb2.TokenDistribution]) -> Verification:
         k = len(draft_ids)
         draft_probs = self._decode_draft_probs(draft_distributions)  # [k, V] or None
-        # [k+1, V]: row i predicts position `position + i`
+        # [k+1, V]: row i predicts position `position + i`, after the draft tokens before it
         logits, forward_ns = self.engine.feed_uncached(session, draft_ids, keep_rows=k + 1)
+        logits = session.penalize(logits, draft_ids=draft_ids)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.long)  # [k]
         target_probs = None if session.sampling.greedy else logits_to_probs(logits, session.sampling)  # [k+1, V]
         if target_probs is None:
@@ -124,9 +137,9 @@ class TargetEngine:
             # Under greedy the logged distribution is the model's own (temperature 1).
             p = torch.softmax(logits[row], -1) if target_probs is None else target_probs[row]  # [V]
             self._log_rejection(session, position, draft_ids, verdict, p, draft_probs)
-        self.engine.rollback(session, position,
-                             draft_ids[: verdict.accepted_count] + [verdict.next_token_id])
-        return Verification(verdict, len(session.token_ids), forward_ns)
+        committed = draft_ids[: verdict.accepted_count] + [verdict.next_token_id]
+        self.engine.rollback(session, position, committed)
+        return Verification(verdict, len(session.token_ids), forward_ns, self._logprobs(session, logits, committed))
 
     def _log_rejection(self, session: Session, position: int, draft_ids: list[int], verdict: Verdict,
                        p: torch.Tensor, draft_probs: torch.Tensor | None) -> None:

@@ -31,6 +31,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                   forward_ns=opened.forward_ns)
         if not request.resume:
             response.token_id = opened.token_id
+        if opened.logprob is not None:
+            response.logprob.CopyFrom(opened.logprob)
         return response
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
@@ -43,7 +45,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             request_id=request.request_id, round=request.round,
             accepted_count=result.verdict.accepted_count, next_token_id=result.verdict.next_token_id,
             next_token_kind=KIND[result.verdict.bonus], committed_length=result.committed_length,
-            forward_ns=result.forward_ns)
+            forward_ns=result.forward_ns, logprobs=result.logprobs)
 
     async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
         return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))

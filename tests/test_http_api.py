@@ -79,7 +79,7 @@ async def test_chat_completion_streaming_and_not(api, tiny_llama_dir):
 
 @pytest.mark.parametrize("params, param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 2.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"prompt": ""}, "prompt"), ({"n": 2}, "n"), ({"max_tokens": "many"}, "max_tokens"),
+    ({"prompt": ""}, "prompt"), ({"n": 0}, "n"), ({"max_tokens": "many"}, "max_tokens"),
 ])
 async def test_bad_parameters_are_400_naming_the_parameter(api, params, param):
     _, client, _ = api

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import draft_pb2, target_pb2
+from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class GenerationRequest:
     fixed_k: bool = False  # the client asked for exactly num_speculative_tokens
     deadline: float | None = None  # time.monotonic() by which the client gives up
     prompt_class: str = ""  # metrics label chosen by the client
+    user: str = ""  # the client's end user, recorded on the trace only
 
 
 class DraftLengthPolicy(Protocol):
@@ -110,6 +111,8 @@ class SpeculativeGeneration:
         # Clients may reuse request ids; the services' session ids must be unique.
         self.session_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
         self.sequence = list(request.prompt_token_ids)  # committed: prompt + generated
+        # The target's logprob of each generated token, when the request's sampling asks for them.
+        self.logprobs: list[common_pb2.TokenLogprob] = []
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
         self._draft_opening: asyncio.Task | None = None
         self._round = 0
@@ -161,6 +164,8 @@ class SpeculativeGeneration:
         self.stats.target_forward_passes += 1
         self.draft_agreed = len(request.prompt_token_ids)
         self.sequence.append(opened.token_id)
+        if opened.HasField("logprob"):
+            self.logprobs.append(opened.logprob)
         return [opened.token_id]
 
     async def _run_round(self) -> list[int]:
@@ -188,6 +193,7 @@ class SpeculativeGeneration:
         if proposal is not None:
             self.draft_agreed = position + accepted  # the draft holds exactly the accepted prefix
         self.sequence.extend(batch)
+        self.logprobs.extend(verified.logprobs)
         self._count_round(len(draft_ids), accepted, len(batch))
         return batch
 

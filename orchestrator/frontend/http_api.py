@@ -20,7 +20,9 @@ import json
 import ssl
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal, Sequence
 
 import grpc
 import uvicorn
@@ -30,16 +32,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from orchestrator.deployment.clients import UpstreamError
+from orchestrator.frontend.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES, GenerationServicer
 from specmesh.drain import REFUSED_MESSAGE, Drain
 from specmesh.errors import InvalidArgument, ShuttingDown
 from specmesh.models import chat_token_ids
 from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, TLSConfig, authorized
-from specmesh.v1 import generation_pb2
+from specmesh.v1 import common_pb2, generation_pb2
 
 PARAMETER_NAMES = {"prompt_token_ids": "prompt"}  # our field -> the OpenAI parameter a client sent
 UPSTREAM_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INVALID_ARGUMENT: 400,
                    grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk with empty choices carries the usage
 
 
 class SamplingFields(BaseModel):
@@ -50,12 +58,18 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    user: str | None = None
     # specmesh extensions
     top_k: int | None = None
+    repetition_penalty: float | None = None
     num_speculative_tokens: int | None = None
     speculation: bool | None = None
     prompt_class: str | None = None
@@ -64,6 +78,11 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = None  # 0-5: each token's logprob and this many alternatives
+    # Not implemented: refused by name unless given a value that changes nothing (UNIMPLEMENTED).
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -80,6 +99,42 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Not implemented: refused by name unless given a value that changes nothing (UNIMPLEMENTED).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    store: Any = None
+
+
+# OpenAI parameter -> whether a value changes nothing here; any other value is a 400 naming it.
+UNIMPLEMENTED = {
+    "best_of": lambda value, body: value is None or value == (body.n or 1),  # best of n among n: all n
+    "suffix": lambda value, body: not value,
+    "tools": lambda value, body: not value,
+    "functions": lambda value, body: not value,
+    "tool_choice": lambda value, body: value in (None, "none"),
+    "function_call": lambda value, body: value in (None, "none"),
+    "parallel_tool_calls": lambda value, body: not body.tools,
+    "response_format": lambda value, body: value is None or (isinstance(value, dict)
+                                                             and value.get("type") == "text"),
+    "modalities": lambda value, body: value in (None, ["text"]),
+    "audio": lambda value, body: value is None,
+    "prediction": lambda value, body: value is None,
+    "web_search_options": lambda value, body: value is None,
+    "reasoning_effort": lambda value, body: value is None,
+    "store": lambda value, body: not value,  # nothing is stored for later retrieval
+}
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 
 
 class OpenAIError(Exception):
@@ -118,8 +173,7 @@ def api_key_check(api_key: str | None):
 
 def generate_request(body: SamplingFields, **prompt: Any) -> generation_pb2.GenerateRequest:
     """The gRPC request for an OpenAI body; validation happens once, in the shared path."""
-    if body.n != 1:
-        raise OpenAIError(400, "only n=1 is supported", "n")
+    refuse_unimplemented(body)
     request = generation_pb2.GenerateRequest(stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
                                              prompt_class=body.prompt_class or "", **prompt)
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -130,7 +184,43 @@ def generate_request(body: SamplingFields, **prompt: Any) -> generation_pb2.Gene
             if field == "seed" and value < 0:
                 raise OpenAIError(400, "seed: must be >= 0", "seed")
             setattr(request, field, value)
+    map_openai_parameters(body, request)
     return request
+
+
+def refuse_unimplemented(body: SamplingFields) -> None:
+    for param, changes_nothing in UNIMPLEMENTED.items():
+        if param in body.model_fields_set and not changes_nothing(getattr(body, param), body):
+            raise OpenAIError(400, f"{param}: not supported by this server", param, "unsupported_parameter")
+
+
+def map_openai_parameters(body: SamplingFields, request: generation_pb2.GenerateRequest) -> None:
+    """n, penalties, logit_bias, user and logprobs onto the gRPC request (checked in the shared path)."""
+    for field in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "user"):
+        if getattr(body, field) is not None:
+            _set(request, field, getattr(body, field))
+    for token_id, bias in (body.logit_bias or {}).items():
+        if not (token_id.isascii() and token_id.isdigit()) or int(token_id) >= 2**31:
+            raise OpenAIError(400, f"logit_bias: {token_id!r} is not a token id", "logit_bias")
+        request.logit_bias[int(token_id)] = bias
+    if isinstance(body, ChatCompletionRequest):
+        request.logprobs = body.logprobs
+        if body.top_logprobs is not None:
+            _set(request, "top_logprobs", body.top_logprobs)
+    elif body.logprobs is not None:
+        if not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise OpenAIError(400, f"logprobs: must be in [0, {MAX_COMPLETION_LOGPROBS}]", "logprobs")
+        if body.echo:
+            raise OpenAIError(400, "echo: not supported together with logprobs (no prompt logprobs)", "echo")
+        request.logprobs, request.top_logprobs = True, body.logprobs
+
+
+def _set(request: generation_pb2.GenerateRequest, field: str, value: Any) -> None:
+    """Set a field; a value its wire type cannot hold is a 400 naming it."""
+    try:
+        setattr(request, field, value)
+    except (ValueError, TypeError) as error:
+        raise OpenAIError(400, f"{field}: {value!r} is out of range", field) from error
 
 
 def completion_prompt(body: CompletionRequest) -> dict[str, Any]:
@@ -185,22 +275,39 @@ async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
             yield item
 
 
-def usage(stats: generation_pb2.GenerationStats) -> dict[str, int]:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
-
-
 def speculation_stats(stats: generation_pb2.GenerationStats) -> dict[str, Any]:
     return {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
 
 
-def choice(chat: bool, text: str, finish: str | None, delta: bool, first: bool = False) -> dict[str, Any]:
+@dataclass
+class Rendering:
+    """How a request's choices are written: chat or completion, logprobs, echoed prompt."""
+
+    chat: bool
+    texts: TokenTexts | None = None  # None: the client did not ask for logprobs
+    echo: str = ""  # the prompt's text, put before each choice's text (completions' echo)
+
+    def logprobs(self, entries: Sequence[common_pb2.TokenLogprob], text_offset: int) -> dict[str, Any] | None:
+        if self.texts is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.texts, entries)
+        return completion_logprobs(self.texts, entries, text_offset)
+
+    def text_length(self, entries: Sequence[common_pb2.TokenLogprob]) -> int:
+        """Characters of these tokens' own texts: how far a completion's text_offset moves."""
+        return sum(len(self.texts(entry.token_id)) for entry in entries) if self.texts else 0
+
+
+def choice(chat: bool, text: str, finish: str | None, delta: bool, first: bool = False, index: int = 0,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if not chat:
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
     if not delta:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish}
     content = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"index": 0, "delta": content, "finish_reason": finish}
+    return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
 
 
 def envelope(front: OpenAIFrontEnd, request_id: str, chat: bool, chunk: bool) -> dict[str, Any]:
@@ -208,50 +315,81 @@ def envelope(front: OpenAIFrontEnd, request_id: str, chat: bool, chunk: bool) ->
     return {"id": request_id, "object": kind, "created": int(time.time()), "model": front.model}
 
 
-async def collect(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, request_id: str) -> dict[str, Any]:
-    text, last = [], None
+def all_usage(lasts: dict[int, generation_pb2.GenerateResponse]) -> dict[str, int]:
+    """Usage of all n choices: the prompt once, every choice's completion tokens."""
+    prompt_tokens = lasts[0].stats.prompt_tokens
+    completion_tokens = sum(last.stats.completion_tokens for last in lasts.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def collect(front: OpenAIFrontEnd, stream: AsyncIterator, rendering: Rendering,
+                  request_id: str) -> dict[str, Any]:
+    texts, entries, lasts = defaultdict(list), defaultdict(list), {}
     async with front.drain.track():
         async for response in stream:
-            text.append(response.text)
-            last = response
-    finish = FINISH_REASON_NAMES.get(last.finish_reason)
-    return {**envelope(front, request_id, chat, chunk=False), "choices": [choice(chat, "".join(text), finish, False)],
-            "usage": usage(last.stats), "stats": speculation_stats(last.stats)}
+            texts[response.index].append(response.text)
+            entries[response.index].extend(response.logprobs)
+            if response.finish_reason:
+                lasts[response.index] = response
+    choices = [choice(rendering.chat, rendering.echo + "".join(texts[index]),
+                      FINISH_REASON_NAMES.get(lasts[index].finish_reason), False, index=index,
+                      logprobs=rendering.logprobs(entries[index], len(rendering.echo)))
+               for index in sorted(lasts)]
+    return {**envelope(front, request_id, rendering.chat, chunk=False), "choices": choices,
+            "usage": all_usage(lasts), "stats": speculation_stats(lasts[0].stats)}
 
 
-async def events(front: OpenAIFrontEnd, stream: AsyncIterator, chat: bool, request_id: str,
+async def events(front: OpenAIFrontEnd, stream: AsyncIterator, rendering: Rendering, request_id: str,
                  include_usage: bool) -> AsyncIterator[str]:
     """SSE lines; cancelled (and so the generation with it) when the client goes away; an error
     event instead of `[DONE]` when the shutdown grace ends first."""
-    first = True
+    text_offsets, lasts = {}, {}  # per choice: where its next token's text starts; its last response
     try:
         async with front.drain.track():
             async for response in stream:
-                finish = FINISH_REASON_NAMES.get(response.finish_reason)
-                if response.text or finish or first:
-                    data = {**envelope(front, request_id, chat, chunk=True),
-                            "choices": [choice(chat, response.text, finish, True, first)]}
+                index, finish = response.index, FINISH_REASON_NAMES.get(response.finish_reason)
+                first = index not in text_offsets
+                text_offset = text_offsets.setdefault(index, len(rendering.echo))
+                if response.text or finish or first or response.logprobs:
+                    text = (rendering.echo if first else "") + response.text
+                    logprobs = rendering.logprobs(response.logprobs, text_offset)
+                    data = {**envelope(front, request_id, rendering.chat, chunk=True),
+                            "choices": [choice(rendering.chat, text, finish, True, first, index, logprobs)]}
                     if finish:
                         data["stats"] = speculation_stats(response.stats)
-                        if include_usage:
-                            data["usage"] = usage(response.stats)
+                        lasts[index] = response
+                    text_offsets[index] += rendering.text_length(response.logprobs)
                     yield f"data: {json.dumps(data)}\n\n"
-                    first = False
     except ShuttingDown as error:
         yield f"data: {json.dumps(shutting_down(str(error)).body())}\n\n"
         return
+    if include_usage:  # OpenAI's last chunk: no choices, the usage of all of them
+        usage_chunk = {**envelope(front, request_id, rendering.chat, chunk=True), "choices": [],
+                       "usage": all_usage(lasts)}
+        yield f"data: {json.dumps(usage_chunk)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def rendering_for(front: OpenAIFrontEnd, body: SamplingFields, request: generation_pb2.GenerateRequest,
+                  chat: bool) -> Rendering:
+    texts = TokenTexts(front.servicer.tokenizer) if request.logprobs else None
+    if chat or not body.echo:
+        return Rendering(chat, texts)
+    echo = request.prompt or front.servicer.tokenizer.decode(list(request.prompt_token_ids))
+    return Rendering(chat, texts, echo)
 
 
 async def answer(front: OpenAIFrontEnd, http_request: Request, body: SamplingFields,
                  request: generation_pb2.GenerateRequest, chat: bool):
     stream = await front.open_stream(request)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rendering = rendering_for(front, body, request, chat)
     if body.stream:
-        include_usage = bool((getattr(body, "stream_options", None) or {}).get("include_usage"))
-        return StreamingResponse(events(front, stream, chat, request_id, include_usage),
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(events(front, stream, rendering, request_id, include_usage),
                                  media_type="text/event-stream")
-    return JSONResponse(await _unless_disconnected(http_request, collect(front, stream, chat, request_id)))
+    return JSONResponse(await _unless_disconnected(http_request, collect(front, stream, rendering, request_id)))
 
 
 async def _unless_disconnected(http_request: Request, work):

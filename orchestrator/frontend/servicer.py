@@ -15,7 +15,8 @@ from orchestrator.frontend.detokenizer import IncrementalDetokenizer
 from orchestrator.decoding.policy import AdaptiveDraftLength, AdaptiveSpeculation
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
-from orchestrator.frontend.validation import ModelLimits, validate_request
+from orchestrator.frontend.choices import interleave
+from orchestrator.frontend.validation import ModelLimits, choice_count, for_choice, validate_request
 from specmesh.errors import NotManagedHere
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -57,19 +58,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The Generate stream, for any front end (gRPC here, HTTP in orchestrator.frontend.http_api).
 
         Raises InvalidArgument before the first response when the request is bad.
+        With n > 1, the completions' responses interleave, each tagged with its index.
         """
         started = time.monotonic()
         checked = validate_request(request, self.encode, self.backends.limits, time_remaining)
+        n = choice_count(request)
+        span = trace.get_current_span()  # the front end's server span: the root of this request's trace
+        _describe_request(span, checked, self.backends.model, n)
+        choices = [self._generate_choice(for_choice(checked, index), index, started, span) for index in range(n)]
+        async with contextlib.aclosing(choices[0] if n == 1 else interleave(choices)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _generate_choice(self, checked: GenerationRequest, index: int, started: float, span: trace.Span):
+        """One completion's responses, tagged with its index."""
         recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class)
         recorder.admitted()
-        span = trace.get_current_span()  # the front end's server span: the root of this request's trace
-        _describe_request(span, checked, self.backends.model)
         loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
         generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
                           self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
                           policy=self._draft_length_policy(checked), on_timing=recorder.round_time)
         try:
             async for response in self._stream(checked, generation, recorder, started):
+                response.index = index
                 if response.finish_reason:
                     _describe_outcome(span, response, self.backends.model)
                 yield response
@@ -98,8 +109,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     recorder.first_token(now - started, now)
                 else:
                     recorder.streamed(len(batch), now)
-                response = generation_pb2.GenerateResponse(request_id=checked.request_id, token_ids=batch,
-                                                           text=text)
+                response = generation_pb2.GenerateResponse(
+                    request_id=checked.request_id, token_ids=batch, text=text,
+                    logprobs=generation.logprobs[completion_tokens - len(batch):completion_tokens])
                 finish = self._finish_reason(generation, detokenizer, batch)
                 if finish:
                     response.text += detokenizer.finish()
@@ -176,7 +188,7 @@ def _record_finish(recorder: RequestRecorder, response: generation_pb2.GenerateR
         stats.tpot_ms / 1e3 if stats.completion_tokens > 1 else None, stats.e2e_ms / 1e3)
 
 
-def _describe_request(span: trace.Span, request: GenerationRequest, model: str) -> None:
+def _describe_request(span: trace.Span, request: GenerationRequest, model: str, n: int) -> None:
     """GenAI semantic-convention attributes of the request on the root span."""
     if not span.is_recording():
         return
@@ -187,8 +199,12 @@ def _describe_request(span: trace.Span, request: GenerationRequest, model: str) 
         "gen_ai.request.top_k": request.sampling.top_k, "gen_ai.response.id": request.request_id,
         "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
         "specmesh.num_speculative_tokens": request.num_speculative_tokens,
-        "specmesh.prompt_class": request.prompt_class,
+        "specmesh.prompt_class": request.prompt_class, "gen_ai.request.choice.count": n,
+        "gen_ai.request.presence_penalty": request.sampling.presence_penalty,
+        "gen_ai.request.frequency_penalty": request.sampling.frequency_penalty,
     })
+    if request.user:
+        span.set_attribute("user.id", request.user)  # OpenAI's `user`: recorded, no effect
 
 
 def _describe_outcome(span: trace.Span, response: generation_pb2.GenerateResponse, model: str) -> None:

@@ -10,7 +10,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from orchestrator.decoding.loop import GenerationRequest
@@ -21,6 +21,10 @@ from specmesh.v1 import generation_pb2
 MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_MAX_TOKENS = 256
 MAX_REQUEST_ID_LENGTH = 128
+MAX_USER_LENGTH = 256
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 1024
 PROMPT_CLASS = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a metrics label: bounded, no free text
 
 
@@ -38,9 +42,10 @@ def validate_request(request: generation_pb2.GenerateRequest, encode: Callable[[
     return GenerationRequest(
         request_id=_request_id(request),
         prompt_class=_prompt_class(request),
+        user=_user(request),
         prompt_token_ids=prompt_ids,
         max_tokens=_max_tokens(request, len(prompt_ids), limits),
-        sampling=_sampling(request),
+        sampling=_sampling(request, len(prompt_ids), limits),
         stop=_stop(request),
         num_speculative_tokens=k,
         fixed_k=request.HasField("num_speculative_tokens") and request.num_speculative_tokens > 0,
@@ -88,7 +93,29 @@ def _max_tokens(request: generation_pb2.GenerateRequest, prompt_length: int, lim
     return request.max_tokens
 
 
-def _sampling(request: generation_pb2.GenerateRequest) -> SamplingParams:
+def choice_count(request: generation_pb2.GenerateRequest) -> int:
+    """How many independent completions the request asks for (its n)."""
+    n = request.n if request.HasField("n") else 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument("n", f"must be in [1, {MAX_CHOICES}]")
+    return n
+
+
+def for_choice(checked: GenerationRequest, index: int) -> GenerationRequest:
+    """Completion `index` of n: a seeded request's seed becomes seed + index (mod 2**64)."""
+    seed = checked.sampling.seed
+    if index == 0 or seed is None:
+        return checked
+    return replace(checked, sampling=replace(checked.sampling, seed=(seed + index) % 2**64))
+
+
+def _user(request: generation_pb2.GenerateRequest) -> str:
+    if len(request.user) > MAX_USER_LENGTH:
+        raise InvalidArgument("user", f"at most {MAX_USER_LENGTH} characters")
+    return request.user
+
+
+def _sampling(request: generation_pb2.GenerateRequest, prompt_length: int, limits: ModelLimits) -> SamplingParams:
     temperature = request.temperature if request.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidArgument("temperature", "must be a finite number >= 0")
@@ -99,7 +126,47 @@ def _sampling(request: generation_pb2.GenerateRequest) -> SamplingParams:
     if top_k < 0:
         raise InvalidArgument("top_k", "must be >= 0 (0 disables top-k)")
     seed = request.seed if request.HasField("seed") else None
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          presence_penalty=_bounded(request, "presence_penalty", -2.0, 2.0, 0.0),
+                          frequency_penalty=_bounded(request, "frequency_penalty", -2.0, 2.0, 0.0),
+                          repetition_penalty=_repetition_penalty(request),
+                          logit_bias=_logit_bias(request, limits), output_start=prompt_length,
+                          logprobs=_logprobs(request))
+
+
+def _bounded(request: generation_pb2.GenerateRequest, field: str, low: float, high: float, default: float) -> float:
+    value = getattr(request, field) if request.HasField(field) else default
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidArgument(field, f"must be in [{low:g}, {high:g}]")
+    return value
+
+
+def _repetition_penalty(request: generation_pb2.GenerateRequest) -> float:
+    penalty = request.repetition_penalty if request.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(penalty) and 0 < penalty <= 10):
+        raise InvalidArgument("repetition_penalty", "must be in (0, 10] (1 disables it)")
+    return penalty
+
+
+def _logit_bias(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> tuple[tuple[int, float], ...]:
+    if len(request.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    for token_id, bias in request.logit_bias.items():
+        if not 0 <= token_id < limits.vocab_size:
+            raise InvalidArgument("logit_bias", f"token id {token_id} outside [0, {limits.vocab_size})")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise InvalidArgument("logit_bias", f"bias of token {token_id} must be in [-100, 100]")
+    return tuple(sorted(request.logit_bias.items()))
+
+
+def _logprobs(request: generation_pb2.GenerateRequest) -> int | None:
+    """None: no logprobs; else how many alternatives to return with each token."""
+    top = request.top_logprobs if request.HasField("top_logprobs") else 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+    if top and not request.logprobs:
+        raise InvalidArgument("top_logprobs", "needs logprobs")
+    return top if request.logprobs else None
 
 
 def _num_speculative_tokens(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> int:

@@ -24,27 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\";\n\x11\x44\x65nseDistribution\x12\x12\n\nprobs_fp16\x18\x01 \x01(\x0c\x12\x12\n\nvocab_size\x18\x02 \x01(\r\"\x7f\n\x11TokenDistribution\x12\x31\n\x06sparse\x18\x01 \x01(\x0b\x32\x1f.specmesh.v1.SparseDistributionH\x00\x12/\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x1e.specmesh.v1.DenseDistributionH\x00\x42\x06\n\x04\x66orm\")\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xc3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0e\x63ontext_window\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\ropen_sessions\x18\x07 \x01(\r\x12\x0c\n\x04host\x18\x08 \x01(\t\x12\x14\n\x0c\x63pu_affinity\x18\t \x03(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\xdc\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0coutput_start\x18\t \x01(\r\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\";\n\x11\x44\x65nseDistribution\x12\x12\n\nprobs_fp16\x18\x01 \x01(\x0c\x12\x12\n\nvocab_size\x18\x02 \x01(\r\"\x7f\n\x11TokenDistribution\x12\x31\n\x06sparse\x18\x01 \x01(\x0b\x32\x1f.specmesh.v1.SparseDistributionH\x00\x12/\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x1e.specmesh.v1.DenseDistributionH\x00\x42\x06\n\x04\x66orm\")\n\x13\x43loseSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xc3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0e\x63ontext_window\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x15\n\ropen_sessions\x18\x07 \x01(\r\x12\x0c\n\x04host\x18\x08 \x01(\t\x12\x14\n\x0c\x63pu_affinity\x18\t \x03(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=136
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=138
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=192
-  _globals['_DENSEDISTRIBUTION']._serialized_start=194
-  _globals['_DENSEDISTRIBUTION']._serialized_end=253
-  _globals['_TOKENDISTRIBUTION']._serialized_start=255
-  _globals['_TOKENDISTRIBUTION']._serialized_end=382
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=384
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=425
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=427
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=465
-  _globals['_MODELINFOREQUEST']._serialized_start=467
-  _globals['_MODELINFOREQUEST']._serialized_end=485
-  _globals['_MODELINFO']._serialized_start=488
-  _globals['_MODELINFO']._serialized_end=683
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGPARAMS']._serialized_start=42
+  _globals['_SAMPLINGPARAMS']._serialized_end=390
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=320
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=368
+  _globals['_TOKENLOGPROB']._serialized_start=392
+  _globals['_TOKENLOGPROB']._serialized_end=486
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=488
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=542
+  _globals['_DENSEDISTRIBUTION']._serialized_start=544
+  _globals['_DENSEDISTRIBUTION']._serialized_end=603
+  _globals['_TOKENDISTRIBUTION']._serialized_start=605
+  _globals['_TOKENDISTRIBUTION']._serialized_end=732
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=734
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=775
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=777
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=815
+  _globals['_MODELINFOREQUEST']._serialized_start=817
+  _globals['_MODELINFOREQUEST']._serialized_end=835
+  _globals['_MODELINFO']._serialized_start=838
+  _globals['_MODELINFO']._serialized_end=1033
 # @@protoc_insertion_point(module_scope)

@@ -22,23 +22,28 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecmesh/v1/generation.proto\x12\x0bspecmesh.v1\"\x87\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x18\n\x0bspeculation\x18\n \x01(\x08H\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x14\n\x0cprompt_class\x18\x0c \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0e\n\x0c_speculation\"\x9e\x02\n\x0fGenerationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x02\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x05 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x07 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\x12\x16\n\x0e\x64raft_fallback\x18\x0b \x01(\x08\x12\x18\n\x10tokens_per_round\x18\x0c \x01(\x02\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12+\n\x05stats\x18\x05 \x01(\x0b\x32\x1c.specmesh.v1.GenerationStats*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecmesh/v1/generation.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xfe\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12#\n\x16num_speculative_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x18\n\x0bspeculation\x18\n \x01(\x08H\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x14\n\x0cprompt_class\x18\x0c \x01(\t\x12\x10\n\x08logprobs\x18\r \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0e \x01(\x05H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x12 \x03(\x0b\x32+.specmesh.v1.GenerateRequest.LogitBiasEntry\x12\x0c\n\x04user\x18\x13 \x01(\t\x12\x0e\n\x01n\x18\x14 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x0e\n\x0c_speculationB\x0f\n\r_top_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_n\"\x9e\x02\n\x0fGenerationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x02\x12\x0e\n\x06rounds\x18\x04 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x05 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x07 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x08 \x01(\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\r\x12\x16\n\x0e\x64raft_fallback\x18\x0b \x01(\x08\x12\x18\n\x10tokens_per_round\x18\x0c \x01(\x02\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12+\n\x05stats\x18\x05 \x01(\x0b\x32\x1c.specmesh.v1.GenerationStats\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32W\n\nGeneration\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=897
-  _globals['_FINISHREASON']._serialized_end=992
-  _globals['_GENERATEREQUEST']._serialized_start=46
-  _globals['_GENERATEREQUEST']._serialized_end=437
-  _globals['_GENERATIONSTATS']._serialized_start=440
-  _globals['_GENERATIONSTATS']._serialized_end=726
-  _globals['_GENERATERESPONSE']._serialized_start=729
-  _globals['_GENERATERESPONSE']._serialized_end=895
-  _globals['_GENERATION']._serialized_start=994
-  _globals['_GENERATION']._serialized_end=1081
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1358
+  _globals['_FINISHREASON']._serialized_end=1453
+  _globals['_GENERATEREQUEST']._serialized_start=72
+  _globals['_GENERATEREQUEST']._serialized_end=838
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=598
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=646
+  _globals['_GENERATIONSTATS']._serialized_start=841
+  _globals['_GENERATIONSTATS']._serialized_end=1127
+  _globals['_GENERATERESPONSE']._serialized_start=1130
+  _globals['_GENERATERESPONSE']._serialized_end=1356
+  _globals['_GENERATION']._serialized_start=1455
+  _globals['_GENERATION']._serialized_end=1542
 # @@protoc_insertion_point(module_scope)

@@ -30,16 +30,18 @@ class TargetOpenRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class TargetOpenResponse(_message.Message):
-    __slots__ = ("request_id", "token_id", "committed_length", "forward_ns")
+    __slots__ = ("request_id", "token_id", "committed_length", "forward_ns", "logprob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
     committed_length: int
     forward_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions")
@@ -56,7 +58,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns")
+    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,7 @@ class VerifyResponse(_message.Message):
     NEXT_TOKEN_KIND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     accepted_count: int
@@ -71,4 +74,5 @@ class VerifyResponse(_message.Message):
     next_token_kind: NextTokenKind
     committed_length: int
     forward_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
