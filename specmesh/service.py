@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import grpc
@@ -45,7 +45,8 @@ class ServiceOptions:
     tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
     api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
     cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
-    internal_token: str | None = None  # draft/target: calls must carry it (from the orchestrator); None = open
+    # draft/target: calls must carry it (from the orchestrator); None = open. Kept out of reprs and logs.
+    internal_token: str | None = field(default=None, repr=False)
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
 
 

@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from draft_service.server import create_server as create_draft_server
 from harness import load, start_stack
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.frontend.server import create_servicer
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_metadata, internal_token_from_args,
                                token_interceptors)
@@ -112,6 +114,17 @@ async def test_the_orchestrator_with_the_token_generates_the_targets_tokens(toke
     assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), "cpu", TINY_PROMPTS[0], MAX_TOKENS)
     assert last.stats.draft_tokens > 0 and not last.stats.draft_fallback  # the draft channel carries it too
     assert await token_stack.wait_sessions_freed() == (0, 0)
+
+
+async def test_an_orchestrator_with_a_wrong_token_fails_at_start_up(token_stack, tiny_llama_dir):
+    """Not at the first request: connecting checks the draft and target with the token it holds."""
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    options = OrchestratorOptions(f"127.0.0.1:{token_stack.target_port}", f"127.0.0.1:{token_stack.draft_port}",
+                                  internal_token="not-the-token")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await create_servicer(tokenizer, options)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "internal token" in refused.value.details()
 
 
 async def test_an_unauthenticated_flood_takes_no_session_slot(token_stack, tiny_llama_dir):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -37,7 +37,8 @@ class OrchestratorOptions:
     loop: LoopConfig = LoopConfig()
     channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
     pools: "PoolsOptions | None" = None  # Ray replica pools instead of the two endpoints
-    internal_token: str | None = None  # sent on every call to the draft and target; None = send none
+    # Sent on every call to the draft and target; None = send none. Kept out of reprs and logs.
+    internal_token: str | None = field(default=None, repr=False)
 
 
 def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
