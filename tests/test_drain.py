@@ -72,7 +72,7 @@ class Orchestrator:
     """An orchestrator's gRPC server and HTTP API (one drain) over an in-process stack."""
 
     @classmethod
-    async def start(cls, target_dir, draft_dir) -> "Orchestrator":
+    async def start(cls, target_dir, draft_dir) -> Orchestrator:
         self = cls()
         self.stack = await start_stack(target_dir, draft_dir, k=3)
         _, tokenizer = load(str(target_dir), "cpu")
