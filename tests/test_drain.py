@@ -149,7 +149,7 @@ async def test_streams_still_running_at_the_end_of_the_grace_are_cut_off(orchest
     drain = drain_of(orchestrator.server)
     client = openai.AsyncOpenAI(base_url=f"{orchestrator.base}/v1", api_key="unused", max_retries=0)
     async with client:
-        http_stream = await client.completions.create(model="", prompt=PROMPT, max_tokens=MAX_TOKENS,
+        http_stream = await client.completions.create(model="", prompt=PROMPT, max_tokens=LONG,
                                                       temperature=0, stream=True)
         await anext(http_stream)  # streaming: the SSE error event path
         async with orchestrator.target_held():  # from here on no request can finish
