@@ -10,9 +10,10 @@ The orchestrator refuses every new call. A model service keeps serving calls on 
 holds (an orchestrator that is draining still runs its last rounds there) and refuses only new
 sessions; its drain also waits for those sessions to close.
 
-The cut-off is `asyncio.timeout`, rescheduled to the grace's end for every tracked call: the
-stdlib's own cancel-and-convert, so a cut-off call unwinds its finally blocks (sessions closed)
-like any cancelled one, and a call that ends in time is never touched.
+The cut-off works as `asyncio.timeout` does (which Python 3.10 lacks): the calls still running
+at the grace's end have their tasks cancelled, and the cancellation becomes ShuttingDown where it
+was tracked; so a cut-off call unwinds its finally blocks (sessions closed) like any cancelled one,
+and a call that ends in time is never touched.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Drain:
         self.draining = False
         self.grace_s = 0.0
         self._deadline: float | None = None  # loop time the grace ends at, once draining
-        self._calls: set[asyncio.Timeout] = set()
+        self._calls: dict[object, asyncio.Task] = {}  # one entry per track(): a task may nest them
+        self._cut: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # cancelled by the cut-off
         self._refuses: Callable[[str], bool] = lambda method: True
         self._other_work: list[Callable[[], int]] = []
 
@@ -81,18 +83,24 @@ class Drain:
         """Run one in-flight call; raises ShuttingDown if it is still running when the grace ends.
 
         Enter it in the task that runs the call (a generator body counts): that task is the one cut off."""
-        timeout = asyncio.timeout_at(self._deadline)  # None: no limit until a drain begins
+        task, token = asyncio.current_task(), object()
+        if self._deadline is not None and asyncio.get_running_loop().time() >= self._deadline:
+            raise self._cut_off_error()
+        self._calls[token] = task
         try:
-            async with timeout:
-                self._calls.add(timeout)  # entered: begin() may reschedule it
-                yield
-        except TimeoutError:
-            if not timeout.expired():
+            yield
+        except asyncio.CancelledError:
+            if task not in self._cut:
                 raise
-            raise ShuttingDown(f"server is shutting down: the request was cancelled at the end of the "
-                               f"{self.grace_s:g} s shutdown grace") from None
+            if hasattr(task, "uncancel"):  # 3.11+: the cancellation was ours and ends here
+                task.uncancel()
+            raise self._cut_off_error() from None
         finally:
-            self._calls.discard(timeout)
+            del self._calls[token]
+
+    def _cut_off_error(self) -> ShuttingDown:
+        return ShuttingDown(f"server is shutting down: the request was cancelled at the end of the "
+                            f"{self.grace_s:g} s shutdown grace")
 
     @property
     def in_flight(self) -> int:
@@ -103,10 +111,15 @@ class Drain:
         if self.draining:
             return
         self.draining, self.grace_s = True, grace_s
-        self._deadline = asyncio.get_running_loop().time() + grace_s
-        for timeout in list(self._calls):
-            timeout.reschedule(self._deadline)
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + grace_s
+        loop.call_at(self._deadline, self._cut_off)
         log.info("draining: %d in flight, %g s grace", self.in_flight, grace_s)
+
+    def _cut_off(self) -> None:
+        for task in set(self._calls.values()):
+            self._cut.add(task)
+            task.cancel()
 
     async def wait(self) -> int:
         """Until nothing is in flight, or the grace (plus the margin for cut-off calls to unwind) is
@@ -117,7 +130,7 @@ class Drain:
         return self.in_flight
 
 
-_DRAINS: "weakref.WeakKeyDictionary[grpc.aio.Server, Drain]" = weakref.WeakKeyDictionary()
+_DRAINS: weakref.WeakKeyDictionary[grpc.aio.Server, Drain] = weakref.WeakKeyDictionary()
 
 
 def register(server: grpc.aio.Server, drain: Drain) -> None:

@@ -19,8 +19,11 @@ def specmesh(*args: str) -> list[str]:
     return [sys.executable, "-m", "orchestrator.frontend.cli", *args]
 
 
-def start_serve(*args: str, expect_metrics: bool = False) -> tuple[subprocess.Popen, str, list[str]]:
-    """Start `specmesh serve`; return the process, the client endpoint and the lines printed until ready."""
+def start_serve(*args: str, expect_metrics: bool = False,
+                output: list[str] | None = None) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start `specmesh serve`; return the process, the client endpoint and the lines printed until ready.
+
+    `output`: collects the lines printed after that (else they are read and dropped)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     process = subprocess.Popen(specmesh("serve", "--port", "0", "--http-port", "0", *args), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
@@ -30,7 +33,8 @@ def start_serve(*args: str, expect_metrics: bool = False) -> tuple[subprocess.Po
         found = re.search(r"specmesh ready: client endpoint ([^\s,]+)", line)
         endpoint = found.group(1) if found else endpoint
         if endpoint and (not expect_metrics or line.startswith("metrics: ")):
-            threading.Thread(target=process.stdout.read, daemon=True).start()  # keep the pipe drained
+            keep = process.stdout.read if output is None else lambda: output.extend(process.stdout)
+            threading.Thread(target=keep, daemon=True).start()  # keep the pipe drained
             return process, endpoint, lines
     raise AssertionError("serve exited before it was ready:\n" + "\n".join(lines[-30:]))
 

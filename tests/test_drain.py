@@ -35,6 +35,7 @@ from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
 
 PROMPT, MAX_TOKENS = TINY_PROMPTS[0], 48
+LONG = 200  # the target's greedy output for PROMPT has no EOS this early: a stream that runs for a while
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -44,10 +45,14 @@ def request(max_tokens: int = MAX_TOKENS) -> generation_pb2.GenerateRequest:
 
 async def wait_for_health(channel: grpc.aio.Channel, service: str, wanted: int, timeout_s: float = 30.0) -> None:
     """Until `service` reports `wanted` (a Watch stream: no polling); DEADLINE_EXCEEDED otherwise."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    async for response in stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s):
-        if response.status == wanted:
-            return
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service),
+                                                      timeout=timeout_s)
+    try:
+        async for response in watch:
+            if response.status == wanted:
+                return
+    finally:
+        watch.cancel()  # an open Watch would hold the server's stop for its whole grace
 
 
 async def health_of(channel: grpc.aio.Channel, service: str) -> int:
@@ -62,6 +67,14 @@ async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[int]:
     return tokens
 
 
+async def eventually(probe, wanted, timeout_s: float = 30.0) -> None:
+    """Until `await probe()` returns `wanted`; fails the test at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (got := await probe()) != wanted:
+        assert asyncio.get_running_loop().time() < deadline, f"still {got}, waiting for {wanted}"
+        await asyncio.sleep(0.02)
+
+
 async def assert_refused(stub: generation_pb2_grpc.GenerationStub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await read_rest(stub.Generate(request(4), timeout=30))
@@ -72,7 +85,7 @@ class Orchestrator:
     """An orchestrator's gRPC server and HTTP API (one drain) over an in-process stack."""
 
     @classmethod
-    async def start(cls, target_dir, draft_dir) -> "Orchestrator":
+    async def start(cls, target_dir, draft_dir) -> Orchestrator:
         self = cls()
         self.stack = await start_stack(target_dir, draft_dir, k=3)
         _, tokenizer = load(str(target_dir), "cpu")
@@ -133,23 +146,32 @@ async def test_in_flight_stream_finishes_while_new_requests_are_refused(orchestr
 
 
 async def test_streams_still_running_at_the_end_of_the_grace_are_cut_off(orchestrator):
-    call = orchestrator.stub.Generate(request(), timeout=60)
-    await call.read()
+    drain = drain_of(orchestrator.server)
     client = openai.AsyncOpenAI(base_url=f"{orchestrator.base}/v1", api_key="unused", max_retries=0)
     async with client:
-        http_stream = await client.completions.create(model="", prompt=PROMPT, max_tokens=MAX_TOKENS,
+        http_stream = await client.completions.create(model="", prompt=PROMPT, max_tokens=LONG,
                                                       temperature=0, stream=True)
-        await anext(http_stream)  # both streams in flight
-        async with orchestrator.target_held():
+        await anext(http_stream)  # streaming: the SSE error event path
+        async with orchestrator.target_held():  # from here on no request can finish
+            call = orchestrator.stub.Generate(request(), timeout=60)
+            whole = asyncio.ensure_future(client.completions.create(model="", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                                     temperature=0))
+
+            async def in_flight() -> int:
+                return drain.in_flight
+            await eventually(in_flight, 3)  # the SSE stream, and the other two waiting for their prefill
             await stop_server(orchestrator.server, orchestrator.health, 0.3)
             with pytest.raises(grpc.aio.AioRpcError) as cut:
                 await read_rest(call)
             with pytest.raises(openai.APIError) as http_cut:
                 async for _ in http_stream:
                     pass
+            with pytest.raises(openai.InternalServerError) as whole_cut:
+                await whole
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in cut.value.details() and "0.3 s shutdown grace" in cut.value.details()
     assert http_cut.value.body["code"] == "server_shutting_down" and "grace" in http_cut.value.message
+    assert whole_cut.value.status_code == 503 and whole_cut.value.body["code"] == "server_shutting_down"
     assert await orchestrator.stack.wait_sessions_freed() == (0, 0)
 
 
@@ -197,9 +219,10 @@ class Serve:
     """`specmesh serve` on the tiny pair, with the target process's pid (to freeze it)."""
 
     def __init__(self, target_dir, draft_dir, grace_s: float):
+        self.output: list[str] = []  # what it prints after the ready lines: the drain logs there
         self.process, self.endpoint, lines = start_serve(
             "--target", str(target_dir), "--draft", str(draft_dir), "--num-speculative-tokens", "3",
-            "--metrics-port", "0", "--shutdown-grace", str(grace_s), expect_metrics=True)
+            "--metrics-port", "0", "--shutdown-grace", str(grace_s), expect_metrics=True, output=self.output)
         self.http = re.search(r"OpenAI API (http://[^/\s]+)", "\n".join(lines)).group(1)
         metrics = dict(part.strip().split(" ") for part in lines[-1].removeprefix("metrics: ").split(","))
         target_metrics_port = int(re.search(r":(\d+)/metrics", metrics["target"]).group(1))
@@ -230,7 +253,7 @@ async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_p
     try:
         async with grpc.aio.insecure_channel(serve.endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(request(), timeout=120)
+            call = stub.Generate(request(LONG), timeout=120)
             tokens = list((await call.read()).token_ids)
             with serve.target_frozen():
                 serve.process.send_signal(signal.SIGTERM)
@@ -243,8 +266,9 @@ async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_p
                 assert refused.json()["error"]["code"] == "server_shutting_down"
                 assert serve.process.poll() is None
             tokens += await read_rest(call)  # the model services outlived the orchestrator's drain
-        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
+        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, LONG)
         assert await asyncio.to_thread(serve.exit_code) == 0
+        assert any("orchestrator INFO draining: 1 in flight" in line for line in serve.output), serve.output
     finally:
         serve.kill()
 
@@ -253,7 +277,7 @@ async def test_sigterm_with_a_short_grace_cuts_the_stream_off_and_exits_0(tiny_l
     serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 0.5)
     try:
         async with grpc.aio.insecure_channel(serve.endpoint) as channel:
-            call = generation_pb2_grpc.GenerationStub(channel).Generate(request(), timeout=120)
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(request(LONG), timeout=120)
             await call.read()
             with serve.target_frozen():
                 serve.process.send_signal(signal.SIGTERM)
@@ -286,7 +310,7 @@ async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_l
             target_address = next(p for p in pools if p.pool == "target").replicas[0].address
             target = listening_process(int(target_address.rsplit(":", 1)[1]))
             stub = generation_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(request(), timeout=120)
+            call = stub.Generate(request(LONG), timeout=120)
             tokens = list((await call.read()).token_ids)
             target.suspend()  # the stream stays in flight until the checks below are done
             try:
@@ -296,7 +320,7 @@ async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_l
             finally:
                 target.resume()
             tokens += await read_rest(call)
-        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
+        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, LONG)
         assert await asyncio.to_thread(process.wait, 120) == 0
     finally:
         if process.poll() is None:
