@@ -3,7 +3,10 @@
 `start_server` binds (port 0 picks a free port, for tests), adds the standard
 health and reflection services, and installs `ErrorInterceptor`, the one place
 where domain errors become status codes (INVALID_ARGUMENT carries a google.rpc
-BadRequest naming the field) and anything unexpected becomes INTERNAL. Transport
+BadRequest naming the field) and anything unexpected becomes INTERNAL; a request whose
+bytes do not decode (invalid UTF-8 in a string, garbage) is INVALID_ARGUMENT naming the
+field too, never UNKNOWN. Messages above `max_request_bytes` are refused by gRPC itself
+(RESOURCE_EXHAUSTED, naming the limit) before they are read. Transport
 security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the API
 key check (`specmesh.security.ApiKeyInterceptor`) on the services it is asked to guard.
 """
@@ -25,10 +28,12 @@ from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.errors import InvalidArgument, SpecmeshError
+from specmesh.request_decoding import UndecodableRequest, tolerant_deserializer
 from specmesh.security import ApiKeyInterceptor, TLSConfig
 from specmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024  # the services' cap; the orchestrator's clients get a tighter one
 
 
 def error_status(error: SpecmeshError) -> grpc.Status:
@@ -52,23 +57,28 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps SpecmeshError to its status code and any other exception to INTERNAL."""
+    """Maps SpecmeshError to its status code, undecodable requests to INVALID_ARGUMENT, the rest to INTERNAL."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        deserializer = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method),
+                                    request_deserializer=deserializer)
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method),
+                                    request_deserializer=deserializer)
         return handler
 
     @staticmethod
     def _wrap_unary(behaviour, method):
         async def unary_unary(request, context):
             try:
+                if isinstance(request, UndecodableRequest):
+                    raise request.error
                 return await behaviour(request, context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
@@ -80,6 +90,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(behaviour, method):
         async def unary_stream(request, context):
             try:
+                if isinstance(request, UndecodableRequest):
+                    raise request.error
                 async for response in behaviour(request, context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -98,18 +110,20 @@ async def start_server(
     tls: TLSConfig | None = None,
     api_key: str | None = None,
     tracer_provider: TracerProvider | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
-    services in `service_names` require it; health and reflection stay open.
+    services in `service_names` require it; health and reflection stay open. `max_request_bytes`:
+    larger request messages get RESOURCE_EXHAUSTED without being read.
     """
     names = list(service_names)
     # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below.
     auth = [ApiKeyInterceptor(api_key, names)] if api_key else []
     interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor()]
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
-                             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+                             options=[("grpc.max_receive_message_length", max_request_bytes)])
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -42,6 +42,7 @@ class ServiceOptions:
     tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
     api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
     cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
+    max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -58,6 +59,24 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
+
+
+def add_request_limit_argument(parser: argparse.ArgumentParser) -> None:
+    """The orchestrator's cap on a client's request (`specmesh serve`, `python -m orchestrator`)."""
+    parser.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="BYTES",
+                        help="largest gRPC message or HTTP body a client may send; larger ones get "
+                             "RESOURCE_EXHAUSTED / HTTP 413 unread (default: 64 KiB + 32 bytes per token of "
+                             "the target's context window)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:

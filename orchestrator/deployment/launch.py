@@ -151,11 +151,11 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
                                      metrics=metrics)
     server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
-                                            api_key=telemetry.api_key)
+                                            api_key=telemetry.api_key, max_request_bytes=telemetry.max_request_bytes)
     http = None
     if telemetry.http_port is not None and telemetry.http_port >= 0:
-        http = await start_http_server(create_app(servicer, telemetry.api_key), telemetry.host, telemetry.http_port,
-                                       telemetry.tls)
+        app = create_app(servicer, telemetry.api_key, telemetry.max_request_bytes)
+        http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
     ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:
         await serve_until_signal(server, health)

@@ -175,7 +175,8 @@ def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=No
                                http_port=args.http_port, trace_exporter=args.trace_exporter,
                                trace_sample_ratio=args.trace_sample_ratio,
                                tls=security.server_tls if security else None,
-                               api_key=security.api_key if security else None)
+                               api_key=security.api_key if security else None,
+                               max_request_bytes=args.max_request_bytes)
     try:
         run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, _ReadyLine(args.host))
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -59,7 +60,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         Raises InvalidArgument before the first response when the request is bad.
         """
         started = time.monotonic()
-        checked = validate_request(request, self.encode, self.backends.limits, time_remaining)
+        # Off the event loop: tokenizing a long prompt takes up to a second, and the fast tokenizer lets
+        # go of the GIL meanwhile, so other streams keep flowing (benchmarks/big_prompt.py measures it).
+        checked = await asyncio.to_thread(validate_request, request, self.encode, self.backends.limits,
+                                          time_remaining)
         recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class)
         recorder.admitted()
         span = trace.get_current_span()  # the front end's server span: the root of this request's trace
