@@ -142,8 +142,10 @@ def validation_error(error: RequestValidationError) -> OpenAIError:
         position = first.get("loc", ("body", "?"))[-1]
         detail = (first.get("ctx") or {}).get("error", "invalid JSON")
         return OpenAIError(400, f"the body is not valid JSON: {detail} (at character {position})")
-    param = parameter_path(first.get("loc", ()))
-    if first.get("type") == "extra_forbidden":
+    location = first.get("loc", ())
+    param = parameter_path(location)
+    if first.get("type") == "extra_forbidden":  # its name is the client's, whatever it looks like
+        param = ".".join(filter(None, (parameter_path(location[:-1]), str(location[-1])))) or None
         message = "unknown parameter, or one this server does not implement"
     else:
         message = first.get("msg", "invalid")  # never the input itself: it may be megabytes long
