@@ -59,6 +59,11 @@ UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 STRICT = ConfigDict(extra="forbid", strict=True)  # unknown or unimplemented parameters: 400 naming them
 
 
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
 class SamplingFields(BaseModel):
     """Parameters shared by both endpoints."""
 
@@ -69,6 +74,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = None
     n: Int32 = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = None
     seed: UInt64 | None = None
     # specmesh extensions
@@ -228,7 +234,7 @@ async def answer(front: OpenAIFrontEnd, http_request: Request, body: SamplingFie
     stream = await front.open_stream(request)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if body.stream:
-        include_usage = bool((getattr(body, "stream_options", None) or {}).get("include_usage"))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(events(front, stream, chat, request_id, include_usage),
                                  media_type="text/event-stream")
     return JSONResponse(await _unless_disconnected(http_request, collect(front, stream, chat, request_id)))
