@@ -83,6 +83,21 @@ async def test_the_size_limit_is_configurable(stack, tiny_llama_dir, device):
         await door.close()
 
 
+async def test_a_streamed_body_is_cut_off_at_the_limit(door):
+    """Without a Content-Length (chunked), the body is counted as it arrives and refused at the limit
+    (read whole, this one would be a 400: its JSON string never ends)."""
+    limit = request_size_limit(door.servicer.backends.limits.context_window)
+
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(200):
+            yield b"x" * 100_000
+    response = await door.http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert f"limit of {limit} bytes" in assert_openai_error(response, 413, param=None)["message"]
+    token_ids, _ = await door.generate(greedy(TINY_PROMPTS[0], 3))
+    assert len(token_ids) == 3
+
+
 async def test_a_prompt_within_the_bytes_but_beyond_the_context_names_prompt(door):
     long_prompt = "the quick brown fox " * 300  # 6 KB: under the byte limit, over 256 tokens
     with pytest.raises(grpc.aio.AioRpcError) as refused:
