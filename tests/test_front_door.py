@@ -14,6 +14,7 @@ import pytest
 from front_door import assert_openai_error, bad_request_fields, open_front_door
 from harness import start_stack
 from orchestrator.frontend import http_api
+from orchestrator.frontend.cli import build_parser
 from orchestrator.frontend.request_limits import request_size_limit
 from specmesh.v1 import generation_pb2
 from tiny_models import TINY_PROMPTS
@@ -192,3 +193,12 @@ async def test_prompts_are_tokenized_off_the_event_loop(door, monkeypatch):
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     assert (await door.http.post("/v1/chat/completions", json=chat)).is_success
     assert len(threads) == 3 and loop_thread not in threads
+
+
+@pytest.mark.parametrize("value, accepted", [("4096", True), ("0", False), ("-5", False), ("1e6", False)])
+def test_the_size_limit_flag_takes_a_positive_byte_count(value, accepted):
+    if accepted:
+        assert build_parser().parse_args(["serve", "--max-request-bytes", value]).max_request_bytes == int(value)
+    else:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-request-bytes", value])
