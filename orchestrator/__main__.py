@@ -21,7 +21,7 @@ from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_c
                                add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
                                client_tls_from_args, internal_token_from_args, server_tls_from_args)
 from specmesh.drain import add_shutdown_arguments
-from specmesh.service import ServiceOptions, add_telemetry_arguments, announce
+from specmesh.service import ServiceOptions, add_request_limit_argument, add_telemetry_arguments, announce
 
 
 def main() -> None:
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP API port")
+    add_request_limit_argument(parser)
     add_loop_arguments(parser)
     parser.add_argument("--ray-address", default=None,
                         help="join the Ray replica pools on this cluster instead of --target/--draft")
@@ -57,7 +58,8 @@ def main() -> None:
     telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                                http_port=args.http_port, tls=tls, api_key=api_key,
-                               shutdown_grace_s=args.shutdown_grace)
+                               shutdown_grace_s=args.shutdown_grace,
+                               max_request_bytes=args.max_request_bytes)
     run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
 
 

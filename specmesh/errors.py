@@ -21,7 +21,7 @@ class InvalidArgument(SpecmeshError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, description: str):
-        super().__init__(f"{field}: {description}")
+        super().__init__(f"{field}: {description}" if field else description)  # "": the request as a whole
         self.field = field
         self.description = description
 

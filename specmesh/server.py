@@ -3,7 +3,10 @@
 `start_server` binds (port 0 picks a free port, for tests), adds the standard
 health and reflection services, and installs `ErrorInterceptor`, the one place
 where domain errors become status codes (INVALID_ARGUMENT carries a google.rpc
-BadRequest naming the field) and anything unexpected becomes INTERNAL. Transport
+BadRequest naming the field) and anything unexpected becomes INTERNAL; a request whose
+bytes do not decode (invalid UTF-8 in a string, garbage) is INVALID_ARGUMENT naming the
+field too, never UNKNOWN. Messages above `max_request_bytes` are refused by gRPC itself
+(RESOURCE_EXHAUSTED, naming the limit) before they are read. Transport
 security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the key
 check (`specmesh.security.ApiKeyInterceptor`: the API key, or the internal token of the
 draft and target) on the services it is asked to guard.
@@ -31,10 +34,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, STOP_MARGIN_S, Drain, DrainInterceptor, drain_of
 from specmesh.drain import register as register_drain
 from specmesh.errors import InvalidArgument, SpecmeshError
+from specmesh.request_decoding import UndecodableRequest, tolerant_deserializer
 from specmesh.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
 from specmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024  # the services' cap; the orchestrator's clients get a tighter one
 
 
 def error_status(error: SpecmeshError) -> grpc.Status:
@@ -58,25 +63,30 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps SpecmeshError to its status code and any other exception to INTERNAL."""
+    """Maps SpecmeshError to its status code, undecodable requests to INVALID_ARGUMENT, the rest to INTERNAL."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        deserializer = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method),
+                                    request_deserializer=deserializer)
         if handler.unary_stream is not None:
             # Health's Watch writes with context.write from a coroutine rather than yielding.
             wrap = self._wrap_stream if inspect.isasyncgenfunction(handler.unary_stream) else self._wrap_unary
-            return handler._replace(unary_stream=wrap(handler.unary_stream, method))
+            return handler._replace(unary_stream=wrap(handler.unary_stream, method),
+                                    request_deserializer=deserializer)
         return handler
 
     @staticmethod
     def _wrap_unary(behaviour, method):
         async def unary_unary(request, context):
             try:
+                if isinstance(request, UndecodableRequest):
+                    raise request.error
                 return await behaviour(request, context)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
@@ -88,6 +98,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(behaviour, method):
         async def unary_stream(request, context):
             try:
+                if isinstance(request, UndecodableRequest):
+                    raise request.error
                 async for response in behaviour(request, context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -108,13 +120,15 @@ async def start_server(
     tracer_provider: TracerProvider | None = None,
     unauthenticated_message: str = UNAUTHENTICATED_MESSAGE,
     drain: Drain | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
     services in `service_names` require it (the API key, or the draft's and target's internal
     token), refusing with `unauthenticated_message`; health and reflection stay open. `drain`: the one
-    to share (the orchestrator's HTTP API uses its gRPC server's); None = a new one.
+    to share (the orchestrator's HTTP API uses its gRPC server's); None = a new one. `max_request_bytes`:
+    larger request messages get RESOURCE_EXHAUSTED without being read.
     """
     names = list(service_names)
     drain = drain or Drain()
@@ -123,7 +137,7 @@ async def start_server(
     auth = [ApiKeyInterceptor(api_key, names, unauthenticated_message)] if api_key else []
     interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor(), DrainInterceptor(drain, names)]
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
-                             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+                             options=[("grpc.max_receive_message_length", max_request_bytes)])
     register(server)
     register_drain(server, drain)
     health = health_aio.HealthServicer()

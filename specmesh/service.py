@@ -48,6 +48,7 @@ class ServiceOptions:
     # draft/target: calls must carry it (from the orchestrator); None = open. Kept out of reprs and logs.
     internal_token: str | None = field(default=None, repr=False)
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
+    max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -69,6 +70,24 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     add_server_tls_arguments(parser)
     add_internal_token_arguments(parser, serving=True)
     add_shutdown_arguments(parser)
+
+
+def add_request_limit_argument(parser: argparse.ArgumentParser) -> None:
+    """The orchestrator's cap on a client's request (`specmesh serve`, `python -m orchestrator`)."""
+    parser.add_argument("--max-request-bytes", type=positive_int, default=None, metavar="BYTES",
+                        help="largest gRPC message or HTTP body a client may send; larger ones get "
+                             "RESOURCE_EXHAUSTED / HTTP 413 unread (default: 64 KiB + 32 bytes per token of "
+                             "the target's context window)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return value
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:

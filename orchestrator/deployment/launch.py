@@ -152,10 +152,10 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
                                      metrics=metrics)
     server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
-                                            api_key=telemetry.api_key)
+                                            api_key=telemetry.api_key, max_request_bytes=telemetry.max_request_bytes)
     http = None
     if telemetry.http_port is not None and telemetry.http_port >= 0:
-        app = create_app(servicer, telemetry.api_key, drain_of(server))
+        app = create_app(servicer, telemetry.api_key, drain_of(server), telemetry.max_request_bytes)
         http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
     ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:

@@ -180,7 +180,8 @@ def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=No
                                trace_sample_ratio=args.trace_sample_ratio,
                                tls=security.server_tls if security else None,
                                api_key=security.api_key if security else None,
-                               shutdown_grace_s=args.shutdown_grace)
+                               shutdown_grace_s=args.shutdown_grace,
+                               max_request_bytes=args.max_request_bytes)
     try:  # returns after the drain on SIGTERM/SIGINT (specmesh.drain), while the replicas still serve
         run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, _ReadyLine(args.host))
     finally:

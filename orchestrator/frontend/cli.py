@@ -20,7 +20,7 @@ from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, new_internal_token, security_from_args)
 from specmesh.drain import add_shutdown_arguments, stop_bound_s
-from specmesh.service import ServiceOptions, add_telemetry_arguments
+from specmesh.service import ServiceOptions, add_request_limit_argument, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051, help="client-facing gRPC port")
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
+    add_request_limit_argument(serve)
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
     add_telemetry_arguments(serve, default_metrics_port=9400)
@@ -91,7 +92,8 @@ def serve(args: argparse.Namespace) -> int:
         loop=loop_config(args),
         address=f"{args.host}:{args.port}",
         orchestrator=ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
-                                    http_port=args.http_port, api_key=security.api_key, **telemetry),
+                                    http_port=args.http_port, api_key=security.api_key,
+                                    max_request_bytes=args.max_request_bytes, **telemetry),
         greedy_draft=args.greedy_draft, disagreement_log=disagreement_log, channel_tls=security.channel_tls)
     try:
         ready = start_stack(group, options)

@@ -3,11 +3,13 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (the target tokenizer's
 chat template), GET /v1/models, GET /health. `stream: true` answers with
 server-sent events ending in `data: [DONE]`. Errors use OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`: 400 naming the parameter,
-401 without the API key (when one is set; /health stays open), 404 for an unknown
-model, 503/504 when the target service fails or times out, 503 (code `server_shutting_down`) once
-the server drains (specmesh.drain; /health turns 503 too). A stream still running when the
-shutdown grace ends gets a last `data: {"error": ...}` event, which OpenAI's clients raise.
+`{"error": {"message", "type", "param", "code"}}` (orchestrator.frontend.http_front_door):
+400 naming the parameter, 401 without the API key (when one is set; /health stays open),
+404 for an unknown model or route, 413 for a body over the size limit, 503/504 when the
+target service fails or times out, 503 (code `server_shutting_down`) once the
+server drains (specmesh.drain; /health turns 503 too); a stream still running when the shutdown
+grace ends gets a last `data: {"error": ...}` event, which OpenAI's clients raise. Types are
+strict, as OpenAI's are (no "3" for 3), and a parameter this server does not know or implement is a 400 naming it, never ignored.
 Responses carry `usage` and, as an extra field, the speculation `stats`. A client
 that disconnects cancels its generation, which frees both services' sessions.
 """
@@ -22,85 +24,107 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Sequence
+from typing import Annotated, Any, AsyncIterator, Literal, Sequence
 
-import grpc
+import jinja2
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
-from orchestrator.deployment.clients import UpstreamError
 from orchestrator.frontend.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from orchestrator.frontend.http_front_door import (OpenAIError, add_guarded_docs, api_key_check, docs_settings,
+                                                   install_error_handlers, limit_body_size, shutting_down)
+from orchestrator.frontend.request_limits import request_size_limit
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES, GenerationServicer
 from specmesh.drain import REFUSED_MESSAGE, Drain
 from specmesh.errors import InvalidArgument, ShuttingDown
 from specmesh.models import chat_token_ids
-from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, TLSConfig, authorized
+from specmesh.security import TLSConfig
 from specmesh.v1 import common_pb2, generation_pb2
 
 PARAMETER_NAMES = {"prompt_token_ids": "prompt"}  # our field -> the OpenAI parameter a client sent
-UPSTREAM_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INVALID_ARGUMENT: 400,
-                   grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # JSON's "\ud800" decodes to a lone surrogate: no text at all
+        raise PydanticCustomError("invalid_unicode", "not valid Unicode (a lone surrogate at character {at})",
+                                  {"at": error.start}) from None
+    return text
+
+
+# The request models' field types: strict (OpenAI does not coerce "3" to 3), every string valid
+# Unicode, every integer within its gRPC field's range, so a body that validates always becomes a
+# GenerateRequest. New fields use these types.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]
+UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+STRICT = ConfigDict(extra="forbid", strict=True)  # unknown or unimplemented parameters: 400 naming them
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False  # a last chunk with empty choices carries the usage
 
 
 class SamplingFields(BaseModel):
-    """Parameters shared by both endpoints; unknown OpenAI fields are accepted and ignored."""
+    """Parameters shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
+    model_config = STRICT
+    model: Text | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int32 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: UInt64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None  # token id (as a string) -> bias
+    user: Text | None = None
     # specmesh extensions
-    top_k: int | None = None
+    top_k: Int32 | None = None
     repetition_penalty: float | None = None
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: Int32 | None = None
     speculation: bool | None = None
-    prompt_class: str | None = None
+    prompt_class: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    prompt: Text | list[Int32] | list[Text]
+    max_tokens: Int32 | None = 16  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None  # 0-5: each token's logprob and this many alternatives
+    logprobs: Int32 | None = None  # 0-5: each token's logprob and this many alternatives
     # Not implemented: refused by name unless given a value that changes nothing (UNIMPLEMENTED).
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Int32 | None = None
+    suffix: Text | None = None
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     # Not implemented: refused by name unless given a value that changes nothing (UNIMPLEMENTED).
     tools: Any = None
     tool_choice: Any = None
@@ -137,37 +161,11 @@ UNIMPLEMENTED = {
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 
 
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(status_code=self.status, headers=headers, content=self.body())
-
-
-def shutting_down(message: str) -> OpenAIError:
-    return OpenAIError(503, message, code="server_shutting_down", kind="server_error")
-
-
 def drain_check(drain: Drain):
     """A route dependency refusing new requests once the server drains."""
     async def check() -> None:
         if drain.draining:
             raise shutting_down(REFUSED_MESSAGE)
-    return check
-
-
-def api_key_check(api_key: str | None):
-    """A route dependency refusing requests without `Authorization: Bearer <api_key>` (None: open)."""
-    async def check(request: Request) -> None:
-        if api_key and not authorized(request.headers.get(AUTHORIZATION), api_key):
-            raise OpenAIError(401, UNAUTHENTICATED_MESSAGE, code="invalid_api_key")
     return check
 
 
@@ -181,8 +179,6 @@ def generate_request(body: SamplingFields, **prompt: Any) -> generation_pb2.Gene
                          ("top_k", body.top_k), ("seed", body.seed), ("speculation", body.speculation),
                          ("num_speculative_tokens", body.num_speculative_tokens)):
         if value is not None:
-            if field == "seed" and value < 0:
-                raise OpenAIError(400, "seed: must be >= 0", "seed")
             setattr(request, field, value)
     map_openai_parameters(body, request)
     return request
@@ -248,14 +244,18 @@ class OpenAIFrontEnd:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model}`",
                               "model", "model_not_found")
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        """The chat template's prompt ids, rendered and tokenized off the event loop."""
         tokenizer = self.servicer.tokenizer
         if not body.messages:
             raise OpenAIError(400, "messages: must not be empty", "messages")
         if not getattr(tokenizer, "chat_template", None):
             raise OpenAIError(400, f"model `{self.model}` has no chat template; use /v1/completions", "messages")
-        return {"prompt_token_ids": chat_token_ids(tokenizer, [{"role": m.role, "content": m.text()}
-                                                               for m in body.messages])}
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return {"prompt_token_ids": await asyncio.to_thread(chat_token_ids, tokenizer, messages)}
+        except jinja2.TemplateError as error:  # the template's own raise_exception, e.g. on the roles' order
+            raise OpenAIError(400, f"messages: {error}", "messages") from error
 
     async def open_stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator:
         """Start generating; bad parameters raise here, before any byte is sent."""
@@ -402,11 +402,15 @@ async def _unless_disconnected(http_request: Request, work):
     return task.result()
 
 
-def create_app(servicer: GenerationServicer, api_key: str | None = None, drain: Drain | None = None) -> FastAPI:
-    """The app; with `api_key`, every /v1 route requires it. `drain`: the gRPC server's
-    (specmesh.drain.drain_of), so one SIGTERM drains both fronts; None = one of its own."""
+def create_app(servicer: GenerationServicer, api_key: str | None = None, drain: Drain | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
+    """The app; with `api_key`, every /v1 route and the docs require it. `drain`: the gRPC server's
+    (specmesh.drain.drain_of), so one SIGTERM drains both fronts; None = one of its own. Bodies over
+    `max_body_bytes` (default: request_limits' default for the target's context window) get 413 unread."""
     front = OpenAIFrontEnd(servicer, drain or Drain())
-    app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding")
+    app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding",
+                  **docs_settings(api_key))
+    limit_body_size(app, request_size_limit(servicer.backends.limits.context_window, max_body_bytes))
 
     @app.get("/health")
     async def health():
@@ -415,6 +419,7 @@ def create_app(servicer: GenerationServicer, api_key: str | None = None, drain: 
         return {"status": "ok"}
 
     add_openai_routes(app, front, Depends(api_key_check(api_key)), Depends(drain_check(front.drain)))
+    add_guarded_docs(app, api_key)
     install_error_handlers(app)
     return app
 
@@ -433,28 +438,7 @@ def add_openai_routes(app: FastAPI, front: OpenAIFrontEnd, auth, admitted) -> No
     @app.post("/v1/chat/completions", dependencies=[auth, admitted])
     async def chat_completions(body: ChatCompletionRequest, http_request: Request):
         front.check_model(body.model)
-        return await answer(front, http_request, body, generate_request(body, **front.chat_prompt(body)), True)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, error: OpenAIError):
-        return error.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = location[0] if location else None
-        return OpenAIError(400, f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid')}", param).response()
-
-    @app.exception_handler(ShuttingDown)
-    async def shutdown_error(request: Request, error: ShuttingDown):
-        return shutting_down(str(error)).response()
-
-    @app.exception_handler(UpstreamError)
-    async def upstream_error(request: Request, error: UpstreamError):
-        return OpenAIError(UPSTREAM_STATUS.get(error.code, 503), str(error), kind="server_error").response()
+        return await answer(front, http_request, body, generate_request(body, **await front.chat_prompt(body)), True)
 
 
 class _EmbeddedServer(uvicorn.Server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -61,7 +62,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         With n > 1, the completions' responses interleave, each tagged with its index.
         """
         started = time.monotonic()
-        checked = validate_request(request, self.encode, self.backends.limits, time_remaining)
+        # Off the event loop: tokenizing a long prompt takes up to a second, and the fast tokenizer lets
+        # go of the GIL meanwhile, so other streams keep flowing (benchmarks/big_prompt.py measures it).
+        checked = await asyncio.to_thread(validate_request, request, self.encode, self.backends.limits,
+                                          time_remaining)
         n = choice_count(request)
         span = trace.get_current_span()  # the front end's server span: the root of this request's trace
         _describe_request(span, checked, self.backends.model, n)

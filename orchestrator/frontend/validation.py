@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from google.protobuf.unknown_fields import UnknownFieldSet
+
 from orchestrator.decoding.loop import GenerationRequest
 from specmesh.errors import InvalidArgument
 from specmesh.sampling import SamplingParams
@@ -37,6 +39,7 @@ class ModelLimits:
 
 def validate_request(request: generation_pb2.GenerateRequest, encode: Callable[[str], list[int]],
                      limits: ModelLimits, time_remaining: float | None = None) -> GenerationRequest:
+    _known_fields_only(request)
     prompt_ids = _prompt_token_ids(request, encode, limits)
     k = _num_speculative_tokens(request, limits)
     return GenerationRequest(
@@ -182,3 +185,12 @@ def _stop(request: generation_pb2.GenerateRequest) -> list[str]:
     if any(not s for s in request.stop):
         raise InvalidArgument("stop", "stop strings must not be empty")
     return list(request.stop)
+
+
+def _known_fields_only(request: generation_pb2.GenerateRequest) -> None:
+    """A field this server does not know (a client built from a newer proto) is refused, not ignored:
+    ignoring it would answer as if the client had not asked for it."""
+    unknown = sorted({field.field_number for field in UnknownFieldSet(request)})
+    if unknown:
+        raise InvalidArgument("", f"unknown field number {unknown[0]} in {request.DESCRIPTOR.full_name}: "
+                              "this server does not implement it")
