@@ -105,16 +105,15 @@ async def start_server(
     tls: TLSConfig | None = None,
     api_key: str | None = None,
     tracer_provider: TracerProvider | None = None,
-    drain: Drain | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
-    services in `service_names` require it; health and reflection stay open. `drain`: the one
-    to share (the orchestrator's HTTP API uses its gRPC server's); None = a new one.
+    services in `service_names` require it; health and reflection stay open. The server's
+    `Drain` (`drain_of(server)`) refuses and tracks calls to those services.
     """
     names = list(service_names)
-    drain = drain or Drain()
+    drain = Drain()
     # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below;
     # the drain innermost, so ErrorInterceptor turns its ShuttingDown into UNAVAILABLE.
     auth = [ApiKeyInterceptor(api_key, names)] if api_key else []
