@@ -74,7 +74,7 @@ class Drain:
     def refuses(self, method: str) -> bool:
         return self.draining and self._refuses(method)
 
-    def check_admitted(self, method: str = "") -> None:
+    def check_admitted(self, method: str) -> None:
         if self.refuses(method):
             raise ShuttingDown(REFUSED_MESSAGE)
 

@@ -119,19 +119,18 @@ async def start_server(
     api_key: str | None = None,
     tracer_provider: TracerProvider | None = None,
     unauthenticated_message: str = UNAUTHENTICATED_MESSAGE,
-    drain: Drain | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
     services in `service_names` require it (the API key, or the draft's and target's internal
-    token), refusing with `unauthenticated_message`; health and reflection stay open. `drain`: the one
-    to share (the orchestrator's HTTP API uses its gRPC server's); None = a new one. `max_request_bytes`:
+    token), refusing with `unauthenticated_message`; health and reflection stay open. The server's
+    `Drain` (`drain_of(server)`) refuses and tracks calls to those services. `max_request_bytes`:
     larger request messages get RESOURCE_EXHAUSTED without being read.
     """
     names = list(service_names)
-    drain = drain or Drain()
+    drain = Drain()
     # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below;
     # the drain innermost, so ErrorInterceptor turns its ShuttingDown into UNAVAILABLE.
     auth = [ApiKeyInterceptor(api_key, names, unauthenticated_message)] if api_key else []
