@@ -12,8 +12,7 @@ import grpc
 import pytest
 import torch
 
-from draft_service.server import create_server as create_draft_server
-from harness import load, make_engine
+from harness import load, make_engine, start_model_server
 from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamError
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
 from orchestrator.deployment.ray_cli import replica_device
@@ -22,7 +21,6 @@ from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClie
 from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
 from specmesh import models
 from specmesh.sampling import SamplingParams
-from target_service.server import create_server as create_target_server
 from test_greedy_parity import target_greedy
 
 PROMPT = "The quick brown fox"
@@ -39,10 +37,9 @@ class Replicas:
 
     @classmethod
     async def start(cls, role: str, model_dir, count: int) -> "Replicas":
-        create = create_target_server if role == "target" else create_draft_server
         servers, addresses = {}, {}
         for index in range(count):
-            server, port, _ = await create(make_engine(model_dir, salt=0 if role == "target" else 1))
+            server, port = await start_model_server(role, make_engine(model_dir, role_name=role))
             servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
         replicas = cls(role, servers, addresses)
         await replicas.pool.wait_serving(count, timeout=10)

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 from harness import load  # noqa: E402
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
-from orchestrator.deployment.ray_replica import ReplicaConfig  # noqa: E402
+from specmesh.service import ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
 from orchestrator.frontend.server import serve_grpc  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402

@@ -70,8 +70,9 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
     pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info)
     if draft is not None:
-        log.info("speculation %s: target on %s %s, draft on %s %s", "pipelined" if pipelined else "sequential",
-                 target_info.host, target_info.device, draft_info.host, draft_info.device)
+        where = f"{draft_info.host} {draft_info.device}" if draft_info is not None else "(no draft replica yet)"
+        log.info("speculation %s: target on %s %s, draft on %s", "pipelined" if pipelined else "sequential",
+                 target_info.host, target_info.device, where)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
