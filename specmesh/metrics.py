@@ -13,9 +13,11 @@ import threading
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specmesh.roles import MAX_DRAFT_TOKENS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
-POSITION_BUCKETS = tuple(range(33))  # rejection positions 0..32 within a round
+POSITION_BUCKETS = tuple(range(MAX_DRAFT_TOKENS + 1))  # rejection positions within a round
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 REQUEST = ("model", "prompt_class")
 

@@ -31,11 +31,6 @@ class SamplingParams:
         # Below this, logits / temperature overflows float32; argmax is the limit anyway.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
-    @property
-    def truncates(self) -> bool:
-        """True when top-k or top-p can zero out part of the vocabulary."""
-        return self.top_k > 0 or self.top_p < 1.0
-
 
 def sampling_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(

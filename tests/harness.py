@@ -36,10 +36,10 @@ def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "ta
                                                       row_multiple=row_multiple))
 
 
-async def start_model_server(role_name: str, engine: ModelEngine, tls: TLSConfig | None = None,
+async def start_model_server(role_name: str, engine: ModelEngine, tls: TLSConfig | None = None, port: int = 0,
                              **config) -> tuple[grpc.aio.Server, int]:
-    """A draft or target server on 127.0.0.1:0, started the way every deployment starts one."""
-    options = ServiceOptions(model=engine.config.model_name, tls=tls)
+    """A draft or target server on 127.0.0.1:port (0: any), started the way every deployment starts one."""
+    options = ServiceOptions(model=engine.config.model_name, tls=tls, port=port)
     server, port, _ = await create_model_server(ReplicaConfig(role_name, options, **config), engine)
     return server, port
 

@@ -172,6 +172,7 @@ class PooledDraftClient(PooledClient):
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
                       position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
         placement = self.sessions[request_id]
+        placement.opened = True  # an open lost with its replica is redone on the next one
         # A re-opened replica holds exactly `sequence`, so the same commit applies to it unchanged.
         proposal = await self._call(request_id, placement, timeout, lambda client, t: client.propose(
             request_id, round_number, commit, position, num_tokens, t))

@@ -15,8 +15,11 @@ child's death never touches the others.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import multiprocessing as mp
+import os
+import signal
 import sys
 import time
 from collections import deque
@@ -30,6 +33,7 @@ from specmesh.service import ReplicaConfig, load_engine, run_model_service
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Started:
 
 def run_replica(config: ReplicaConfig, report: Connection) -> None:
     """Child process: load the model, serve it, report the port; SIGTERM stops it gracefully."""
+    _leave_the_terminal_to_the_parent()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {config.role} %(process)d %(levelname)s %(message)s")
     try:
@@ -63,6 +68,16 @@ def run_replica(config: ReplicaConfig, report: Connection) -> None:
     except Exception as error:  # noqa: BLE001 - reported to the supervisor, then exit
         report.send(Started(None, error=f"{type(error).__name__}: {error}"))
         sys.exit(1)
+
+
+def _leave_the_terminal_to_the_parent() -> None:
+    """Ctrl-C reaches `specmesh serve` alone, which stops its children in order; a parent killed
+    outright still takes them down (Linux: SIGTERM on the parent's death)."""
+    os.setpgrp()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: children outlive a killed parent
+        pass
 
 
 async def _readable(*fds: int) -> None:
@@ -109,10 +124,10 @@ class LocalReplica:
         while not self.stopping:
             first = not self.first_start.done()
             started = await self._run_once()
+            if self.stopping:
+                return
             if first and started.port is None:  # a bad model or flag: restarting cannot help
                 self._give_up(f"failed to start: {started.error}")
-                return
-            if self.stopping:
                 return
             recent = self._count_restart()
             if recent > self.policy.max_restarts:
