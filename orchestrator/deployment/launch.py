@@ -104,6 +104,27 @@ class StackOptions:
                             acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S)
 
 
+def local_pools_options(args: argparse.Namespace, security, metrics_ports) -> PoolsOptions:
+    """Each role a pool of local child processes (the first replica of each on its role's metrics port)."""
+    common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
+                  tls=security.server_tls)
+    target = ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
+                            metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common)
+    log = (args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None
+    draft = None
+    if args.draft.lower() != "none" and args.draft_replicas != 0:
+        options = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
+                                 metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **common)
+        draft = PoolSpec(ReplicaConfig(DRAFT.name, options, greedy_proposals=args.greedy_draft),
+                         replicas=args.draft_replicas or 1)
+    return PoolsOptions(backend="local",
+                        target=PoolSpec(ReplicaConfig(TARGET.name, target, disagreement_log=log),
+                                        replicas=1 if args.target_replicas is None else args.target_replicas),
+                        draft=draft, max_replica_failures=args.max_replica_failures,
+                        acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S, channel_tls=security.channel_tls,
+                        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+
+
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
                      telemetry: ServiceOptions, ready) -> None:
     """Serve until SIGINT/SIGTERM; `ready.put(Ready)` once listening, or with the start-up error.

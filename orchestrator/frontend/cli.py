@@ -14,16 +14,13 @@ from orchestrator.bench import args as bench_args
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment import ray_cli as pools_cli
 from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.launch import (LOCAL_ACQUIRE_TIMEOUT_S, Ready, add_model_arguments,
-                                            add_supervision_arguments, ready_message, run_orchestrator)
-from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.serving import PoolsOptions
-from orchestrator.deployment.supervisor import RestartPolicy
+from orchestrator.deployment.launch import (Ready, add_model_arguments, add_supervision_arguments,
+                                            local_pools_options, ready_message, run_orchestrator)
 from orchestrator.decoding.options import loop_config
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, security_from_args)
-from specmesh.service import ReplicaConfig, ServiceOptions, add_telemetry_arguments
+from specmesh.service import ServiceOptions, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,27 +91,6 @@ def serve(args: argparse.Namespace) -> int:
             import ray  # only with --backend ray: plain serving never loads Ray
             ray.shutdown()  # the replica actors belong to this driver and go with it
     return 0
-
-
-def local_pools_options(args: argparse.Namespace, security, metrics_ports) -> PoolsOptions:
-    """Each role a pool of local child processes (the first replica of each on its role's metrics port)."""
-    common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                  tls=security.server_tls)
-    target = ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                            metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common)
-    log = (args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None
-    draft = None
-    if args.draft.lower() != "none" and args.draft_replicas != 0:
-        options = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                                 metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **common)
-        draft = PoolSpec(ReplicaConfig("draft", options, greedy_proposals=args.greedy_draft),
-                         replicas=args.draft_replicas or 1)
-    return PoolsOptions(backend="local",
-                        target=PoolSpec(ReplicaConfig("target", target, disagreement_log=log),
-                                        replicas=1 if args.target_replicas is None else args.target_replicas),
-                        draft=draft, max_replica_failures=args.max_replica_failures,
-                        acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S, channel_tls=security.channel_tls,
-                        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
 
 
 class _ReadyLine:
