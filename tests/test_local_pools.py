@@ -31,7 +31,6 @@ from test_greedy_parity import target_greedy
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 48
 RESTART_WAIT_S = 120.0  # a restarted child imports torch and loads its model: seconds, more on a busy machine
-FAST_RESTARTS = RestartPolicy(initial_backoff_s=0.05)
 
 
 class LocalDeployment:
@@ -41,10 +40,10 @@ class LocalDeployment:
         self.pools, self.servicer, self.metrics = pools, servicer, metrics
 
     @classmethod
-    async def start(cls, target_dir, draft_dir=None, policy: RestartPolicy = FAST_RESTARTS) -> "LocalDeployment":
+    async def start(cls, target_dir, draft_dir, policy: RestartPolicy) -> "LocalDeployment":
         spec = lambda role, model: PoolSpec(ReplicaConfig(role, ServiceOptions(model=str(model))))  # noqa: E731
         options = PoolsOptions(backend="local", target=spec("target", target_dir),
-                               draft=spec("draft", draft_dir) if draft_dir else None, check_interval_s=0.1,
+                               draft=spec("draft", draft_dir), check_interval_s=0.1,
                                acquire_timeout_s=RESTART_WAIT_S, restart_policy=policy)
         pools, metrics = Pools.from_options(options), OrchestratorMetrics()
         _, tokenizer = load(str(target_dir), "cpu")
@@ -88,8 +87,15 @@ async def wait_until(condition, timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 async def deployment(tiny_llama_dir, tiny_llama_perturbed_dir):
-    deployment = await LocalDeployment.start(tiny_llama_dir, tiny_llama_perturbed_dir)
+    """One replica per role, each allowed one restart in 10 minutes (the restart-cap test uses the second death)."""
+    deployment = await LocalDeployment.start(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                             RestartPolicy(initial_backoff_s=0.05, max_restarts=1, window_s=600.0))
+    deployment.server, port, health = await serve_grpc(deployment.servicer)
+    deployment.pools.attach_health(health, ("specmesh.v1.Generation",))
+    deployment.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     yield deployment
+    await deployment.channel.close()
+    await deployment.server.stop(None)
     await deployment.pools.stop()
 
 
@@ -130,31 +136,39 @@ async def test_target_killed_mid_stream_resumes_on_the_restarted_replica(deploym
     assert deployment.replica("target").address.result() != old
 
 
-async def test_restart_cap_fails_the_role(tiny_llama_dir):
-    deployment = await LocalDeployment.start(tiny_llama_dir, policy=RestartPolicy(initial_backoff_s=0.05,
-                                                                                  max_restarts=1))
-    server, port, health = await serve_grpc(deployment.servicer)
-    deployment.pools.attach_health(health, ("specmesh.v1.Generation",))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        old = deployment.kill("target")
-        await deployment.wait_serving_elsewhere("target", old)  # the first death is restarted
-        deployment.kill("target")  # the second within the window is one too many
-        await wait_until(lambda: deployment.pools.failed == {"target"}, RESTART_WAIT_S)
-        checks = health_pb2_grpc.HealthStub(channel)
-        for name in ("", "specmesh.v1.Generation", pool_health_name("target")):
-            reply = await checks.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING, name
-        assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "target"}) == 1
-        assert deployment.restarts("target") == 1
-        started = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
-            async for _ in generation_pb2_grpc.GenerationStub(channel).Generate(
-                    generation_pb2.GenerateRequest(prompt=PROMPT, max_tokens=4), timeout=30):
-                pass
-        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "target" in raised.value.details()
-        assert time.monotonic() - started < 10  # a failed role answers at once, not after the request's wait
-    finally:
-        await channel.close()
-        await server.stop(None)
-        await deployment.pools.stop()
+async def kill_until_failed(deployment: LocalDeployment, role: str) -> None:
+    """Kill the role's replica, letting it restart, until the supervisor gives the role up."""
+    while role not in deployment.pools.failed:
+        old = deployment.kill(role)
+        await wait_until(lambda: role in deployment.pools.failed or any(
+            r.address != old for r in deployment.pools.pools[role].routable()), RESTART_WAIT_S)
+
+
+async def health_of(deployment: LocalDeployment, name: str) -> int:
+    reply = await health_pb2_grpc.HealthStub(deployment.channel).Check(
+        health_pb2.HealthCheckRequest(service=name), timeout=10)
+    return reply.status
+
+
+async def test_restart_cap_fails_a_role_and_only_that_role(deployment, tiny_llama_dir):
+    """Runs last: it uses up the restarts of both roles of the shared deployment."""
+    stub = generation_pb2_grpc.GenerationStub(deployment.channel)
+    request = generation_pb2.GenerateRequest(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
+    await kill_until_failed(deployment, "draft")
+    assert await health_of(deployment, pool_health_name("draft")) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await health_of(deployment, "") == health_pb2.HealthCheckResponse.SERVING
+    assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "draft"}) == 1
+    assert deployment.restarts("draft") == 1  # one restart, then the second death within the window was too many
+    token_ids = [t async for response in stub.Generate(request, timeout=60) for t in response.token_ids]
+    assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)  # target-only
+
+    await kill_until_failed(deployment, "target")
+    for name in ("", "specmesh.v1.Generation", pool_health_name("target")):
+        assert await health_of(deployment, name) == health_pb2.HealthCheckResponse.NOT_SERVING, name
+    assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "target"}) == 1
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(request, timeout=30):
+            pass
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "target" in raised.value.details()
+    assert time.monotonic() - started < 10  # a failed role answers at once, not after the request's wait

@@ -150,7 +150,7 @@ class AdaptiveDraftLength:
             self.probe_every = min(2 * self.probe_every, self.config.max_probe_every)
             self.probing = True
             return k_max  # the most evidence of acceptance one round can give
-        else:
+        elif self.costs.known:  # else no draft round has been timed yet (the draft was away): keep k
             self._maybe_switch(self.best(k_max), k_max)
         return min(self.k, k_max)
 
