@@ -53,6 +53,7 @@ class Ready:
     metrics_port: int | None = None
     error: str | None = None
     http_port: int | None = None
+    replica_metrics_ports: dict[str, int] | None = None  # local replicas' /metrics, by role or replica name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +158,9 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
         if telemetry.http_port is not None and telemetry.http_port >= 0:
             http = await start_http_server(create_app(servicer, telemetry.api_key), telemetry.host,
                                            telemetry.http_port, telemetry.tls)
-        ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
+        replica_metrics = servicer.pools.metrics_ports() if servicer.pools is not None else {}
+        ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None,
+                        replica_metrics_ports=replica_metrics))
         await serve_until_signal(server, health)
     finally:
         if http is not None:

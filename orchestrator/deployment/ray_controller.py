@@ -73,6 +73,9 @@ class PoolController:
     async def wait_ready(self, timeout_s: float) -> None:
         await self.pool.wait_serving(1, timeout_s)
 
+    def metrics_ports(self) -> dict[str, int]:
+        return {}  # replica actors serve no /metrics of their own
+
     async def stop(self) -> None:
         import ray
         if self._task is not None:

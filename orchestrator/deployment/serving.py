@@ -146,6 +146,13 @@ class Pools:
         for name in names:
             spawn_background(self._health.set(name, status))
 
+    def metrics_ports(self) -> dict[str, int]:
+        """The /metrics ports of the local replicas (Ray actors serve none)."""
+        ports: dict[str, int] = {}
+        for controller in self.controllers.values():
+            ports.update(controller.metrics_ports())
+        return ports
+
     async def stop(self) -> None:
         for role, pool in self.pools.items():
             await (self.controllers[role].stop() if role in self.controllers else pool.stop())

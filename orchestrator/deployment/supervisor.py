@@ -104,6 +104,7 @@ class LocalReplica:
         self.on_restart = on_restart
         self.on_gone = on_gone
         self.process: mp.Process | None = None
+        self.metrics_port: int | None = None  # of the running incarnation
         self.address: asyncio.Future = asyncio.get_running_loop().create_future()
         self.first_start: asyncio.Future = asyncio.get_running_loop().create_future()  # None or the error
         self.restarts: deque[float] = deque()
@@ -152,6 +153,7 @@ class LocalReplica:
             if not self.first_start.done():
                 self.first_start.set_result(started.error if started.port is None else None)
             if started.port is not None:
+                self.metrics_port = started.metrics_port
                 self.address.set_result(f"{_dial_host(self.config.service.host)}:{started.port}")
                 log.info("%s replica %s serving on %s (pid %d)", self.config.role, self.name,
                          self.address.result(), self.process.pid)
@@ -237,6 +239,13 @@ class LocalPoolController:
             if error is not None:
                 raise RuntimeError(f"{self.spec.role} failed to start: {error}")
         await self.pool.wait_serving(1, timeout_s)
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Where each running replica serves /metrics: by role with one replica, else by replica name."""
+        running = {name: r.metrics_port for name, r in self.replicas.items() if r.metrics_port is not None}
+        if len(self.replicas) == 1:
+            return {self.spec.role: port for port in running.values()}
+        return running
 
     def scale_to(self, replicas: int) -> None:
         self.desired = replicas

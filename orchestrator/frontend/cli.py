@@ -105,8 +105,12 @@ class _ReadyLine:
             return
         pools = "Ray replica pools" if self.backend == "ray" else "local replica processes"
         print(ready_message(self.host, ready) + f" ({pools}; 'specmesh replicas' lists them)", flush=True)
+        ports = dict(ready.replica_metrics_ports or {})
         if ready.metrics_port is not None:
-            print(f"metrics: orchestrator http://{self.host}:{ready.metrics_port}/metrics", flush=True)
+            ports["orchestrator"] = ready.metrics_port
+        if ports:
+            print("metrics: " + ", ".join(f"{name} http://{self.host}:{port}/metrics"
+                                          for name, port in sorted(ports.items())), flush=True)
 
 
 def _metrics_ports(base: int | None) -> dict[str, int | None]:
