@@ -48,8 +48,8 @@ class OrchestratorMetrics:
         self.target_forward_passes_saved = Counter(
             "specmesh_target_forward_passes_saved", "Output tokens minus target forward passes: what speculation "
             "saved over target-only decoding", REQUEST, registry=r)
-        self.draft_fallbacks = Counter("specmesh_draft_fallbacks", "Requests that lost their draft and finished "
-                                       "target-only", REQUEST, registry=r)
+        self.draft_fallbacks = Counter("specmesh_draft_fallbacks", "Requests that lost their draft (ran "
+                                       "target-only rounds, or finished target-only)", REQUEST, registry=r)
         self.request_acceptance_rate = Histogram("specmesh_request_acceptance_rate", "Acceptance rate per request",
                                                  REQUEST, buckets=RATE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens", REQUEST, registry=r)
