@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.decoding.options import add_loop_arguments
 from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import PoolsOptions
 from orchestrator.deployment.supervisor import RestartPolicy
@@ -83,9 +84,43 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS")
 
 
+def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_replicas: int = 1,
+                draft_replicas: int = 1, greedy_draft: bool = False,
+                disagreement_log: tuple[str, float] | None = None, channel_tls: TLSConfig | None = None,
+                max_replica_failures: int = MAX_REPLICA_FAILURES,
+                restart_policy: RestartPolicy = RestartPolicy()) -> PoolsOptions:
+    """Each role a pool of local child processes (draft None or no draft replicas: target-only)."""
+    target_pool = PoolSpec(ReplicaConfig(TARGET.name, target, disagreement_log=disagreement_log),
+                           replicas=target_replicas)
+    draft_pool = None
+    if draft is not None and draft_replicas > 0:
+        draft_pool = PoolSpec(ReplicaConfig(DRAFT.name, draft, greedy_proposals=greedy_draft), replicas=draft_replicas)
+    return PoolsOptions(backend="local", target=target_pool, draft=draft_pool, channel_tls=channel_tls,
+                        max_replica_failures=max_replica_failures, acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S,
+                        restart_policy=restart_policy)
+
+
+def local_pools_options(args: argparse.Namespace, security, metrics_ports) -> PoolsOptions:
+    """`specmesh serve --backend local`: the first replica of each role serves its role's metrics port."""
+    common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
+                  tls=security.server_tls)
+    draft = None
+    if args.draft.lower() != "none":
+        draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
+                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **common)
+    return local_pools(
+        ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
+                       metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common),
+        draft, target_replicas=1 if args.target_replicas is None else args.target_replicas,
+        draft_replicas=1 if args.draft_replicas is None else args.draft_replicas, greedy_draft=args.greedy_draft,
+        disagreement_log=(args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None,
+        channel_tls=security.channel_tls, max_replica_failures=args.max_replica_failures,
+        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+
+
 @dataclass(frozen=True)
 class StackOptions:
-    """A local deployment: both roles (one replica each), the loop, and where the orchestrator listens."""
+    """A local deployment with one replica per role, run as one child by `start_stack` (`specmesh bench`)."""
 
     target: ServiceOptions
     draft: ServiceOptions | None  # None: target-only
@@ -97,33 +132,8 @@ class StackOptions:
     channel_tls: TLSConfig | None = None  # the orchestrator's channels to the draft and target
 
     def pools(self) -> PoolsOptions:
-        target = PoolSpec(ReplicaConfig(TARGET.name, self.target, disagreement_log=self.disagreement_log))
-        draft = None
-        if self.draft is not None:
-            draft = PoolSpec(ReplicaConfig(DRAFT.name, self.draft, greedy_proposals=self.greedy_draft))
-        return PoolsOptions(backend="local", target=target, draft=draft, channel_tls=self.channel_tls,
-                            acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S)
-
-
-def local_pools_options(args: argparse.Namespace, security, metrics_ports) -> PoolsOptions:
-    """Each role a pool of local child processes (the first replica of each on its role's metrics port)."""
-    common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                  tls=security.server_tls)
-    target = ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                            metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common)
-    log = (args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None
-    draft = None
-    if args.draft.lower() != "none" and args.draft_replicas != 0:
-        options = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                                 metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **common)
-        draft = PoolSpec(ReplicaConfig(DRAFT.name, options, greedy_proposals=args.greedy_draft),
-                         replicas=args.draft_replicas or 1)
-    return PoolsOptions(backend="local",
-                        target=PoolSpec(ReplicaConfig(TARGET.name, target, disagreement_log=log),
-                                        replicas=1 if args.target_replicas is None else args.target_replicas),
-                        draft=draft, max_replica_failures=args.max_replica_failures,
-                        acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S, channel_tls=security.channel_tls,
-                        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+        return local_pools(self.target, self.draft, greedy_draft=self.greedy_draft,
+                           disagreement_log=self.disagreement_log, channel_tls=self.channel_tls)
 
 
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
