@@ -26,7 +26,7 @@ from orchestrator.decoding.loop import GenerationRequest, LoopConfig, Speculativ
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.ray_cli import init_ray
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
-from orchestrator.deployment.supervisor import RestartPolicy
+from orchestrator.deployment.options import RestartPolicy
 from specmesh.models import load_tokenizer
 from specmesh.sampling import SamplingParams
 from specmesh.service import ReplicaConfig, ServiceOptions

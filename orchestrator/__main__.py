@@ -15,7 +15,7 @@ import sys
 from orchestrator.deployment.launch import Ready, run_orchestrator
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.ray_cli import init_ray
-from orchestrator.deployment.serving import PoolsOptions
+from orchestrator.deployment.options import PoolsOptions
 from orchestrator.decoding.options import add_loop_arguments, loop_config
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, api_key_from_args, client_tls_from_args, server_tls_from_args)

@@ -20,7 +20,7 @@ from harness import load
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, servicer_over_pools
-from orchestrator.deployment.supervisor import RestartPolicy
+from orchestrator.deployment.options import RestartPolicy
 from orchestrator.frontend.server import serve_grpc
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.sampling import SamplingParams

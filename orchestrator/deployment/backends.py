@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
@@ -12,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.decoding.pipelined import pipeline_enabled
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.deployment.options import PoolsOptions
 from orchestrator.frontend.servicer import Backends
 from orchestrator.frontend.validation import ModelLimits
 from specmesh import models
@@ -19,8 +19,6 @@ from specmesh.security import TLSConfig
 from specmesh.telemetry import client_interceptors
 from specmesh.v1 import common_pb2
 
-if TYPE_CHECKING:
-    from orchestrator.deployment.serving import PoolsOptions
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 30.0
@@ -36,7 +34,7 @@ class OrchestratorOptions:
     draft_endpoint: str | None  # None: serve target-only
     loop: LoopConfig = LoopConfig()
     channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
-    pools: "PoolsOptions | None" = None  # Ray replica pools instead of the two endpoints
+    pools: PoolsOptions | None = None  # Ray replica pools instead of the two endpoints
 
 
 def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,

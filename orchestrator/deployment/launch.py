@@ -30,17 +30,16 @@ from orchestrator.decoding.options import add_loop_arguments
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
 from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.serving import PoolsOptions
-from orchestrator.deployment.supervisor import RestartPolicy
+from orchestrator.deployment.options import PoolsOptions, RestartPolicy
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
 from specmesh.metrics import OrchestratorMetrics, serve_metrics
 from specmesh.models import load_tokenizer
 from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
 from specmesh.security import TLSConfig
-from specmesh.service import DTYPE_CHOICES, ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list
 from specmesh.server import serve_until_signal
-from specmesh.service import run_model_service
+from specmesh.service import (DTYPE_CHOICES, ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list,
+                              run_model_service)
 from specmesh.telemetry import make_tracer_provider
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import grpc
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.ray_controller import PoolSpec
 
-from orchestrator.deployment.serving import PoolsOptions
+from orchestrator.deployment.options import PoolsOptions
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 

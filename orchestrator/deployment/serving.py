@@ -11,53 +11,30 @@ their replicas as named actors in the namespace.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
+from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
-from grpc_health.v1 import health_pb2
-
 from orchestrator.deployment.backends import STARTUP_TIMEOUT_S, backends_for
-from orchestrator.deployment.failover import MAX_REPLICA_FAILURES, PooledDraftClient, PooledTargetClient
+from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
+from orchestrator.deployment.options import BACKENDS, PoolsOptions
 from orchestrator.deployment.pool import PoolSpec, ReplicaPool, new_pool
 from orchestrator.deployment.ray_controller import PoolController, ray_discovery
-from orchestrator.deployment.supervisor import LocalPoolController, RestartPolicy
+from orchestrator.deployment.supervisor import LocalPoolController
 from orchestrator.decoding.loop import spawn_background
 from orchestrator.frontend.servicer import GenerationServicer
 from specmesh.errors import InvalidArgument, NotManagedHere
-from specmesh.roles import START_TIMEOUT_S
-from specmesh.security import TLSConfig
 from specmesh.telemetry import client_interceptors, tracer
 from specmesh.v1 import admin_pb2
 
 log = logging.getLogger(__name__)
 JOIN_DRAFT_WAIT_S = 10.0
-BACKENDS = ("local", "ray")
 HEALTH_PREFIX = "specmesh.pool."  # grpc.health.v1 service "specmesh.pool.<role>": the role's state
 
 
 def pool_health_name(role: str) -> str:
     return HEALTH_PREFIX + role
-
-
-@dataclass(frozen=True)
-class PoolsOptions:
-    backend: str = "ray"  # "local": child processes under a supervisor; "ray": Ray actors
-    namespace: str = "specmesh"  # Ray only
-    target: PoolSpec | None = None  # None (both): join the pools in `namespace`
-    draft: PoolSpec | None = None  # None while target is set: serve target-only
-    check_interval_s: float = 1.0  # health checks and controller ticks
-    max_replica_failures: int = MAX_REPLICA_FAILURES  # replicas one request may lose before it fails
-    acquire_timeout_s: float = 10.0  # longest a request waits for a healthy target replica (within its deadline)
-    draft_acquire_timeout_s: float = 0.0  # no healthy draft: the round goes target-only at once
-    restart_policy: RestartPolicy = RestartPolicy()  # local backend: restarts of a dead replica
-    start_timeout_s: float = START_TIMEOUT_S
-    channel_tls: TLSConfig | None = None  # the orchestrator's channels to replicas; None = plaintext
-
-    @property
-    def manage(self) -> bool:
-        return self.target is not None
 
 
 class Pools:

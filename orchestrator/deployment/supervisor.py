@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec, ReplicaGone, Resolve, new_pool
 from specmesh.roles import START_TIMEOUT_S
 from specmesh.service import ReplicaConfig, load_engine, run_model_service
@@ -34,17 +35,6 @@ from specmesh.service import ReplicaConfig, load_engine, run_model_service
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    initial_backoff_s: float = 0.5  # before the first restart; doubles with each restart in the window
-    max_backoff_s: float = 10.0
-    max_restarts: int = 5  # restarts of one replica within window_s before it is given up
-    window_s: float = 60.0
-
-    def backoff(self, recent_restarts: int) -> float:
-        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, recent_restarts - 1))
 
 
 @dataclass(frozen=True)
