@@ -77,8 +77,9 @@ class OrchestratorMetrics:
                                       registry=r)
         self.requests_waiting = Gauge("specmesh_requests_waiting", "Requests admitted, waiting for their first "
                                       "token", ("model",), registry=r)
-        self.replica_restarts = Counter("specmesh_replica_restarts", "Replicas of a pool restarted by the local "
-                                        "supervisor after they died", ("role",), registry=r)
+        self.replica_restarts = Counter("specmesh_replica_restarts", "Replicas that came back at a new address "
+                                        "after they died (restarted by the local supervisor or by Ray)", ("role",),
+                                        registry=r)
         self.role_failed = Gauge("specmesh_role_failed", "1 when every replica of the role used up its restarts "
                                  "and the role is given up", ("role",), registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends

@@ -76,6 +76,7 @@ class ReplicaPool:
         self.tls = tls  # specmesh.security.TLSConfig of the channels to replicas; None = plaintext
         self.replicas: dict[str, Replica] = {}
         self.failed = False  # set by a supervisor that gave every replica up: nothing will come back
+        self.on_restarted: Callable[[str], None] = lambda role: None  # a replica came back at a new address
         self._task: asyncio.Task | None = None
 
     # ---- routing
@@ -184,6 +185,8 @@ class ReplicaPool:
         if address != replica.address:
             if replica.channel is not None:  # calls still on it fail over; close it once they are done
                 _close_later(replica.channel, CHECK_TIMEOUT_S + 1.0)
+            if replica.address is not None:  # a new incarnation: the supervisor or Ray restarted it
+                self.on_restarted(self.role)
             replica.address = address
             replica.channel = open_channel(address, self.tls, self.interceptors)
             replica.client = self.make_client(replica.channel)

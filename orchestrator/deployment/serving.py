@@ -55,22 +55,24 @@ class Pools:
         if options.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {options.backend!r}")
         if not options.manage:
-            return cls({role: new_pool(role, ray_discovery(role, options.namespace), options.check_interval_s,
-                                       interceptors, options.channel_tls) for role in ("target", "draft")},
-                       options=options)
-        pools = cls({}, options=options)
-        for spec in (options.target, options.draft):
-            if spec is not None:
-                pools.controllers[spec.role] = pools._controller(spec, interceptors)
-                pools.pools[spec.role] = pools.controllers[spec.role].pool
+            pools = cls({role: new_pool(role, ray_discovery(role, options.namespace), options.check_interval_s,
+                                        interceptors, options.channel_tls) for role in ("target", "draft")},
+                        options=options)
+        else:
+            pools = cls({}, options=options)
+            for spec in (options.target, options.draft):
+                if spec is not None:
+                    pools.controllers[spec.role] = pools._controller(spec, interceptors)
+                    pools.pools[spec.role] = pools.controllers[spec.role].pool
+        for pool in pools.pools.values():
+            pool.on_restarted = pools._replica_restarted
         return pools
 
     def _controller(self, spec: PoolSpec, interceptors):
         options = self.options
         if options.backend == "local":
             return LocalPoolController(spec, options.restart_policy, options.check_interval_s, interceptors,
-                                       options.channel_tls, on_restart=self._replica_restarted,
-                                       on_role_failed=self._role_failed)
+                                       options.channel_tls, on_role_failed=self._role_failed)
         return PoolController(spec, options.namespace, options.check_interval_s, interceptors, options.channel_tls)
 
     async def start(self) -> None:

@@ -87,11 +87,10 @@ class LocalReplica:
     """One supervised child: its current process, and the address of its current incarnation."""
 
     def __init__(self, name: str, config: ReplicaConfig, policy: RestartPolicy,
-                 on_restart: Callable[[], None], on_gone: Callable[[], None]):
+                 on_gone: Callable[[], None]):
         self.name = name
         self.config = config
         self.policy = policy
-        self.on_restart = on_restart
         self.on_gone = on_gone
         self.process: mp.Process | None = None
         self.metrics_port: int | None = None  # of the running incarnation
@@ -127,7 +126,6 @@ class LocalReplica:
             delay = self.policy.backoff(recent)
             log.warning("%s replica %s exited (code %s); restarting in %.1f s (restart %d within %.0f s)",
                         self.config.role, self.name, self.process.exitcode, delay, recent, self.policy.window_s)
-            self.on_restart()
             await asyncio.sleep(delay)
 
     async def _run_once(self) -> Started:
@@ -202,7 +200,7 @@ class LocalPoolController:
     """Keeps `desired` local replicas of one role running; the interface of the Ray PoolController."""
 
     def __init__(self, spec: PoolSpec, policy: RestartPolicy = RestartPolicy(), check_interval_s: float = 1.0,
-                 interceptors=(), tls=None, on_restart: Callable[[str], None] = lambda role: None,
+                 interceptors=(), tls=None,
                  on_role_failed: Callable[[str], None] = lambda role: None):
         self.spec = spec
         self.policy = policy
@@ -211,7 +209,6 @@ class LocalPoolController:
         self.desired = spec.replicas
         self.failed = False
         self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
-        self._on_restart = on_restart
         self._on_role_failed = on_role_failed
         self._index = 0
 
@@ -254,7 +251,7 @@ class LocalPoolController:
             service = replace(service, metrics_port=0)
         self._index += 1
         config = replace(self.spec.replica, service=service)
-        replica = LocalReplica(name, config, self.policy, lambda: self._on_restart(self.spec.role),
+        replica = LocalReplica(name, config, self.policy,
                                self._replica_gone)
         self.replicas[name] = replica
         replica.start()
