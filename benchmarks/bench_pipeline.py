@@ -28,11 +28,12 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench_core import PROMPTS
-from orchestrator.deployment.launch import START_TIMEOUT_S, ProcessGroup, run_draft, run_orchestrator, run_target
+from orchestrator.deployment.launch import ProcessGroup, run_orchestrator, run_service
+from specmesh.roles import START_TIMEOUT_S
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.decoding.timing import PARTS
-from specmesh.service import DTYPE_CHOICES, ServiceOptions, parse_cpu_list
+from specmesh.service import DTYPE_CHOICES, ReplicaConfig, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -111,11 +112,11 @@ def measure(mode: str, concurrency: int, endpoint: str, ports: dict[str, int], a
 
 
 def start_services(group: ProcessGroup, args) -> dict:
-    group.start("target", run_target, ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                                                     metrics_port=0, cpus=args.target_cpus), None)
-    group.start("draft", run_draft, ServiceOptions(model=args.draft, device=args.draft_device or args.device,
-                                                   dtype=args.draft_dtype, metrics_port=0, cpus=args.draft_cpus),
-                False)
+    group.start("target", run_service, ReplicaConfig("target", ServiceOptions(
+        model=args.target, device=args.device, dtype=args.target_dtype, metrics_port=0, cpus=args.target_cpus)))
+    group.start("draft", run_service, ReplicaConfig("draft", ServiceOptions(
+        model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype, metrics_port=0,
+        cpus=args.draft_cpus)))
     ready = group.wait_ready({"target", "draft"}, START_TIMEOUT_S)
     for mode, pipeline in (("sequential", "off"), ("pipelined", "on")):
         options = OrchestratorOptions(f"127.0.0.1:{ready['target'].port}", f"127.0.0.1:{ready['draft'].port}",

@@ -1,8 +1,10 @@
 """Draft-side session logic: prefill, propose k tokens, commit/rollback, and pre-draft.
 
-The draft knows nothing about acceptance. After each verification the
-orchestrator tells it the outcome as a commit: "truncate to position, append
-these tokens" (the accepted prefix stays, the recovered or bonus token is added).
+The draft knows nothing about acceptance. The orchestrator tells it each
+verification's outcome as the commit carried by its next Propose or PreDraft:
+"truncate to position, append these tokens" (the accepted prefix stays, the
+recovered or bonus token is added, and after target-only rounds every token
+committed meanwhile). `commit()` applies one on its own (in-process callers).
 While the target verifies, the draft may pre-draft the next round for the likely
 outcomes (draft_service.branches); a later commit adopts whichever drafted
 sequence shares the longest prefix with the committed one, so a hit costs no
@@ -21,11 +23,10 @@ from draft_service.branches import Branch, DraftState, adopt_longest_prefix, com
 from specmesh.distributions import decode_distribution, encode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
+from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, generator_at, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
 
-MAX_PROPOSAL_TOKENS = 32
-MAX_EXTRA_BRANCHES = 32
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class DraftEngine:
 
     async def propose(self, request_id: str, round_number: int, commit: CommitSpec | None,
                       position: int, num_tokens: int) -> Proposal:
-        _check_count("num_tokens", num_tokens, 1, MAX_PROPOSAL_TOKENS)
+        _check_count("num_tokens", num_tokens, 1, MAX_DRAFT_TOKENS)
         session, _ = self._arrive(request_id, round_number)
         return await self.engine.run(self._propose, session, commit, position, num_tokens)
 
@@ -148,10 +149,10 @@ class DraftEngine:
                        assumed: Sequence[int], num_tokens: int,
                        extra_branches: int) -> AsyncIterator[BranchProposal]:
         """Branches for round_number, the all-accepted one first; stops when a newer call arrives."""
-        _check_count("num_tokens", num_tokens, 1, MAX_PROPOSAL_TOKENS)
-        _check_count("extra_branches", extra_branches, 0, MAX_EXTRA_BRANCHES)
-        if not 1 <= len(assumed) <= MAX_PROPOSAL_TOKENS:
-            raise InvalidArgument("assumed_token_ids", f"need 1 to {MAX_PROPOSAL_TOKENS} tokens")
+        _check_count("num_tokens", num_tokens, 1, MAX_DRAFT_TOKENS)
+        _check_count("extra_branches", extra_branches, 0, MAX_DRAFT_TOKENS)
+        if not 1 <= len(assumed) <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument("assumed_token_ids", f"need 1 to {MAX_DRAFT_TOKENS} tokens")
         session, call = self._arrive(request_id, round_number)
         state: DraftState = session.ahead
 

@@ -57,10 +57,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 planned_next_token_ids=[token for _, token in branch.planned])
         annotate_current_span(forward_ns=forward_ns, branches=count)
 
-    async def Commit(self, request: draft_pb2.CommitRequest, context: grpc.aio.ServicerContext):
-        length = await self.engine.commit(request.request_id, request.round, commit_from_pb(request.commit))
-        return draft_pb2.CommitResponse(request_id=request.request_id, length=length)
-
     async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
         return common_pb2.CloseSessionResponse(closed=self.engine.close(request.request_id))
 

@@ -16,6 +16,8 @@ import sys
 
 from orchestrator.deployment.launch import Ready, run_orchestrator
 from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.ray_cli import init_ray
+from orchestrator.deployment.options import PoolsOptions
 from orchestrator.decoding.options import add_loop_arguments, loop_config
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
@@ -64,10 +66,8 @@ def main() -> None:
 
 
 def _join_pools(address: str, namespace: str):
-    from orchestrator.deployment.ray_cli import init_ray
-    from orchestrator.deployment.serving import PoolsOptions
     init_ray(address, namespace)
-    return PoolsOptions(namespace=namespace)  # no pool specs: discover the replicas, own none
+    return PoolsOptions(backend="ray", namespace=namespace)  # no pool specs: discover the replicas, own none
 
 
 class _Announce:

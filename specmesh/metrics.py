@@ -13,9 +13,11 @@ import threading
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from specmesh.roles import MAX_DRAFT_TOKENS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
-POSITION_BUCKETS = tuple(range(33))  # rejection positions 0..32 within a round
+POSITION_BUCKETS = tuple(range(MAX_DRAFT_TOKENS + 1))  # rejection positions within a round
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 REQUEST = ("model", "prompt_class")
 
@@ -46,8 +48,8 @@ class OrchestratorMetrics:
         self.target_forward_passes_saved = Counter(
             "specmesh_target_forward_passes_saved", "Output tokens minus target forward passes: what speculation "
             "saved over target-only decoding", REQUEST, registry=r)
-        self.draft_fallbacks = Counter("specmesh_draft_fallbacks", "Requests that lost their draft and finished "
-                                       "target-only", REQUEST, registry=r)
+        self.draft_fallbacks = Counter("specmesh_draft_fallbacks", "Requests that lost their draft (ran "
+                                       "target-only rounds, or finished target-only)", REQUEST, registry=r)
         self.request_acceptance_rate = Histogram("specmesh_request_acceptance_rate", "Acceptance rate per request",
                                                  REQUEST, buckets=RATE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specmesh_prompt_tokens", "Prompt tokens", REQUEST, registry=r)
@@ -75,6 +77,11 @@ class OrchestratorMetrics:
                                       registry=r)
         self.requests_waiting = Gauge("specmesh_requests_waiting", "Requests admitted, waiting for their first "
                                       "token", ("model",), registry=r)
+        self.replica_restarts = Counter("specmesh_replica_restarts", "Replicas that came back at a new address "
+                                        "after they died (restarted by the local supervisor or by Ray)", ("role",),
+                                        registry=r)
+        self.role_failed = Gauge("specmesh_role_failed", "1 when every replica of the role used up its restarts "
+                                 "and the role is given up", ("role",), registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
 
 

@@ -39,11 +39,6 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
-    def truncates(self) -> bool:
-        """True when top-k or top-p can zero out part of the vocabulary."""
-        return self.top_k > 0 or self.top_p < 1.0
-
-    @property
     def penalizes(self) -> bool:
         """True when penalties or biases change the logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias

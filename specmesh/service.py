@@ -1,4 +1,4 @@
-"""Run a model service (draft or target) as a process: load, serve, reap idle sessions."""
+"""Run a model service (draft or target): load, serve, reap idle sessions; the one way to start one."""
 
 from __future__ import annotations
 
@@ -7,24 +7,29 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Callable
 
 import grpc
 import torch
 
+from draft_service.server import create_server as create_draft_server
+from grpc_health.v1.health import aio as health_aio
+from opentelemetry.sdk.trace import TracerProvider
 from specmesh import models
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
 from specmesh.metrics import ServiceMetrics, serve_metrics
+from specmesh.roles import DRAFT, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
                                internal_token_from_args, server_tls_from_args)
-from specmesh.server import serve_until_signal
+from specmesh.server import serve_until_signal, stop_server
 from specmesh.telemetry import make_tracer_provider
+from target_service.disagreements import DisagreementLog
+from target_service.server import create_server as create_target_server
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
-CreateServer = Callable[..., Awaitable[tuple[grpc.aio.Server, int, object]]]
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,17 @@ class ServiceOptions:
     internal_token: str | None = field(default=None, repr=False)
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
     max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What one model service (a replica of a role) serves, however it is run."""
+
+    role: str  # "draft" or "target"
+    service: ServiceOptions  # model, device, dtype, host, session limits, tracing
+    greedy_proposals: bool = False  # draft only
+    disagreement_log: tuple[str, float] | None = None  # target only: (path, records per second)
+    extra: dict = field(default_factory=dict)  # more create_server keyword arguments
 
 
 def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -156,7 +172,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
+def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     if options.cpus:
         pin_cpus(options.cpus)
     if options.num_threads:
@@ -164,7 +180,8 @@ def load_engine(options: ServiceOptions, generator_salt: int) -> ModelEngine:
     dtype = resolve_dtype(options.dtype, options.device)
     model, tokenizer = models.load_model(options.model, device=options.device, dtype=dtype)
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
-                          max_sessions_per_caller=options.max_sessions_per_caller, generator_salt=generator_salt,
+                          max_sessions_per_caller=options.max_sessions_per_caller,
+                          generator_salt=role(role_name).generator_salt,
                           row_multiple=default_row_multiple(options.device, dtype))
     engine = ModelEngine(model, tokenizer, config)
     engine.warm_up()
@@ -184,23 +201,65 @@ async def reap_idle_sessions(engine: ModelEngine, idle_timeout_s: float) -> None
             log.info("freed idle session %s", request_id)
 
 
-async def run_model_service(service: str, create_server: CreateServer, engine: ModelEngine,
-                            options: ServiceOptions, on_ready: Callable[[int, int | None], None],
-                            **server_kwargs) -> None:
-    """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
-    provider = make_tracer_provider(f"specmesh-{service}", options.trace_exporter, options.trace_sample_ratio)
-    metrics = ServiceMetrics.for_engine(service, engine)
+async def create_model_server(config: ReplicaConfig, engine: ModelEngine, *,
+                              tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
+                              max_concurrent_rpcs: int | None = None,
+                              ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """The role's gRPC server over a loaded engine, bound to config.service's host and port.
+
+    Every way of running a model service goes through here: `specmesh serve`'s child
+    processes, the Ray replica actors, `python -m draft_service|target_service`, and tests.
+    """
+    options = config.service
+    address = f"{options.host}:{options.port}"
+    common = dict(tracer_provider=tracer_provider, metrics=metrics, tls=options.tls,
+                  max_concurrent_rpcs=max_concurrent_rpcs, internal_token=options.internal_token)
+    if role(config.role) is DRAFT:
+        return await create_draft_server(engine, address, **common,
+                                         **{"greedy_proposals": config.greedy_proposals, **config.extra})
+    disagreements = DisagreementLog(*config.disagreement_log) if config.disagreement_log else None
+    return await create_target_server(engine, address, **common, **{"disagreements": disagreements, **config.extra})
+
+
+@dataclass
+class RunningService:
+    """A model service started by `start_model_service`; `stop()` ends it."""
+
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int | None
+    health: health_aio.HealthServicer
+    reaper: asyncio.Task
+    provider: TracerProvider | None
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self.reaper.cancel()
+        await stop_server(self.server, self.health, grace_s)
+        if self.provider is not None:
+            self.provider.shutdown()  # flush the spans still batched
+
+
+async def start_model_service(config: ReplicaConfig, engine: ModelEngine) -> RunningService:
+    """Tracing, metrics, the gRPC server and the idle-session reaper of one model service."""
+    options = config.service
+    provider = make_tracer_provider(f"specmesh-{config.role}", options.trace_exporter, options.trace_sample_ratio)
+    metrics = ServiceMetrics.for_engine(config.role, engine)
     metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
-    server, port, health = await create_server(engine, f"{options.host}:{options.port}", tracer_provider=provider,
-                                               metrics=metrics, tls=options.tls,
-                                               internal_token=options.internal_token, **server_kwargs)
+    server, port, health = await create_model_server(config, engine, tracer_provider=provider, metrics=metrics)
     # On SIGTERM: new sessions refused, open ones served until their orchestrator closes them (or the grace ends).
     drain_of(server).hold_sessions(lambda: len(engine.sessions))
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
-    on_ready(port, metrics_port)
+    return RunningService(server, port, metrics_port, health, reaper, provider)
+
+
+async def run_model_service(config: ReplicaConfig, engine: ModelEngine,
+                            on_ready: Callable[[int, int | None], None]) -> None:
+    """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
+    service = await start_model_service(config, engine)
+    on_ready(service.port, service.metrics_port)
     try:
-        await serve_until_signal(server, health, options.shutdown_grace_s)
+        await serve_until_signal(service.server, service.health, config.service.shutdown_grace_s)
     finally:
-        reaper.cancel()
-        if provider is not None:
-            provider.shutdown()  # flush the spans still batched
+        service.reaper.cancel()
+        if service.provider is not None:
+            service.provider.shutdown()  # flush the spans still batched

@@ -10,13 +10,13 @@ import torch
 from specmesh.distributions import decode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
+from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
 from specmesh.v1 import common_pb2
 from target_service.disagreements import Disagreement, DisagreementLog, context_hash
 from target_service.logprobs import token_logprobs
 from target_service.rejection_sampler import Verdict, verify_greedy, verify_sampled
 
-MAX_DRAFT_TOKENS = 32
 
 
 @dataclass(frozen=True)

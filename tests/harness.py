@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 
-from draft_service.server import create_server as create_draft_server
 from orchestrator.deployment.clients import open_channel
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
@@ -17,9 +16,10 @@ from orchestrator.frontend.server import create_server as create_orchestrator_se
 from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
+from specmesh.service import ReplicaConfig, ServiceOptions, create_model_server
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
-from target_service.server import create_server as create_target_server
 
 
 @functools.lru_cache(maxsize=16)
@@ -28,10 +28,21 @@ def load(model_dir: str, device: str):
     return models.load_model(model_dir, device=device)
 
 
-def make_engine(model_dir: Path | str, device: str = "cpu", salt: int = 0, row_multiple: int = 1) -> ModelEngine:
+def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
+                row_multiple: int = 1) -> ModelEngine:
     model, tokenizer = load(str(model_dir), device)
-    return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir), generator_salt=salt,
+    return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
+                                                      generator_salt=role(role_name).generator_salt,
                                                       row_multiple=row_multiple))
+
+
+async def start_model_server(role_name: str, engine: ModelEngine, tls: TLSConfig | None = None,
+                             internal_token: str | None = None, port: int = 0,
+                             **config) -> tuple[grpc.aio.Server, int]:
+    """A draft or target server on 127.0.0.1:port (0: any), started the way every deployment starts one."""
+    options = ServiceOptions(model=engine.config.model_name, tls=tls, port=port, internal_token=internal_token)
+    server, port, _ = await create_model_server(ReplicaConfig(role_name, options, **config), engine)
+    return server, port
 
 
 @dataclass
@@ -99,15 +110,15 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent;
     `internal_token`: required by the draft and target, sent by the orchestrator.
     `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs)."""
-    target_engine = make_engine(target_dir, device, salt=0)
-    target_server, target_port, _ = await create_target_server(target_engine, disagreements=disagreements,
-                                                               tls=server_tls, internal_token=internal_token)
+    target_engine = make_engine(target_dir, device, "target")
+    target_server, target_port = await start_model_server("target", target_engine, server_tls, internal_token,
+                                                          extra=dict(disagreements=disagreements))
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
-        draft_engine = make_engine(draft_dir, device, salt=1)
-        servers["draft"], draft_port, _ = await create_draft_server(draft_engine, greedy_proposals=greedy_proposals,
-                                                                   tls=server_tls, internal_token=internal_token)
+        draft_engine = make_engine(draft_dir, device, "draft")
+        servers["draft"], draft_port = await start_model_server("draft", draft_engine, server_tls, internal_token,
+                                                                greedy_proposals=greedy_proposals)
     options = OrchestratorOptions(
         target_endpoint=f"127.0.0.1:{target_port}",
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,

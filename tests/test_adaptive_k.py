@@ -149,3 +149,12 @@ async def test_sampling_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_pertur
         await stack.stop()
     counts = torch.bincount(torch.tensor(tokens), minlength=exact.numel()).float()
     assert total_variation(counts, exact) < 2 * expected_sampling_tv(exact, len(tokens))
+
+
+def test_rounds_without_the_draft_leave_k_alone_until_a_draft_round_is_timed():
+    """A request whose draft was away from the start has timed only target-only rounds."""
+    policy = AdaptiveSpeculation().for_request("")
+    assert policy.choose(K_MAX) == K_MAX  # nothing measured yet: the most
+    for _ in range(3):  # the loop ran these target-only (draft unreachable); the policy only observes them
+        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.5), 0, 0)
+    assert policy.choose(K_MAX) == K_MAX  # no draft cost known: nothing to weigh k against yet

@@ -292,7 +292,7 @@ async def test_serve_on_ray_with_an_api_key_refuses_unauthenticated_calls(tiny_l
     (tmp_path / "api-key").write_text("ray-api-key")
     process, endpoint, lines = await asyncio.to_thread(
         start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-        "--target-replicas", "1", "--draft-replicas", "1", "--metrics-port", "-1",
+        "--backend", "ray", "--target-replicas", "1", "--draft-replicas", "1", "--metrics-port", "-1",
         "--api-key-file", str(tmp_path / "api-key"))
     keyed = bearer_metadata("ray-api-key")
     try:

@@ -12,17 +12,16 @@ import grpc
 import pytest
 import torch
 
-from draft_service.server import create_server as create_draft_server
-from harness import load, make_engine
+from harness import load, make_engine, start_model_server
 from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamError
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.deployment.ray_cli import replica_device
 from orchestrator.deployment.ray_controller import autoscale
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
 from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
 from specmesh import models
 from specmesh.sampling import SamplingParams
-from target_service.server import create_server as create_target_server
 from test_greedy_parity import target_greedy
 
 PROMPT = "The quick brown fox"
@@ -33,16 +32,15 @@ class Replicas:
     """n real gRPC servers of one role over engines of the same model, and a pool over them."""
 
     def __init__(self, role: str, servers: dict[str, grpc.aio.Server], addresses: dict[str, str]):
-        self.servers = servers
+        self.role, self.servers, self.addresses = role, servers, addresses
         client = TargetClient if role == "target" else DraftClient
         self.pool = ReplicaPool(role, fixed_replicas(addresses), client, check_interval_s=0.1)
 
     @classmethod
     async def start(cls, role: str, model_dir, count: int) -> "Replicas":
-        create = create_target_server if role == "target" else create_draft_server
         servers, addresses = {}, {}
         for index in range(count):
-            server, port, _ = await create(make_engine(model_dir, salt=0 if role == "target" else 1))
+            server, port = await start_model_server(role, make_engine(model_dir, role_name=role))
             servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
         replicas = cls(role, servers, addresses)
         await replicas.pool.wait_serving(count, timeout=10)
@@ -51,15 +49,21 @@ class Replicas:
     async def stop(self, name: str) -> None:
         await self.servers.pop(name).stop(None)
 
+    async def restart(self, name: str, model_dir) -> None:
+        """The replica back at its old address, empty (as a restarted process comes back)."""
+        port = int(self.addresses[name].rsplit(":", 1)[1])
+        self.servers[name], _ = await start_model_server(self.role, make_engine(model_dir, role_name=self.role),
+                                                         port=port)
+
     async def stop_all(self) -> None:
         for name in list(self.servers):
             await self.stop(name)
 
 
-def generation(tokenizer, target, draft, k: int = 2) -> SpeculativeGeneration:
+def generation(tokenizer, target, draft, k: int = 2, loop=SpeculativeGeneration) -> SpeculativeGeneration:
     request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(PROMPT), max_tokens=MAX_TOKENS,
                                 sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=k)
-    return SpeculativeGeneration(request, target, draft, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=k))
+    return loop(request, target, draft, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=k))
 
 
 def placed(client, generation_: SpeculativeGeneration) -> str:
@@ -85,6 +89,36 @@ async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tin
         assert target.failovers == 1 and draft.failovers == 1
         assert not gen.stats.draft_fallback  # the draft session moved rather than being dropped
         assert placed(target, gen) != moved[0] and placed(draft, gen) != moved[1]
+    finally:
+        await targets.stop_all()
+        await drafts.stop_all()
+        await targets.pool.stop()
+        await drafts.pool.stop()
+
+
+@pytest.mark.parametrize("loop", [SpeculativeGeneration, PipelinedGeneration])
+async def test_speculation_comes_back_mid_request_when_the_draft_does(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                      loop):
+    """The only draft replica dies: target-only rounds, the same output; back, it drafts again."""
+    targets = await Replicas.start("target", tiny_llama_dir, 1)
+    drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 1)
+    target, draft = PooledTargetClient(targets.pool), PooledDraftClient(drafts.pool, acquire_timeout_s=0.0)
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    expected = list(target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS))
+    assert len(expected) > 30, "the prompt must run long enough for the draft to leave and come back"
+    gen, tokens, drafted_when_back = generation(tokenizer, target, draft, loop=loop), [], None
+    try:
+        async for batch in gen.tokens():
+            tokens.extend(batch)
+            if gen.stats.rounds == 2 and drafts.servers:
+                await drafts.stop("draft-0")
+            elif gen.stats.rounds == 4 and drafted_when_back is None:
+                assert gen.stats.draft_fallback  # rounds 3 and 4 ran target-only
+                await drafts.restart("draft-0", tiny_llama_perturbed_dir)
+                await drafts.pool.wait_serving(1, timeout=10)
+                drafted_when_back = gen.stats.draft_tokens
+        assert tokens == expected
+        assert gen.stats.draft_tokens > drafted_when_back  # speculating again within the same request
     finally:
         await targets.stop_all()
         await drafts.stop_all()

@@ -64,8 +64,8 @@ async def test_only_the_branch_for_the_verified_outcome_is_taken():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_commit_adopts_the_matching_branch_and_drops_the_rest(tiny_llama_perturbed_dir, device, temperature):
-    engine = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, salt=1))
-    reference = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, salt=1))
+    engine = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, role_name="draft"))
+    reference = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, role_name="draft"))
     sampling, prompt = SamplingParams(temperature, seed=3), [5, 6, 7, 8, 9]
     for draft in (engine, reference):
         await draft.open("r", prompt, sampling)
@@ -92,7 +92,7 @@ async def test_commit_adopts_the_matching_branch_and_drops_the_rest(tiny_llama_p
 
 
 async def test_a_newer_call_interrupts_the_predraft(tiny_llama_perturbed_dir, device):
-    engine = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, salt=1))
+    engine = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, role_name="draft"))
     await engine.open("r", [5, 6, 7], SamplingParams(0.0))
     proposal = await engine.propose("r", 1, None, 3, 3)
     branches = engine.predraft("r", 2, None, 3, proposal.token_ids, 4, 3)

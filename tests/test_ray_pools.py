@@ -24,10 +24,12 @@ ray = pytest.importorskip("ray")
 from harness import load  # noqa: E402
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
-from orchestrator.deployment.ray_replica import ReplicaActor, ReplicaConfig  # noqa: E402
+from specmesh.service import ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
 from orchestrator.frontend.server import serve_grpc  # noqa: E402
+from specmesh.metrics import OrchestratorMetrics  # noqa: E402
 from specmesh.security import token_interceptors  # noqa: E402
+from orchestrator.deployment.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
 from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402
@@ -91,7 +93,8 @@ async def ray_stack(ray_cluster, tiny_llama_dir, tiny_llama_perturbed_dir):
                            start_timeout_s=120.0)
     pools = Pools.from_options(options, token_interceptors(TOKEN))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
+    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2),
+                                         metrics=OrchestratorMetrics())
     server, port, _ = await serve_grpc(servicer)
     stack = RayStack(pools, servicer, server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"), str(tiny_llama_dir))
     await stack.wait_serving("target", 2)
@@ -176,6 +179,8 @@ async def test_killed_replicas_cost_nothing_and_rejoin(ray_stack):
     assert target.failovers > failovers, "the kill should have hit running sessions"
     await ray_stack.wait_serving("target", 2)  # restarted on a new port and back in the pool
     await ray_stack.wait_serving("draft", 2)
+    for role in ("target", "draft"):  # counted as in local mode: back at a new address
+        assert ray_stack.pools.metrics.registry.get_sample_value("specmesh_replica_restarts_total", {"role": role}) == 1
     assert [await ray_stack.generate(p, 16) for p in TINY_PROMPTS[:2]] == [
         ray_stack.expected(p, 16) for p in TINY_PROMPTS[:2]]
 

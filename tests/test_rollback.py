@@ -33,7 +33,7 @@ async def test_caches_match_fresh_prefill(tiny_llama_dir, tiny_llama_perturbed_d
                                           row_multiple):
     rng = random.Random(seed)
     target = TargetEngine(make_engine(tiny_llama_dir, device, row_multiple=row_multiple))
-    draft = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, salt=1, row_multiple=row_multiple))
+    draft = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, role_name="draft", row_multiple=row_multiple))
     sampling = SamplingParams(temperature, seed=seed)
     prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]
     opened = await target.open("r", prompt, sampling)

@@ -12,8 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from draft_service.server import create_server as create_draft_server
-from harness import load, make_engine, start_stack
+from harness import load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions, TokenizerMismatch
 from orchestrator.frontend.server import create_server
 from specmesh.v1 import generation_pb2
@@ -156,7 +155,7 @@ async def test_health_and_reflection(llama_stack):
 async def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, other_vocab_model_dir, device):
     stack = await start_stack(tiny_llama_dir, None, device=device)
     try:
-        server, port, _ = await create_draft_server(make_engine(other_vocab_model_dir, device))
+        server, port = await start_model_server("draft", make_engine(other_vocab_model_dir, device, "draft"))
         _, tokenizer = load(str(tiny_llama_dir), device)
         options = OrchestratorOptions(f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{port}")
         with pytest.raises(TokenizerMismatch, match="different tokenizer vocabularies"):

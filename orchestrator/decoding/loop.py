@@ -5,7 +5,11 @@ One `SpeculativeGeneration` drives one request. It owns the committed sequence
 exchange carries the request id, the absolute position and the round number.
 If the draft fails, times out or answers nonsense, the generation carries on
 target-only from the committed prefix: the target alone decides every token,
-so the output is unchanged (identical under greedy).
+so the output is unchanged (identical under greedy). A draft that is only
+unreachable (UNAVAILABLE: a replica restarting, none healthy in its pool) is
+asked again after a few target-only rounds, the interval doubling while it stays
+away; the next Propose's commit catches it up, so speculation comes back within
+the request. Any other draft failure drops the draft for the rest of the request.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
+MAX_DRAFT_RETRY_ROUNDS = 32  # longest run of target-only rounds between two tries of an unreachable draft
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ class SpeculativeGeneration:
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
         self._draft_opening: asyncio.Task | None = None
+        self._draft_back_at_round = 0  # an unreachable draft is asked again from this round on
+        self._draft_retry_rounds = 1
         self._round = 0
         self._clock = RoundClock()
 
@@ -191,7 +198,7 @@ class SpeculativeGeneration:
         accepted = verified.accepted_count
         batch = draft_ids[:accepted] + [verified.next_token_id]
         if proposal is not None:
-            self.draft_agreed = position + accepted  # the draft holds exactly the accepted prefix
+            self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
         self.sequence.extend(batch)
         self.logprobs.extend(verified.logprobs)
         self._count_round(len(draft_ids), accepted, len(batch))
@@ -217,7 +224,7 @@ class SpeculativeGeneration:
 
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
-        if self.draft is None or not self.switch.enabled:
+        if self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round:
             return 0
         remaining = self.request.max_tokens - self.generated
         k_max = max(0, min(self.request.num_speculative_tokens, remaining - 1))
@@ -247,11 +254,15 @@ class SpeculativeGeneration:
             proposal = await self.draft.propose(self.session_id, self._round, commit, position, k,
                                                 timeout=self._timeout(self.config.draft_timeout_s))
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
-            self._abandon_draft(f"{type(error).__name__}: {getattr(error, 'code', lambda: '')()}")
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
+                self._pause_draft(error.details())
+            else:
+                self._abandon_draft(f"{type(error).__name__}: {getattr(error, 'code', lambda: '')()}")
             return None
         if not self._proposal_is_sound(proposal, position, k):
             self._abandon_draft("malformed proposal")
             return None
+        self._draft_retry_rounds = 1
         return proposal
 
     @staticmethod
@@ -259,6 +270,14 @@ class SpeculativeGeneration:
         count = len(proposal.token_ids)
         return (proposal.position == position and 0 < count <= k
                 and len(proposal.distributions) in (0, count))
+
+    def _pause_draft(self, reason: str) -> None:
+        """Target-only for a few rounds; the session is kept (a pooled client moves it when asked again)."""
+        log.warning("request %s: draft unreachable at round %d (%s); target-only for %d rounds",
+                    self.session_id, self._round, reason, self._draft_retry_rounds)
+        self.stats.draft_fallback = True
+        self._draft_back_at_round = self._round + 1 + self._draft_retry_rounds
+        self._draft_retry_rounds = min(2 * self._draft_retry_rounds, MAX_DRAFT_RETRY_ROUNDS)
 
     def _abandon_draft(self, reason: str) -> None:
         log.warning("request %s: draft abandoned at round %d (%s); continuing target-only",

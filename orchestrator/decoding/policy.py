@@ -2,10 +2,11 @@
 
 Per round with k draft tokens and per-token acceptance alpha, the expected number of
 committed tokens is E(k) = (1 - alpha^(k+1)) / (1 - alpha) (accepted prefix plus the
-recovered or bonus token). The round costs D(k) + V(k+1): a Propose of k tokens and a
-Verify of k+1 rows, both wall-clock times as this orchestrator sees them, so network,
-queueing behind other requests (concurrency) and a slow draft are all priced in. The
-rate of k = 0 (a target-only round) is 1 / V(1).
+recovered or bonus token). The round costs D(k) + V(k+1): the time the round waited for
+its k draft tokens (a Propose, or what was left of a pipelined pre-draft: near nothing
+on a hit) and a Verify of k+1 rows, both wall-clock times as this orchestrator sees
+them, so network, queueing behind other requests (concurrency), a slow draft and
+pipelining are all priced in. The rate of k = 0 (a target-only round) is 1 / V(1).
 
 Verification cost is not linear in rows (on our CPUs 1-3 rows cost about one pass, on
 others 4 rows are cheaper than 3), so V is measured per row count. A row count not yet
@@ -149,7 +150,7 @@ class AdaptiveDraftLength:
             self.probe_every = min(2 * self.probe_every, self.config.max_probe_every)
             self.probing = True
             return k_max  # the most evidence of acceptance one round can give
-        else:
+        elif self.costs.known:  # else no draft round has been timed yet (the draft was away): keep k
             self._maybe_switch(self.best(k_max), k_max)
         return min(self.k, k_max)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
@@ -12,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.decoding.pipelined import pipeline_enabled
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.deployment.options import PoolsOptions
 from orchestrator.frontend.servicer import Backends
 from orchestrator.frontend.validation import ModelLimits
 from specmesh import models
@@ -19,8 +19,6 @@ from specmesh.security import TLSConfig, token_interceptors
 from specmesh.telemetry import client_interceptors
 from specmesh.v1 import common_pb2
 
-if TYPE_CHECKING:
-    from orchestrator.deployment.serving import PoolsOptions
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 30.0
@@ -36,7 +34,7 @@ class OrchestratorOptions:
     draft_endpoint: str | None  # None: serve target-only
     loop: LoopConfig = LoopConfig()
     channel_tls: TLSConfig | None = None  # the channels to the draft and target (client side); None = plaintext
-    pools: "PoolsOptions | None" = None  # Ray replica pools instead of the two endpoints
+    pools: PoolsOptions | None = None  # Ray replica pools instead of the two endpoints
     # Sent on every call to the draft and target; None = send none. Kept out of reprs and logs.
     internal_token: str | None = field(default=None, repr=False)
 
@@ -72,8 +70,9 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
     pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info)
     if draft is not None:
-        log.info("speculation %s: target on %s %s, draft on %s %s", "pipelined" if pipelined else "sequential",
-                 target_info.host, target_info.device, draft_info.host, draft_info.device)
+        where = f"{draft_info.host} {draft_info.device}" if draft_info is not None else "(no draft replica yet)"
+        log.info("speculation %s: target on %s %s, draft on %s", "pipelined" if pipelined else "sequential",
+                 target_info.host, target_info.device, where)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,

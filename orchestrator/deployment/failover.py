@@ -169,18 +169,33 @@ class PooledTargetClient(PooledClient):
 class PooledDraftClient(PooledClient):
     service = "draft"
 
-
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
                       position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
         placement = self.sessions[request_id]
+        placement.opened = True  # an open lost with its replica is redone on the next one
         # A re-opened replica holds exactly `sequence`, so the same commit applies to it unchanged.
         proposal = await self._call(request_id, placement, timeout, lambda client, t: client.propose(
             request_id, round_number, commit, position, num_tokens, t))
         if commit is not None:
-            del placement.sequence[commit.position:]
-            placement.sequence.extend(commit.token_ids)
+            _apply(placement.sequence, commit)
         placement.sequence.extend(proposal.token_ids)
         return proposal
+
+    def predraft(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None, position: int,
+                 assumed_token_ids: Sequence[int], num_tokens: int, extra_branches: int, timeout: float):
+        """The PreDraft stream on the session's replica; an empty one while the session is between replicas.
+
+        A pre-draft is only an optimisation: when its replica is lost the stream just ends,
+        and the loop's next Propose moves the session (its commit re-syncs the new replica).
+        """
+        placement = self.sessions[request_id]
+        if placement.replica is None or placement.stale:
+            return _NoBranches()
+        if commit is not None:  # what a re-opened replica must hold: the commit, then the tokens assumed
+            _apply(placement.sequence, commit)
+        placement.sequence.extend(assumed_token_ids)
+        return placement.replica.client.predraft(request_id, round_number, commit, position, assumed_token_ids,
+                                                 num_tokens, extra_branches, timeout)
 
     async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
         await client.open(request_id, placement.sequence, placement.sampling, timeout)
@@ -188,3 +203,22 @@ class PooledDraftClient(PooledClient):
     def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
         # The loop answers any draft RPC error by going target-only: the output is unchanged.
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
+
+
+def _apply(sequence: list[int], commit: draft_pb2.Commit) -> None:
+    """The draft's rollback and catch-up, on our copy of its sequence."""
+    del sequence[commit.position:]
+    sequence.extend(commit.token_ids)
+
+
+class _NoBranches:
+    """A PreDraft stream that yields nothing (the loop then drafts with a fresh Propose)."""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise StopAsyncIteration
+
+    def cancel(self) -> bool:
+        return False

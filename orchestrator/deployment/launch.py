@@ -1,8 +1,17 @@
-"""`specmesh serve`: the draft service, the target service and the orchestrator as three processes.
+"""`specmesh serve`: pools of draft and target replicas and the orchestrator over them, in this process.
 
-Each child reports its bound port (or its start-up error) on a queue; the parent
-prints one line with the client endpoint once all three are ready, and takes
-them all down when one dies or on Ctrl-C.
+The start-up path is the same in both backends: `serve_deployment` builds the
+`PoolsOptions` (what each role runs, how many replicas, where), then
+`run_orchestrator` runs the orchestrator on this process's event loop, and the
+orchestrator's `Pools` start the replicas: child processes under a supervisor
+("local", the default) or Ray actors ("ray", chosen with --backend ray or
+--address). The orchestrator stays in the serve process in both, so routing,
+failover, supervision and the client-facing servers share one event loop and a
+dead model service is only ever a replica to replace.
+
+`ProcessGroup` / `start_stack` run that whole deployment as one child (`specmesh
+bench` starts its own stack that way); `run_service` runs one model service as a
+child (the pipelining benchmark).
 """
 
 from __future__ import annotations
@@ -12,21 +21,30 @@ import asyncio
 import logging
 import multiprocessing as mp
 import queue
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
 from orchestrator.decoding.loop import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.decoding.options import add_loop_arguments
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
+from orchestrator.deployment.pool import PoolSpec
+from orchestrator.deployment.options import PoolsOptions, RestartPolicy
+from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
+from specmesh.metrics import OrchestratorMetrics, serve_metrics
+from specmesh.models import load_tokenizer
+from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
 from specmesh.security import TLSConfig
-from specmesh.service import DTYPE_CHOICES, ServiceOptions, parse_cpu_list
+from specmesh.drain import drain_of
+from specmesh.server import serve_until_signal
+from specmesh.service import (DTYPE_CHOICES, ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list,
+                              run_model_service)
+from specmesh.telemetry import make_tracer_provider
 
 log = logging.getLogger(__name__)
-START_TIMEOUT_S = 1800.0  # first start assembles and converts the embedded models
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
+LOCAL_ACQUIRE_TIMEOUT_S = 120.0  # a request waits this long (within its deadline) for a restarting target
 
 
 @dataclass(frozen=True)
@@ -36,18 +54,15 @@ class Ready:
     metrics_port: int | None = None
     error: str | None = None
     http_port: int | None = None
-
-
-@dataclass(frozen=True)
-class DisagreementLogOptions:
-    path: str
-    max_per_second: float = 100.0
+    replica_metrics_ports: dict[str, int] | None = None  # local replicas' /metrics, by role or replica name
+    replica_addresses: dict[str, str] | None = None  # local replicas' gRPC host:port, by role or replica name
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model pair and where it runs: shared by `specmesh serve` and `specmesh bench`."""
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model: alias, directory, .gguf or hub id")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model, or 'none' for target-only")
+    parser.add_argument("--target", default=TARGET.default_model,
+                        help="target model: alias, directory, .gguf or hub id")
+    parser.add_argument("--draft", default=DRAFT.default_model, help="draft model, or 'none' for target-only")
     add_loop_arguments(parser)
     parser.add_argument("--target-cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the target service to these CPU cores, e.g. 0 or 0-3")
@@ -61,9 +76,55 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "the draft's precision never changes the output, only acceptance and speed")
 
 
+def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the local backend restarts dead replicas."""
+    group = parser.add_argument_group("local replica supervision (--backend local)")
+    group.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                       help="restarts of one replica within --restart-window before it is given up; a role "
+                            "whose replicas are all given up is failed (health NOT_SERVING, specmesh_role_failed)")
+    group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS")
+
+
+def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_replicas: int = 1,
+                draft_replicas: int = 1, greedy_draft: bool = False,
+                disagreement_log: tuple[str, float] | None = None, channel_tls: TLSConfig | None = None,
+                max_replica_failures: int = MAX_REPLICA_FAILURES,
+                restart_policy: RestartPolicy = RestartPolicy()) -> PoolsOptions:
+    """Each role a pool of local child processes (draft None or no draft replicas: target-only)."""
+    target_pool = PoolSpec(ReplicaConfig(TARGET.name, target, disagreement_log=disagreement_log),
+                           replicas=target_replicas)
+    draft_pool = None
+    if draft is not None and draft_replicas > 0:
+        draft_pool = PoolSpec(ReplicaConfig(DRAFT.name, draft, greedy_proposals=greedy_draft), replicas=draft_replicas)
+    return PoolsOptions(backend="local", target=target_pool, draft=draft_pool, channel_tls=channel_tls,
+                        max_replica_failures=max_replica_failures, acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S,
+                        restart_policy=restart_policy)
+
+
+def local_pools_options(args: argparse.Namespace, security, metrics_ports, internal_token: str) -> PoolsOptions:
+    """`specmesh serve --backend local`: the first replica of each role serves its role's metrics port;
+    the replicas accept only callers holding `internal_token`."""
+    # Only this deployment's orchestrator may call its draft and target: the token reaches the children
+    # with their start-up arguments (pickled over a pipe), never on a command line or in the environment.
+    common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
+                  tls=security.server_tls, internal_token=internal_token, shutdown_grace_s=args.shutdown_grace)
+    draft = None
+    if args.draft.lower() != "none":
+        draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
+                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **common)
+    return local_pools(
+        ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
+                       metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common),
+        draft, target_replicas=1 if args.target_replicas is None else args.target_replicas,
+        draft_replicas=1 if args.draft_replicas is None else args.draft_replicas, greedy_draft=args.greedy_draft,
+        disagreement_log=(args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None,
+        channel_tls=security.channel_tls, max_replica_failures=args.max_replica_failures,
+        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+
+
 @dataclass(frozen=True)
 class StackOptions:
-    """Everything `start_stack` needs: both services, the loop, and where the orchestrator listens."""
+    """A local deployment with one replica per role, run as one child by `start_stack` (`specmesh bench`)."""
 
     target: ServiceOptions
     draft: ServiceOptions | None  # None: target-only
@@ -71,66 +132,21 @@ class StackOptions:
     address: str  # the orchestrator's client-facing host:port
     orchestrator: ServiceOptions  # its metrics and HTTP ports and tracing settings
     greedy_draft: bool = False
-    disagreement_log: DisagreementLogOptions | None = None
+    disagreement_log: tuple[str, float] | None = None  # (path, records per second)
     channel_tls: TLSConfig | None = None  # the orchestrator's channels to the draft and target
 
-
-def dial_host(bind_host: str) -> str:
-    """The address to reach a service bound to `bind_host` on this machine (a wildcard is not one)."""
-    return "127.0.0.1" if bind_host in ("", "0.0.0.0", "::", "[::]") else bind_host
-
-
-def start_stack(group: "ProcessGroup", options: StackOptions) -> dict[str, Ready]:
-    """Start target and draft, then the orchestrator over them; readiness by name.
-
-    Raises RuntimeError when a child fails to start (the caller stops the group).
-    """
-    group.start("target", run_target, options.target, options.disagreement_log)
-    names = {"target"}
-    if options.draft is not None:
-        group.start("draft", run_draft, options.draft, options.greedy_draft)
-        names.add("draft")
-    ready = group.wait_ready(names, START_TIMEOUT_S)
-    orchestrator = OrchestratorOptions(
-        target_endpoint=f"{dial_host(options.target.host)}:{ready['target'].port}",
-        draft_endpoint=f"{dial_host(options.draft.host)}:{ready['draft'].port}" if "draft" in ready else None,
-        loop=options.loop, channel_tls=options.channel_tls, internal_token=options.target.internal_token)
-    group.start("orchestrator", run_orchestrator, options.target.model, orchestrator, options.address,
-                options.orchestrator)
-    ready.update(group.wait_ready({"orchestrator"}, START_TIMEOUT_S))
-    return ready
-
-
-def run_draft(options: ServiceOptions, greedy_proposals: bool, ready: "mp.Queue[Ready]") -> None:
-    from draft_service.server import create_server
-    _run_service("draft", create_server, options, 1, ready, greedy_proposals=greedy_proposals)
-
-
-def run_target(options: ServiceOptions, disagreement_log: DisagreementLogOptions | None,
-               ready: "mp.Queue[Ready]") -> None:
-    from target_service.disagreements import DisagreementLog
-    from target_service.server import create_server
-    log_ = DisagreementLog(disagreement_log.path, disagreement_log.max_per_second) if disagreement_log else None
-    _run_service("target", create_server, options, 0, ready, disagreements=log_)
-
-
-def _run_service(name, create_server, options, salt, ready, **server_kwargs) -> None:
-    from specmesh.service import load_engine, run_model_service
-    _configure_child_logging()
-    try:
-        engine = load_engine(options, generator_salt=salt)
-        asyncio.run(run_model_service(name, create_server, engine, options,
-                                      lambda port, metrics_port: ready.put(Ready(name, port, metrics_port)),
-                                      **server_kwargs))
-    except Exception as error:  # noqa: BLE001 - reported to the parent, then exit
-        ready.put(Ready(name, None, error=f"{type(error).__name__}: {error}"))
-        sys.exit(1)
+    def pools(self) -> PoolsOptions:
+        return local_pools(self.target, self.draft, greedy_draft=self.greedy_draft,
+                           disagreement_log=self.disagreement_log, channel_tls=self.channel_tls)
 
 
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
-                     telemetry: ServiceOptions, ready: "mp.Queue[Ready]") -> None:
-    """`telemetry` carries the orchestrator's metrics port, tracing settings, TLS and API key."""
-    _configure_child_logging()
+                     telemetry: ServiceOptions, ready) -> None:
+    """Serve until SIGINT/SIGTERM; `ready.put(Ready)` once listening, or with the start-up error.
+
+    `telemetry` carries the orchestrator's metrics port, tracing settings, TLS and API key.
+    """
+    _configure_logging()
     try:
         asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, telemetry, ready))
     except Exception as error:  # noqa: BLE001
@@ -139,30 +155,36 @@ def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address:
 
 
 async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: ServiceOptions, ready) -> None:
-    from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-    from orchestrator.frontend.server import create_servicer, serve_grpc
-    from specmesh.metrics import OrchestratorMetrics, serve_metrics
-    from specmesh.models import load_tokenizer
-    from specmesh.drain import drain_of
-    from specmesh.server import serve_until_signal
-    from specmesh.telemetry import make_tracer_provider
     provider = make_tracer_provider("specmesh-orchestrator", telemetry.trace_exporter, telemetry.trace_sample_ratio)
     metrics = OrchestratorMetrics()
     metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
-    servicer = await create_servicer(load_tokenizer(tokenizer_spec), options, tracer_provider=provider,
-                                     metrics=metrics)
-    server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
-                                            api_key=telemetry.api_key, max_request_bytes=telemetry.max_request_bytes)
-    http = None
-    if telemetry.http_port is not None and telemetry.http_port >= 0:
-        app = create_app(servicer, telemetry.api_key, drain_of(server), telemetry.max_request_bytes)
-        http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
-    ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None))
     try:
-        await serve_until_signal(server, health, telemetry.shutdown_grace_s)  # drains HTTP too: one drain
+        tokenizer = load_tokenizer(tokenizer_spec)  # the target's: a bad target fails here, before any child starts
+    except Exception as error:
+        raise RuntimeError(f"target failed to start: {type(error).__name__}: {error}") from error
+    servicer = await create_servicer(tokenizer, options, tracer_provider=provider, metrics=metrics)
+    http = None
+    try:
+        server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
+                                                api_key=telemetry.api_key,
+                                                max_request_bytes=telemetry.max_request_bytes)
+        if servicer.pools is not None:
+            servicer.pools.attach_health(health, (SERVICE_NAME,))
+        if telemetry.http_port is not None and telemetry.http_port >= 0:
+            app = create_app(servicer, telemetry.api_key, drain_of(server), telemetry.max_request_bytes)
+            http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
+        pools = servicer.pools
+        ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None,
+                        replica_metrics_ports=pools.metrics_ports() if pools is not None else {},
+                        replica_addresses=pools.local_addresses() if pools is not None else {}))
+        # Returns after the drain on SIGTERM/SIGINT (specmesh.drain; HTTP shares it), while the replicas
+        # still serve: they are stopped below, last.
+        await serve_until_signal(server, health, telemetry.shutdown_grace_s)
     finally:
         if http is not None:
             await stop_http_server(http[0], http[2])
+        if servicer.pools is not None:
+            await servicer.pools.stop()  # the local replicas are this process's children
         if provider is not None:
             provider.shutdown()
 
@@ -172,8 +194,29 @@ def ready_message(host: str, orchestrator: Ready) -> str:
     return f"specmesh ready: client endpoint {host}:{orchestrator.port}{http}"
 
 
-def _configure_child_logging() -> None:
+def _configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(processName)s %(levelname)s %(message)s")
+
+
+def run_service(config: ReplicaConfig, ready: "mp.Queue[Ready]") -> None:
+    """Child process: one model service at config.service's port (a benchmark's fixed pair)."""
+    _configure_logging()
+    try:
+        engine = load_engine(config.service, config.role)
+        asyncio.run(run_model_service(config, engine, lambda port, metrics_port: ready.put(
+            Ready(config.role, port, metrics_port))))
+    except Exception as error:  # noqa: BLE001 - reported to the parent, then exit
+        ready.put(Ready(config.role, None, error=f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+
+
+def start_stack(group: "ProcessGroup", options: StackOptions) -> dict[str, Ready]:
+    """The whole local deployment as one child; raises RuntimeError when it fails to start."""
+    orchestrator = OrchestratorOptions("", None, options.loop, pools=options.pools(),
+                                       internal_token=options.target.internal_token)
+    group.start("orchestrator", run_orchestrator, options.target.model, orchestrator, options.address,
+                options.orchestrator)
+    return group.wait_ready({"orchestrator"}, START_TIMEOUT_S)
 
 
 class ProcessGroup:
@@ -211,30 +254,12 @@ class ProcessGroup:
             if process.exitcode is not None:
                 raise RuntimeError(f"{process.name} exited with code {process.exitcode} during start-up")
 
-    def wait_any_exit(self, stop_requested) -> None:
-        while not stop_requested() and all(p.is_alive() for p in self.processes):
-            time.sleep(0.5)
-
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the orchestrator and wait up to grace_s for its drain, then the model services: they
-        serve its in-flight streams to the end."""
-        orchestrator = [p for p in self.processes if p.name == "orchestrator"]
-        for group in (orchestrator, [p for p in self.processes if p not in orchestrator]):
-            for process in group:
-                if process.is_alive():
-                    process.terminate()  # SIGTERM: each server drains (specmesh.drain)
-            deadline = time.monotonic() + grace_s
-            for process in group:
-                process.join(max(0.1, deadline - time.monotonic()))
-                if process.is_alive():
-                    process.kill()
-
-
-def install_stop_flag() -> list[bool]:
-    flag = [False]
-
-    def request_stop(signum, frame):
-        flag[0] = True
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    return flag
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: each server shuts down gracefully
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()

@@ -20,19 +20,21 @@ from typing import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.deployment.clients import open_channel
+from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.decoding.loop import spawn_background
+from specmesh.service import ReplicaConfig
 
 log = logging.getLogger(__name__)
 Resolve = Callable[[], Awaitable[str]]
 Discover = Callable[[], Awaitable[dict[str, Resolve]]]
 CHECK_TIMEOUT_S = 2.0
+CLIENTS = {"draft": DraftClient, "target": TargetClient}
 RESOLVE_TIMEOUT_S = 60.0  # a restarting replica loads its model before it answers
 
 
 class NoHealthyReplica(Exception):
-    def __init__(self, role: str, waited_s: float):
-        super().__init__(f"no healthy {role} replica (waited {waited_s:.1f} s)")
+    def __init__(self, role: str, waited_s: float, why: str = ""):
+        super().__init__(f"no healthy {role} replica (waited {waited_s:.1f} s)" + (f": {why}" if why else ""))
 
 
 class ReplicaGone(Exception):
@@ -73,6 +75,8 @@ class ReplicaPool:
         self.interceptors = interceptors
         self.tls = tls  # specmesh.security.TLSConfig of the channels to replicas; None = plaintext
         self.replicas: dict[str, Replica] = {}
+        self.failed = False  # set by a supervisor that gave every replica up: nothing will come back
+        self.on_restarted: Callable[[str], None] = lambda role: None  # a replica came back at a new address
         self._task: asyncio.Task | None = None
 
     # ---- routing
@@ -92,6 +96,9 @@ class ReplicaPool:
         """The least-loaded serving replica; waits up to `timeout` for one to become healthy."""
         started = time.monotonic()
         while (replica := self.try_acquire()) is None:
+            if self.failed:
+                raise NoHealthyReplica(self.role, time.monotonic() - started, "the pool failed: every replica "
+                                       "used up its restarts")
             if time.monotonic() - started >= timeout:
                 raise NoHealthyReplica(self.role, time.monotonic() - started)
             await asyncio.sleep(min(0.05, timeout))
@@ -178,6 +185,8 @@ class ReplicaPool:
         if address != replica.address:
             if replica.channel is not None:  # calls still on it fail over; close it once they are done
                 _close_later(replica.channel, CHECK_TIMEOUT_S + 1.0)
+            if replica.address is not None:  # a new incarnation: the supervisor or Ray restarted it
+                self.on_restarted(self.role)
             replica.address = address
             replica.channel = open_channel(address, self.tls, self.interceptors)
             replica.client = self.make_client(replica.channel)
@@ -201,6 +210,35 @@ class ReplicaPool:
             if self._task is None:  # else the running refresher does it
                 await self.refresh()
             await asyncio.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    replica: ReplicaConfig  # what each replica serves
+    replicas: int = 1  # initial size
+    min_replicas: int | None = None  # autoscaling bounds; None = replicas (no autoscaling)
+    max_replicas: int | None = None
+    num_cpus: float = 1.0  # Ray resources per replica (the Ray backend only)
+    num_gpus: float = 0.0  # > 1: the target is sharded over that many GPUs of one node
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (a worker group's)
+    max_restarts: int = 3  # Ray restarts of one replica before it is replaced (the local backend: RestartPolicy)
+    sessions_per_replica: float = 4.0  # autoscaling target: mean open sessions per serving replica
+    scale_cooldown_s: float = 30.0
+    drain_grace_s: float = 60.0  # longest a removed replica waits for its sessions
+
+    @property
+    def role(self) -> str:
+        return self.replica.role
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        low = self.replicas if self.min_replicas is None else self.min_replicas
+        high = self.replicas if self.max_replicas is None else self.max_replicas
+        return low, high
+
+
+def new_pool(role: str, discover: Discover, check_interval_s: float, interceptors=(), tls=None) -> ReplicaPool:
+    return ReplicaPool(role, discover, CLIENTS[role], check_interval_s, interceptors, tls)
 
 
 def fixed_replicas(addresses: dict[str, str]) -> Discover:

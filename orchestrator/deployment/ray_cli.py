@@ -1,7 +1,7 @@
-"""The Ray side of the `specmesh` command: `serve` with replica pools, `scale`, `replicas`.
+"""The pool flags of `specmesh serve`, the Ray backend's pool options, and `scale` / `replicas`.
 
-`specmesh serve` runs on Ray when any of --address, --draft-replicas or
---target-replicas is given; otherwise it starts the three plain processes.
+`specmesh serve` runs every replica as a Ray actor with --backend ray (the default
+when --address is given); otherwise as a local child process under a supervisor.
 """
 
 from __future__ import annotations
@@ -17,18 +17,20 @@ import grpc
 
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.ray_controller import PoolSpec
-from orchestrator.deployment.ray_replica import ReplicaConfig
-from orchestrator.deployment.serving import PoolsOptions
-from specmesh.security import new_internal_token
-from specmesh.service import ServiceOptions
+
+from orchestrator.deployment.options import PoolsOptions
+from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # replicas talk gRPC; Ray's object store stays idle
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("Ray replica pools (any of --address, --draft-replicas, --target-replicas "
-                                     "runs every replica as a Ray actor)")
+    group = serve.add_argument_group("replica pools (the --*-num-cpus/gpus/resources, --address and "
+                                     "--ray-namespace flags are for --backend ray)")
+    group.add_argument("--backend", choices=["local", "ray"], default=None,
+                       help="local: every replica a child process of this one, restarted when it dies; ray: "
+                            "every replica a Ray actor (default: ray with --address, else local)")
     group.add_argument("--address", default=None,
                        help="Ray cluster to join (e.g. 'auto' or HEAD_IP:6379); default: start a local one")
     group.add_argument("--ray-namespace", default="specmesh", help="Ray namespace of the replica actors")
@@ -61,8 +63,8 @@ def _resources(text: str) -> dict[str, float]:
     return resources
 
 
-def wants_ray(args: argparse.Namespace) -> bool:
-    return args.address is not None or args.draft_replicas is not None or args.target_replicas is not None
+def backend_of(args: argparse.Namespace) -> str:
+    return args.backend or ("ray" if args.address is not None else "local")
 
 
 def replica_device(device: str, num_gpus: float) -> str:
@@ -99,7 +101,7 @@ def pools_options(args: argparse.Namespace, security=None, internal_token: str |
     if args.draft.lower() != "none" and args.draft_replicas != 0:
         draft = pool_spec(args, "draft", args.draft, args.draft_device or args.device, args.draft_dtype,
                           server_tls, internal_token, greedy_proposals=args.greedy_draft)
-    return PoolsOptions(namespace=args.ray_namespace, target=target, draft=draft,
+    return PoolsOptions(backend="ray", namespace=args.ray_namespace, target=target, draft=draft,
                         max_replica_failures=args.max_replica_failures,
                         channel_tls=security.channel_tls if security else None)
 
@@ -158,46 +160,3 @@ async def _admin(args: argparse.Namespace, call) -> int:
             print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
                   f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})")
     return 0
-
-
-# ---- `specmesh serve` on Ray
-
-
-def serve_on_ray(args: argparse.Namespace, metrics_port: int | None, security=None) -> int:
-    """Start (or join) a Ray cluster, the pools' replica actors, and an orchestrator in this process."""
-    import ray
-
-    from orchestrator.deployment.launch import run_orchestrator
-    from orchestrator.deployment.backends import OrchestratorOptions
-    from orchestrator.decoding.options import loop_config
-    # The API key where one is configured: orchestrators that join these pools hold it too.
-    internal_token = (security.api_key if security else None) or new_internal_token()
-    options = pools_options(args, security, internal_token)
-    init_ray(args.address, args.ray_namespace, options)
-    orchestrator = OrchestratorOptions("", None, loop_config(args), pools=options, internal_token=internal_token)
-    telemetry = ServiceOptions(model=args.target, host=args.host, metrics_port=metrics_port,
-                               http_port=args.http_port, trace_exporter=args.trace_exporter,
-                               trace_sample_ratio=args.trace_sample_ratio,
-                               tls=security.server_tls if security else None,
-                               api_key=security.api_key if security else None,
-                               shutdown_grace_s=args.shutdown_grace,
-                               max_request_bytes=args.max_request_bytes)
-    try:  # returns after the drain on SIGTERM/SIGINT (specmesh.drain), while the replicas still serve
-        run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, _ReadyLine(args.host))
-    finally:
-        ray.shutdown()  # the replica actors belong to this driver and go with it
-    return 0
-
-
-class _ReadyLine:
-    """Receives the orchestrator's readiness report (the launcher's queue protocol) and prints it."""
-
-    def __init__(self, host: str):
-        self.host = host
-
-    def put(self, ready) -> None:
-        from orchestrator.deployment.launch import ready_message
-        if ready.error:
-            print(f"specmesh serve: {ready.error}", file=sys.stderr, flush=True)
-            return
-        print(ready_message(self.host, ready) + " (Ray replica pools; 'specmesh replicas' lists them)", flush=True)

@@ -15,40 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
-from orchestrator.deployment.clients import DraftClient, TargetClient
-from orchestrator.deployment.pool import Discover, ReplicaGone, ReplicaPool, Resolve
-from orchestrator.deployment.ray_replica import ReplicaActor, ReplicaConfig
+from orchestrator.deployment.pool import Discover, PoolSpec, ReplicaGone, Resolve, new_pool
+from orchestrator.deployment.ray_replica import ReplicaActor
 
 log = logging.getLogger(__name__)
 ACTOR_PREFIX = "specmesh-"
-CLIENTS = {"draft": DraftClient, "target": TargetClient}
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    replica: ReplicaConfig  # what each replica serves
-    replicas: int = 1  # initial size
-    min_replicas: int | None = None  # autoscaling bounds; None = replicas (no autoscaling)
-    max_replicas: int | None = None
-    num_cpus: float = 1.0  # Ray resources per replica
-    num_gpus: float = 0.0  # > 1: the target is sharded over that many GPUs of one node
-    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (a worker group's)
-    max_restarts: int = 3  # Ray restarts of one replica before it is replaced
-    sessions_per_replica: float = 4.0  # autoscaling target: mean open sessions per serving replica
-    scale_cooldown_s: float = 30.0
-    drain_grace_s: float = 60.0  # longest a removed replica waits for its sessions
-
-    @property
-    def role(self) -> str:
-        return self.replica.role
-
-    @property
-    def bounds(self) -> tuple[int, int]:
-        low = self.replicas if self.min_replicas is None else self.min_replicas
-        high = self.replicas if self.max_replicas is None else self.max_replicas
-        return low, high
 
 
 def actor_resolver(handle) -> Resolve:
@@ -78,10 +50,6 @@ def ray_discovery(role: str, namespace: str) -> Discover:
     return discover
 
 
-def new_pool(role: str, discover: Discover, check_interval_s: float, interceptors=(), tls=None) -> ReplicaPool:
-    return ReplicaPool(role, discover, CLIENTS[role], check_interval_s, interceptors, tls)
-
-
 class PoolController:
     def __init__(self, spec: PoolSpec, namespace: str, check_interval_s: float = 1.0, interceptors=(), tls=None):
         self.spec = spec
@@ -101,6 +69,12 @@ class PoolController:
         self.scale_to(self.desired)
         self.pool.start()
         self._task = asyncio.ensure_future(self._run())
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await self.pool.wait_serving(1, timeout_s)
+
+    def metrics_ports(self) -> dict[str, int]:
+        return {}  # replica actors serve no /metrics of their own
 
     async def stop(self) -> None:
         import ray

@@ -1,84 +1,144 @@
 """An orchestrator over replica pools: build the Generation servicer and the pool admin calls.
 
-With `PoolsOptions.target` / `.draft` set, this orchestrator owns the pools (creates,
-scales and replaces the replica actors); without, it joins pools that another
-orchestrator owns, discovering their replicas as named actors in the namespace.
+Every deployment serves this way: each role is a `ReplicaPool` (routing, health) behind a
+failover client, and a controller per role keeps its replicas running, either as local
+child processes (`supervisor.LocalPoolController`, backend "local", plain `specmesh serve`)
+or as Ray actors (`ray_controller.PoolController`, backend "ray"). With `PoolsOptions.target`
+/ `.draft` unset, this orchestrator joins Ray pools that another one owns, discovering
+their replicas as named actors in the namespace.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from dataclasses import dataclass
 
+from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.deployment.backends import STARTUP_TIMEOUT_S, backends_for
+from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
+from orchestrator.deployment.options import BACKENDS, PoolsOptions
+from orchestrator.deployment.pool import PoolSpec, ReplicaPool, new_pool
+from orchestrator.deployment.ray_controller import PoolController, ray_discovery
+from orchestrator.deployment.supervisor import LocalPoolController
+from orchestrator.decoding.loop import spawn_background
 from orchestrator.frontend.servicer import GenerationServicer
-from specmesh.telemetry import client_interceptors, tracer
-from orchestrator.deployment.ray_controller import PoolController, PoolSpec, new_pool, ray_discovery
-from orchestrator.deployment.failover import MAX_REPLICA_FAILURES, PooledDraftClient, PooledTargetClient
-from orchestrator.deployment.pool import ReplicaPool
 from specmesh.errors import InvalidArgument, NotManagedHere
-from specmesh.security import TLSConfig, token_interceptors
+from specmesh.security import token_interceptors
+from specmesh.telemetry import client_interceptors, tracer
 from specmesh.v1 import admin_pb2
 
 log = logging.getLogger(__name__)
-START_TIMEOUT_S = 1800.0  # the first start may assemble and convert the embedded models
 JOIN_DRAFT_WAIT_S = 10.0
+HEALTH_PREFIX = "specmesh.pool."  # grpc.health.v1 service "specmesh.pool.<role>": the role's state
 
 
-@dataclass(frozen=True)
-class PoolsOptions:
-    namespace: str = "specmesh"
-    target: PoolSpec | None = None  # None (both): join the pools in `namespace`
-    draft: PoolSpec | None = None  # None while target is set: serve target-only
-    check_interval_s: float = 1.0  # health checks and controller ticks
-    max_replica_failures: int = MAX_REPLICA_FAILURES  # replicas one request may lose before it fails
-    acquire_timeout_s: float = 10.0  # longest a request waits for a healthy target replica
-    start_timeout_s: float = START_TIMEOUT_S
-    channel_tls: TLSConfig | None = None  # the orchestrator's channels to replicas; None = plaintext
-
-    @property
-    def manage(self) -> bool:
-        return self.target is not None
+def pool_health_name(role: str) -> str:
+    return HEALTH_PREFIX + role
 
 
 class Pools:
     """This orchestrator's pools, and their controllers where it owns the replicas."""
 
-    def __init__(self, pools: dict[str, ReplicaPool], controllers: dict[str, PoolController] | None = None,
+    def __init__(self, pools: dict[str, ReplicaPool], controllers: dict | None = None,
                  options: PoolsOptions = PoolsOptions()):
         self.pools = pools  # "target" (always) and "draft" (unless target-only)
-        self.controllers = controllers or {}
+        self.controllers = controllers or {}  # LocalPoolController or PoolController, by role
         self.options = options
+        self.failed: set[str] = set()  # roles whose replicas all used up their restarts
+        self.metrics = None  # specmesh.metrics.OrchestratorMetrics, once the servicer has one
+        self._health = None  # the orchestrator's grpc.health.v1 servicer, once it serves
+        self._serving_names: tuple[str, ...] = ()
 
     @classmethod
     def from_options(cls, options: PoolsOptions, interceptors=()) -> "Pools":
+        if options.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {options.backend!r}")
         if not options.manage:
-            return cls({role: new_pool(role, ray_discovery(role, options.namespace), options.check_interval_s,
-                                       interceptors, options.channel_tls) for role in ("target", "draft")},
-                       options=options)
-        controllers = {spec.role: PoolController(spec, options.namespace, options.check_interval_s, interceptors,
-                                                 options.channel_tls)
-                       for spec in (options.target, options.draft) if spec is not None}
-        return cls({role: c.pool for role, c in controllers.items()}, controllers, options)
+            pools = cls({role: new_pool(role, ray_discovery(role, options.namespace), options.check_interval_s,
+                                        interceptors, options.channel_tls) for role in ("target", "draft")},
+                        options=options)
+        else:
+            pools = cls({}, options=options)
+            for spec in (options.target, options.draft):
+                if spec is not None:
+                    pools.controllers[spec.role] = pools._controller(spec, interceptors)
+                    pools.pools[spec.role] = pools.controllers[spec.role].pool
+        for pool in pools.pools.values():
+            pool.on_restarted = pools._replica_restarted
+        return pools
+
+    def _controller(self, spec: PoolSpec, interceptors):
+        options = self.options
+        if options.backend == "local":
+            return LocalPoolController(spec, options.restart_policy, options.check_interval_s, interceptors,
+                                       options.channel_tls, on_role_failed=self._role_failed)
+        return PoolController(spec, options.namespace, options.check_interval_s, interceptors, options.channel_tls)
 
     async def start(self) -> None:
+        """Start every pool; raises RuntimeError when a replica this orchestrator owns fails to start."""
         for role, pool in self.pools.items():
             if role in self.controllers:
                 self.controllers[role].start()
             else:
                 pool.start()
+        for role in sorted(self.controllers, key=lambda r: r != "target"):
+            await self.controllers[role].wait_ready(self.options.start_timeout_s)
+        if not self.controllers:
+            await self._join()
+        for role in self.pools:
+            self._report(role)
+
+    async def _join(self) -> None:
         await self.pools["target"].wait_serving(1, self.options.start_timeout_s)
-        draft = self.pools.get("draft")
-        if draft is not None:
-            wait = self.options.start_timeout_s if "draft" in self.controllers else JOIN_DRAFT_WAIT_S
-            try:
-                await draft.wait_serving(1, wait)
-            except Exception:  # noqa: BLE001 - joining: there may be no draft pool; requests go target-only
-                log.warning("no draft replica found; serving target-only until one appears")
+        try:
+            await self.pools["draft"].wait_serving(1, JOIN_DRAFT_WAIT_S)
+        except Exception:  # noqa: BLE001 - joining: there may be no draft pool; requests go target-only
+            log.warning("no draft replica found; serving target-only until one appears")
+
+    # ---- what the supervisor reports: metrics and health
+
+    def attach_health(self, health, serving_names: tuple[str, ...]) -> None:
+        """Report each role on `health` as "specmesh.pool.<role>"; a failed target turns `serving_names` off."""
+        self._health, self._serving_names = health, serving_names
+        for role in self.pools:
+            self._report(role)
+
+    def _replica_restarted(self, role: str) -> None:
+        if self.metrics is not None:
+            self.metrics.replica_restarts.labels(role=role).inc()
+
+    def _role_failed(self, role: str) -> None:
+        self.failed.add(role)
+        self._report(role)
+
+    def _report(self, role: str) -> None:
+        failed = role in self.failed
+        if self.metrics is not None:
+            self.metrics.role_failed.labels(role=role).set(int(failed))
+        if self._health is None:
+            return
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if failed else health_pb2.HealthCheckResponse.SERVING
+        names = [pool_health_name(role)]
+        if failed and role == "target":  # nothing can be generated any more: probes must see it
+            names += ["", *self._serving_names]
+        for name in names:
+            spawn_background(self._health.set(name, status))
+
+    def metrics_ports(self) -> dict[str, int]:
+        """The /metrics ports of the local replicas (Ray actors serve none)."""
+        ports: dict[str, int] = {}
+        for controller in self.controllers.values():
+            ports.update(controller.metrics_ports())
+        return ports
+
+    def local_addresses(self) -> dict[str, str]:
+        """The gRPC addresses of the local replicas (Ray's are listed by `specmesh replicas`)."""
+        addresses: dict[str, str] = {}
+        for controller in self.controllers.values():
+            addresses.update(getattr(controller, "addresses", dict)())
+        return addresses
 
     async def stop(self) -> None:
         for role, pool in self.pools.items():
@@ -128,19 +188,18 @@ async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
 
 async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, loop, *,
                               tracer_provider: TracerProvider | None = None, metrics=None):
+    pools.metrics = metrics
     await pools.start()
     failures = pools.options.max_replica_failures
     target = PooledTargetClient(pools.pools["target"], max_replica_failures=failures,
                                 acquire_timeout_s=pools.options.acquire_timeout_s)
     draft = None
     if "draft" in pools.pools:
-        draft = PooledDraftClient(pools.pools["draft"], max_replica_failures=failures, acquire_timeout_s=1.0)
+        draft = PooledDraftClient(pools.pools["draft"], max_replica_failures=failures,
+                                  acquire_timeout_s=pools.options.draft_acquire_timeout_s)
     draft_info = None
     if draft is not None and draft.pool.routable():
         draft_info = await draft.model_info(STARTUP_TIMEOUT_S)
-    if loop.pipeline == "on":
-        log.warning("replica pools serve sequentially: their failover draft client has no PreDraft yet")
-    loop = dataclasses.replace(loop, pipeline="off")
     backends = await backends_for(tokenizer, target, draft, draft_info, loop)
     servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider))
     servicer.pools = pools

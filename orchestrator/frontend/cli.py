@@ -12,14 +12,15 @@ import grpc
 from orchestrator.frontend import stats_view
 from orchestrator.bench import args as bench_args
 from orchestrator.deployment.clients import add_client_arguments, client_channel
-from orchestrator.deployment.launch import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
-from orchestrator.deployment.launch import install_stop_flag, ready_message, start_stack
 from orchestrator.deployment import ray_cli as pools_cli
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.launch import (Ready, add_model_arguments, add_supervision_arguments,
+                                            local_pools_options, ready_message, run_orchestrator)
 from orchestrator.decoding.options import loop_config
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, new_internal_token, security_from_args)
-from specmesh.drain import add_shutdown_arguments, stop_bound_s
+from specmesh.drain import add_shutdown_arguments
 from specmesh.service import ServiceOptions, add_request_limit_argument, add_telemetry_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_api_key_arguments(serve, serving=True)
     add_shutdown_arguments(serve)
     pools_cli.add_serve_arguments(serve)
+    add_supervision_arguments(serve)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=128)
@@ -68,49 +70,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Both backends: build the pools' options, then run the orchestrator (and through it the pools) here."""
     security = security_from_args(args)  # before anything starts: a bad TLS file fails here, naming its flag
-    if pools_cli.wants_ray(args):
-        return pools_cli.serve_on_ray(args, _metrics_ports(args.metrics_port)["orchestrator"], security)
-    group = ProcessGroup()
-    stop_flag = install_stop_flag()
-    telemetry = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                     tls=security.server_tls, shutdown_grace_s=args.shutdown_grace)
     metrics_ports = _metrics_ports(args.metrics_port)
-    disagreement_log = DisagreementLogOptions(args.disagreement_log, args.disagreement_log_rate) \
-        if args.disagreement_log else None
-    # Only this deployment's orchestrator may call its draft and target; the token reaches the
-    # children with their start-up arguments (pickled over a pipe), never on a command line.
-    internal = dict(internal_token=new_internal_token(), **telemetry)
-    draft = None
-    if args.draft.lower() != "none":
-        draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **internal)
-    options = StackOptions(
-        target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                              metrics_port=metrics_ports["target"], cpus=args.target_cpus, **internal),
-        draft=draft,
-        loop=loop_config(args),
-        address=f"{args.host}:{args.port}",
-        orchestrator=ServiceOptions(model=args.target, metrics_port=metrics_ports["orchestrator"],
-                                    http_port=args.http_port, api_key=security.api_key,
-                                    max_request_bytes=args.max_request_bytes, **telemetry),
-        greedy_draft=args.greedy_draft, disagreement_log=disagreement_log, channel_tls=security.channel_tls)
+    backend = pools_cli.backend_of(args)
+    if backend == "ray":
+        # The API key where one is configured: orchestrators that join these pools hold it too.
+        internal_token = security.api_key or new_internal_token()
+        pools = pools_cli.pools_options(args, security, internal_token)
+        pools_cli.init_ray(args.address, args.ray_namespace, pools)
+    else:
+        internal_token = new_internal_token()  # only this deployment's orchestrator may call its replicas
+        pools = local_pools_options(args, security, metrics_ports, internal_token)
+    orchestrator = OrchestratorOptions("", None, loop_config(args), pools=pools, internal_token=internal_token)
+    telemetry = ServiceOptions(model=args.target, host=args.host, metrics_port=metrics_ports["orchestrator"],
+                               http_port=args.http_port, trace_exporter=args.trace_exporter,
+                               trace_sample_ratio=args.trace_sample_ratio, tls=security.server_tls,
+                               api_key=security.api_key, shutdown_grace_s=args.shutdown_grace,
+                               max_request_bytes=args.max_request_bytes)
+    ready = _ReadyLine(args.host, backend)
     try:
-        ready = start_stack(group, options)
-    except RuntimeError as error:
-        print(f"specmesh serve: {error}", file=sys.stderr)
-        group.stop()
-        return 1
-    print(ready_message(args.host, ready["orchestrator"]), flush=True)
-    internal = [f"{name} {args.host}:{ready[name].port}" for name in ("target", "draft") if name in ready]
-    print("internal services (the orchestrator's token required): " + ", ".join(internal), flush=True)
-    metrics = [f"{name} http://{args.host}:{r.metrics_port}/metrics" for name, r in sorted(ready.items())
-               if r.metrics_port is not None]
-    if metrics:
-        print("metrics: " + ", ".join(metrics), flush=True)
-    group.wait_any_exit(lambda: stop_flag[0])
-    group.stop(stop_bound_s(args.shutdown_grace))  # the orchestrator drains first, then the services
+        run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, ready)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        if backend == "ray":
+            import ray  # only with --backend ray: plain serving never loads Ray
+            ray.shutdown()  # the replica actors belong to this driver and go with it
     return 0
+
+
+class _ReadyLine:
+    """Receives the orchestrator's readiness report and prints the ready line (or the error)."""
+
+    def __init__(self, host: str, backend: str):
+        self.host, self.backend = host, backend
+
+    def put(self, ready: Ready) -> None:
+        if ready.error:
+            print(f"specmesh serve: {ready.error}", file=sys.stderr, flush=True)
+            return
+        pools = "Ray replica pools" if self.backend == "ray" else "local replica processes"
+        print(ready_message(self.host, ready) + f" ({pools}; 'specmesh replicas' lists them)", flush=True)
+        if ready.replica_addresses:
+            print("internal services (the orchestrator's token required): " + ", ".join(
+                f"{name} {address}" for name, address in sorted(ready.replica_addresses.items())), flush=True)
+        ports = dict(ready.replica_metrics_ports or {})
+        if ready.metrics_port is not None:
+            ports["orchestrator"] = ready.metrics_port
+        if ports:
+            print("metrics: " + ", ".join(f"{name} http://{self.host}:{port}/metrics"
+                                          for name, port in sorted(ports.items())), flush=True)
 
 
 def _metrics_ports(base: int | None) -> dict[str, int | None]:

@@ -17,10 +17,10 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from orchestrator.decoding.loop import GenerationRequest
 from specmesh.errors import InvalidArgument
+from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import generation_pb2
 
-MAX_SPECULATIVE_TOKENS = 32
 DEFAULT_MAX_TOKENS = 256
 MAX_REQUEST_ID_LENGTH = 128
 MAX_USER_LENGTH = 256
@@ -176,8 +176,8 @@ def _num_speculative_tokens(request: generation_pb2.GenerateRequest, limits: Mod
     if request.HasField("speculation") and not request.speculation:
         return 0
     k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") else 0
-    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise InvalidArgument("num_speculative_tokens", f"must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+    if not 0 <= k <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument("num_speculative_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}]")
     return k or limits.default_num_speculative_tokens
 
 

@@ -65,24 +65,6 @@ class ProposeResponse(_message.Message):
     forward_ns: int
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
-class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "round", "commit")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    COMMIT_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    round: int
-    commit: Commit
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
-
-class CommitResponse(_message.Message):
-    __slots__ = ("request_id", "length")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    length: int
-    def __init__(self, request_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
-
 class PreDraftRequest(_message.Message):
     __slots__ = ("request_id", "round", "commit", "position", "assumed_token_ids", "num_tokens", "extra_branches")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

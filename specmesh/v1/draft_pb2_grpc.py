@@ -45,11 +45,6 @@ class DraftServiceStub:
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
-        self.Commit = channel.unary_unary(
-                '/specmesh.v1.DraftService/Commit',
-                request_serializer=specmesh_dot_v1_dot_draft__pb2.CommitRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_draft__pb2.CommitResponse.FromString,
-                _registered_method=True)
         self.PreDraft = channel.unary_stream(
                 '/specmesh.v1.DraftService/PreDraft',
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.PreDraftRequest.SerializeToString,
@@ -80,14 +75,6 @@ class DraftServiceServicer:
     def Propose(self, request, context):
         """Unary. Apply an optional commit, then draft up to num_tokens tokens
         starting at position.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Commit(self, request, context):
-        """Unary. Roll the session back to a position and append tokens the draft
-        did not generate (the target's recovered or bonus token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,11 +122,6 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
-            ),
-            'Commit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Commit,
-                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.CommitRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_draft__pb2.CommitResponse.SerializeToString,
             ),
             'PreDraft': grpc.unary_stream_rpc_method_handler(
                     servicer.PreDraft,
@@ -211,33 +193,6 @@ class DraftService:
             '/specmesh.v1.DraftService/Propose',
             specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Commit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specmesh.v1.DraftService/Commit',
-            specmesh_dot_v1_dot_draft__pb2.CommitRequest.SerializeToString,
-            specmesh_dot_v1_dot_draft__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

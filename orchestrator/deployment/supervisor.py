@@ -1,0 +1,284 @@
+"""Local replicas: each one a child process serving one model service, restarted when it dies.
+
+The local counterpart of `ray_controller.PoolController`: one `LocalPoolController`
+per role starts its replicas as spawned children (`run_replica`, which starts the
+service the one way every deployment does, `specmesh.service.run_model_service`),
+learns each one's port from a pipe, and hands the pool a `resolve()` per replica
+that returns the address of its current incarnation. A child that dies is started
+again after an exponential backoff and comes back on a new port; the pool's health
+checks find it by resolving again, exactly as with a restarted Ray actor. A replica
+that dies more than `max_restarts` times within `window_s` is given up; a role whose
+replicas are all given up is failed (logged, and reported to `on_role_failed`). One
+child's death never touches the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from orchestrator.deployment.options import RestartPolicy
+from orchestrator.deployment.pool import PoolSpec, ReplicaGone, Resolve, new_pool
+from specmesh.roles import START_TIMEOUT_S
+from specmesh.service import ReplicaConfig, load_engine, run_model_service
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a child reports on its pipe once: its ports, or why it could not start."""
+
+    port: int | None
+    metrics_port: int | None = None
+    error: str | None = None
+
+
+def run_replica(config: ReplicaConfig, report: Connection) -> None:
+    """Child process: load the model, serve it, report the port; SIGTERM stops it gracefully."""
+    _leave_the_terminal_to_the_parent()
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {config.role} %(process)d %(levelname)s %(message)s")
+    try:
+        engine = load_engine(config.service, config.role)
+        asyncio.run(run_model_service(config, engine, lambda port, metrics_port: report.send(
+            Started(port, metrics_port))))
+    except Exception as error:  # noqa: BLE001 - reported to the supervisor, then exit
+        report.send(Started(None, error=f"{type(error).__name__}: {error}"))
+        sys.exit(1)
+
+
+def _leave_the_terminal_to_the_parent() -> None:
+    """Ctrl-C reaches `specmesh serve` alone, which stops its children in order; a parent killed
+    outright still takes them down (Linux: SIGTERM on the parent's death)."""
+    os.setpgrp()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: children outlive a killed parent
+        pass
+
+
+async def _readable(*fds: int) -> None:
+    """Wait until one of `fds` is readable (data, EOF, or a process sentinel: its exit)."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    for fd in fds:
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+
+
+class LocalReplica:
+    """One supervised child: its current process, and the address of its current incarnation."""
+
+    def __init__(self, name: str, config: ReplicaConfig, policy: RestartPolicy,
+                 on_gone: Callable[[], None]):
+        self.name = name
+        self.config = config
+        self.policy = policy
+        self.on_gone = on_gone
+        self.process: mp.Process | None = None
+        self.metrics_port: int | None = None  # of the running incarnation
+        self.address: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.first_start: asyncio.Future = asyncio.get_running_loop().create_future()  # None or the error
+        self.restarts: deque[float] = deque()
+        self.gone = False
+        self.stopping = False
+        self.task: asyncio.Task | None = None
+
+    async def resolve(self) -> str:
+        """host:port of the running incarnation; waits while it (re)starts; ReplicaGone once given up."""
+        if self.gone:
+            raise ReplicaGone(f"{self.config.role} replica {self.name} was given up")
+        return await asyncio.shield(self.address)
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._supervise())
+
+    async def _supervise(self) -> None:
+        while not self.stopping:
+            first = not self.first_start.done()
+            started = await self._run_once()
+            if self.stopping:
+                return
+            if first and started.port is None:  # a bad model or flag: restarting cannot help
+                self._give_up(f"failed to start: {started.error}")
+                return
+            recent = self._count_restart()
+            if recent > self.policy.max_restarts:
+                self._give_up(f"died {recent} times within {self.policy.window_s:.0f} s")
+                return
+            delay = self.policy.backoff(recent)
+            log.warning("%s replica %s exited (code %s); restarting in %.1f s (restart %d within %.0f s)",
+                        self.config.role, self.name, self.process.exitcode, delay, recent, self.policy.window_s)
+            await asyncio.sleep(delay)
+
+    async def _run_once(self) -> Started:
+        """Start the child, publish its address once it reports, return when it has exited."""
+        context = mp.get_context("spawn")
+        receive, send = context.Pipe(duplex=False)
+        self.process = context.Process(target=run_replica, args=(self.config, send),
+                                       name=f"specmesh-{self.name}", daemon=False)
+        self.process.start()
+        send.close()  # the child holds the only write end: EOF on `receive` means it died
+        try:
+            started = await self._wait_started(receive)
+            if not self.first_start.done():
+                self.first_start.set_result(started.error if started.port is None else None)
+            if started.port is not None:
+                self.metrics_port = started.metrics_port
+                self.address.set_result(f"{_dial_host(self.config.service.host)}:{started.port}")
+                log.info("%s replica %s serving on %s (pid %d)", self.config.role, self.name,
+                         self.address.result(), self.process.pid)
+            await _readable(self.process.sentinel)
+            self.process.join()
+        finally:
+            receive.close()
+        if self.address.done():  # the next incarnation gets a fresh address
+            self.address = asyncio.get_running_loop().create_future()
+        return started
+
+    async def _wait_started(self, receive: Connection) -> Started:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            await asyncio.wait_for(_readable(receive.fileno(), self.process.sentinel), START_TIMEOUT_S)
+            if receive.poll():
+                try:
+                    return receive.recv()
+                except EOFError:
+                    break
+            if self.process.exitcode is not None:
+                break
+        return Started(None, error=f"exited with code {self.process.exitcode} before it was serving")
+
+    def _count_restart(self) -> int:
+        now = time.monotonic()
+        self.restarts.append(now)
+        while self.restarts and now - self.restarts[0] > self.policy.window_s:
+            self.restarts.popleft()
+        return len(self.restarts)
+
+    def _give_up(self, reason: str) -> None:
+        log.error("%s replica %s %s; giving it up", self.config.role, self.name, reason)
+        self.gone = True
+        if not self.address.done():
+            self.address.set_exception(ReplicaGone(reason))
+            self.address.exception()  # retrieved: waiting resolvers get it, nobody else must
+        self.on_gone()
+
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        self.stopping = True
+        process = self.process
+        if process is not None and process.exitcode is None:
+            process.terminate()  # SIGTERM: the service stops gracefully
+            try:
+                await asyncio.wait_for(_readable(process.sentinel), grace_s)
+            except asyncio.TimeoutError:
+                process.kill()
+            await asyncio.to_thread(process.join)
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+class LocalPoolController:
+    """Keeps `desired` local replicas of one role running; the interface of the Ray PoolController."""
+
+    def __init__(self, spec: PoolSpec, policy: RestartPolicy = RestartPolicy(), check_interval_s: float = 1.0,
+                 interceptors=(), tls=None,
+                 on_role_failed: Callable[[str], None] = lambda role: None):
+        self.spec = spec
+        self.policy = policy
+        self.replicas: dict[str, LocalReplica] = {}
+        self.draining: dict[str, asyncio.Task] = {}  # local replicas stop at once; their sessions move
+        self.desired = spec.replicas
+        self.failed = False
+        self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
+        self._on_role_failed = on_role_failed
+        self._index = 0
+
+    async def _discover(self) -> dict[str, Resolve]:
+        return {name: replica.resolve for name, replica in self.replicas.items()}
+
+    def start(self) -> None:
+        self.scale_to(self.desired)
+        self.pool.start()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Every replica's first start; raises RuntimeError naming the role when one fails."""
+        for replica in list(self.replicas.values()):
+            error = await asyncio.wait_for(asyncio.shield(replica.first_start), timeout_s)
+            if error is not None:
+                raise RuntimeError(f"{self.spec.role} failed to start: {error}")
+        await self.pool.wait_serving(1, timeout_s)
+
+    def addresses(self) -> dict[str, str]:
+        """Where each running replica serves gRPC: by role with one replica, else by replica name."""
+        running = {name: r.address.result() for name, r in self.replicas.items()
+                   if r.address.done() and not r.address.exception()}
+        if len(self.replicas) == 1:
+            return {self.spec.role: address for address in running.values()}
+        return running
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Where each running replica serves /metrics: by role with one replica, else by replica name."""
+        running = {name: r.metrics_port for name, r in self.replicas.items() if r.metrics_port is not None}
+        if len(self.replicas) == 1:
+            return {self.spec.role: port for port in running.values()}
+        return running
+
+    def scale_to(self, replicas: int) -> None:
+        self.desired = replicas
+        live = [name for name, r in self.replicas.items() if not r.gone]
+        for _ in range(replicas - len(live)):
+            self._add_replica()
+        for name in sorted(live, key=lambda n: -int(n.rsplit("-", 1)[1]))[:max(0, len(live) - replicas)]:
+            replica = self.replicas.pop(name)
+            asyncio.ensure_future(replica.stop())  # its sessions fail over to the others
+            log.info("removed %s replica %s", self.spec.role, name)
+
+    def _add_replica(self) -> None:
+        name = f"{self.spec.role}-{self._index}"
+        service = self.spec.replica.service
+        if self._index > 0 and service.metrics_port:  # the configured port goes to the first replica only
+            service = replace(service, metrics_port=0)
+        self._index += 1
+        config = replace(self.spec.replica, service=service)
+        replica = LocalReplica(name, config, self.policy,
+                               self._replica_gone)
+        self.replicas[name] = replica
+        replica.start()
+        log.info("started %s replica %s", self.spec.role, name)
+
+    def _replica_gone(self) -> None:
+        if self.failed or not self.replicas or not all(r.gone for r in self.replicas.values()):
+            return
+        self.failed = self.pool.failed = True
+        log.error("%s role FAILED: every replica exceeded %d restarts within %.0f s; no more restarts",
+                  self.spec.role, self.policy.max_restarts, self.policy.window_s)
+        self._on_role_failed(self.spec.role)
+
+    async def stop(self) -> None:
+        await self.pool.stop()  # first, so that no health check reports the replicas going down
+        await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
+        self.replicas.clear()
+
+
+def _dial_host(bind_host: str) -> str:
+    """The address to reach a service bound to `bind_host` on this machine (a wildcard is not one)."""
+    return "127.0.0.1" if bind_host in ("", "0.0.0.0", "::", "[::]") else bind_host

@@ -1,0 +1,31 @@
+"""Facts about the two model roles, in one table: every service, launcher and test reads them here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Most draft tokens one round may carry: the client's num_speculative_tokens, the draft's
+# Propose/PreDraft num_tokens and extra branches, and the target's Verify all stop here.
+MAX_DRAFT_TOKENS = 32
+# The first start of a model service may assemble and convert the embedded models.
+START_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # "draft" or "target"
+    # Seeds the role's sampling generators apart from the other role's under the same request seed.
+    generator_salt: int
+    default_model: str  # embedded alias used when no model is named
+
+
+TARGET = Role("target", generator_salt=0, default_model="qwen2.5-coder-1.5b")
+DRAFT = Role("draft", generator_salt=1, default_model="qwen2.5-coder-0.5b")
+ROLES = {role.name: role for role in (TARGET, DRAFT)}
+
+
+def role(name: str) -> Role:
+    try:
+        return ROLES[name]
+    except KeyError:
+        raise ValueError(f"role must be one of {sorted(ROLES)}, not {name!r}") from None

@@ -1,0 +1,174 @@
+"""Local replica pools: real child processes (the supervisor's), SIGKILLed mid-generation.
+
+The same routing and failover as the Ray pools, with replicas that are `specmesh serve`'s
+own children. The loop's token stream is an async generator, so a test kills a replica
+between two rounds at an exact point and checks what the following rounds do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from harness import load
+from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.deployment.pool import PoolSpec
+from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, servicer_over_pools
+from orchestrator.deployment.options import RestartPolicy
+from orchestrator.frontend.server import serve_grpc
+from specmesh.metrics import OrchestratorMetrics
+from specmesh.sampling import SamplingParams
+from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from test_greedy_parity import target_greedy
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 48
+RESTART_WAIT_S = 120.0  # a restarted child imports torch and loads its model: seconds, more on a busy machine
+
+
+class LocalDeployment:
+    """Pools of local child processes and the Generation servicer over them, as `specmesh serve` builds them."""
+
+    def __init__(self, pools: Pools, servicer, metrics: OrchestratorMetrics):
+        self.pools, self.servicer, self.metrics = pools, servicer, metrics
+
+    @classmethod
+    async def start(cls, target_dir, draft_dir, policy: RestartPolicy) -> "LocalDeployment":
+        spec = lambda role, model: PoolSpec(ReplicaConfig(role, ServiceOptions(model=str(model))))  # noqa: E731
+        options = PoolsOptions(backend="local", target=spec("target", target_dir),
+                               draft=spec("draft", draft_dir), check_interval_s=0.1,
+                               acquire_timeout_s=RESTART_WAIT_S, restart_policy=policy)
+        pools, metrics = Pools.from_options(options), OrchestratorMetrics()
+        _, tokenizer = load(str(target_dir), "cpu")
+        servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2),
+                                             metrics=metrics)
+        return cls(pools, servicer, metrics)
+
+    def replica(self, role: str):
+        (replica,) = self.pools.controllers[role].replicas.values()
+        return replica
+
+    def kill(self, role: str) -> str:
+        """SIGKILL the role's (only) replica; returns the address it served on."""
+        replica = self.replica(role)
+        address = replica.address.result()
+        os.kill(replica.process.pid, signal.SIGKILL)
+        return address
+
+    async def wait_serving_elsewhere(self, role: str, old_address: str) -> None:
+        """Until the pool routes to the role's replica again, at a new address (a new incarnation)."""
+        pool = self.pools.pools[role]
+        await wait_until(lambda: any(r.address != old_address for r in pool.routable()), RESTART_WAIT_S)
+
+    def generation(self, tokenizer, k: int = 2) -> SpeculativeGeneration:
+        backends = self.servicer.backends
+        request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(PROMPT), max_tokens=MAX_TOKENS,
+                                    sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=k)
+        return SpeculativeGeneration(request, backends.target, backends.draft, backends.eos_token_ids,
+                                     LoopConfig(num_speculative_tokens=k))
+
+    def restarts(self, role: str) -> float:
+        return self.metrics.registry.get_sample_value("specmesh_replica_restarts_total", {"role": role}) or 0.0
+
+
+async def wait_until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+async def deployment(tiny_llama_dir, tiny_llama_perturbed_dir):
+    """One replica per role, each allowed one restart in 10 minutes (the restart-cap test uses the second death)."""
+    deployment = await LocalDeployment.start(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                             RestartPolicy(initial_backoff_s=0.05, max_restarts=1, window_s=600.0))
+    deployment.server, port, health = await serve_grpc(deployment.servicer)
+    deployment.pools.attach_health(health, ("specmesh.v1.Generation",))
+    deployment.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield deployment
+    await deployment.channel.close()
+    await deployment.server.stop(None)
+    await deployment.pools.stop()
+
+
+async def generate_killing(deployment: LocalDeployment, tokenizer, role: str, at_round: int):
+    """Generate greedily, SIGKILLing the role's replica once `at_round` rounds are done."""
+    gen, tokens, killed = deployment.generation(tokenizer), [], None
+    async for batch in gen.tokens():
+        tokens.extend(batch)
+        if killed is None and gen.stats.rounds == at_round:
+            killed = deployment.kill(role)
+    assert killed is not None, "the generation ended before the kill"
+    return gen, tokens, killed
+
+
+async def test_draft_killed_mid_stream_changes_nothing_and_speculation_returns(deployment, tiny_llama_dir):
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    expected = list(target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS))
+    assert len(expected) > 12, "the prompt must run long enough to lose the draft mid-generation"
+    restarts = deployment.restarts("draft")
+    gen, tokens, old = await generate_killing(deployment, tokenizer, "draft", at_round=2)
+    assert tokens == expected  # went on target-only from the committed prefix, without a client error
+    assert gen.stats.draft_fallback
+    await deployment.wait_serving_elsewhere("draft", old)
+    assert deployment.restarts("draft") == restarts + 1
+    again = deployment.generation(tokenizer)
+    assert [t async for batch in again.tokens() for t in batch] == expected
+    assert again.stats.draft_tokens > 0 and not again.stats.draft_fallback  # speculating again
+
+
+async def test_target_killed_mid_stream_resumes_on_the_restarted_replica(deployment, tiny_llama_dir):
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    expected = list(target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS))
+    failovers, restarts = deployment.servicer.backends.target.failovers, deployment.restarts("target")
+    gen, tokens, old = await generate_killing(deployment, tokenizer, "target", at_round=2)
+    assert tokens == expected  # re-prefilled from the committed tokens: none lost, none repeated
+    assert deployment.servicer.backends.target.failovers == failovers + 1
+    assert deployment.restarts("target") == restarts + 1
+    assert deployment.replica("target").address.result() != old
+
+
+async def kill_until_failed(deployment: LocalDeployment, role: str) -> None:
+    """Kill the role's replica, letting it restart, until the supervisor gives the role up."""
+    while role not in deployment.pools.failed:
+        old = deployment.kill(role)
+        await wait_until(lambda: role in deployment.pools.failed or any(
+            r.address != old for r in deployment.pools.pools[role].routable()), RESTART_WAIT_S)
+
+
+async def health_of(deployment: LocalDeployment, name: str) -> int:
+    reply = await health_pb2_grpc.HealthStub(deployment.channel).Check(
+        health_pb2.HealthCheckRequest(service=name), timeout=10)
+    return reply.status
+
+
+async def test_restart_cap_fails_a_role_and_only_that_role(deployment, tiny_llama_dir):
+    """Runs last: it uses up the restarts of both roles of the shared deployment."""
+    stub = generation_pb2_grpc.GenerationStub(deployment.channel)
+    request = generation_pb2.GenerateRequest(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
+    await kill_until_failed(deployment, "draft")
+    assert await health_of(deployment, pool_health_name("draft")) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await health_of(deployment, "") == health_pb2.HealthCheckResponse.SERVING
+    assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "draft"}) == 1
+    assert deployment.restarts("draft") == 1  # one restart, then the second death within the window was too many
+    token_ids = [t async for response in stub.Generate(request, timeout=60) for t in response.token_ids]
+    assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)  # target-only
+
+    await kill_until_failed(deployment, "target")
+    for name in ("", "specmesh.v1.Generation", pool_health_name("target")):
+        assert await health_of(deployment, name) == health_pb2.HealthCheckResponse.NOT_SERVING, name
+    assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "target"}) == 1
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in stub.Generate(request, timeout=30):
+            pass
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "target" in raised.value.details()
+    assert time.monotonic() - started < 10  # a failed role answers at once, not after the request's wait
