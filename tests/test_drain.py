@@ -301,7 +301,8 @@ async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_l
     process, endpoint, _ = await asyncio.to_thread(
         start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
         "--num-speculative-tokens", "3", "--metrics-port", "-1", "--shutdown-grace", "60",
-        "--backend", "ray", "--target-replicas", "1", "--draft-replicas", "1", "--target-num-cpus", "0.5", "--draft-num-cpus", "0.5",
+        "--backend", "ray", "--target-replicas", "1", "--draft-replicas", "1",
+        "--target-num-cpus", "0.5", "--draft-num-cpus", "0.5",
         "--ray-namespace", "specmesh-drain-test")
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:
