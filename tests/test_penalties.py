@@ -164,7 +164,7 @@ async def test_a_resumed_target_session_keeps_penalties_and_logprobs(tiny_llama_
     """After failover the new replica counts only the generated tokens as output (output_start)."""
     targets = await Replicas.start("target", tiny_llama_dir, 2)
     target = PooledTargetClient(targets.pool)
-    draft_server, draft_port, _ = await create_draft_server(make_engine(tiny_llama_perturbed_dir, salt=1))
+    draft_server, draft_port, _ = await create_draft_server(make_engine(tiny_llama_perturbed_dir, role_name="draft"))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     sampling = replace(checked_sampling(fields, len(tokenizer.encode(TINY_PROMPTS[0]))), logprobs=0)
     request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(TINY_PROMPTS[0]),
