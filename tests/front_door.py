@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import grpc
 import httpx
+import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from harness import Stack, load
+from harness import Stack, load, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
@@ -90,3 +91,13 @@ def bad_request_fields(error: grpc.aio.AioRpcError) -> list[str] | None:
             detail.Unpack(bad_request)
             return [violation.field for violation in bad_request.field_violations]
     return None
+
+
+@pytest.fixture(scope="module", name="door")
+async def fuzz_door(tiny_llama_dir, tiny_llama_perturbed_dir):
+    """One stack and front door shared by a fuzz module's examples (hypothesis runs many per test)."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2)
+    door = await open_front_door(stack, tiny_llama_dir)
+    yield door
+    await door.close()
+    await stack.stop()

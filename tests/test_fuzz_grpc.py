@@ -7,12 +7,10 @@ keeps serving."""
 from __future__ import annotations
 
 import grpc
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from front_door import bad_request_fields, open_front_door
-from harness import start_stack
+from front_door import bad_request_fields, fuzz_door  # noqa: F401 - fuzz_door is the `door` fixture
 from specmesh.v1 import generation_pb2
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
@@ -50,15 +48,6 @@ def mutated(flips: list[tuple[int, int]], cut: int) -> bytes:
 raw_messages = st.binary(max_size=48) | st.builds(
     mutated, st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
     st.integers(0, len(VALID)))
-
-
-@pytest.fixture(scope="module")
-async def door(tiny_llama_dir, tiny_llama_perturbed_dir):
-    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2)
-    door = await open_front_door(stack, tiny_llama_dir)
-    yield door
-    await door.close()
-    await stack.stop()
 
 
 async def assert_completes_or_names_a_field(call) -> None:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from front_door import assert_openai_error, open_front_door
-from harness import start_stack
+from front_door import assert_openai_error, fuzz_door  # noqa: F401 - fuzz_door is the `door` fixture
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -53,15 +51,6 @@ typed_prompt = st.one_of(nonempty_text, nonempty_text, st.lists(st.integers(0, 4
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | json_value,
                                  "content": any_text | json_value})
 messages = st.one_of(st.lists(message, min_size=1, max_size=3), json_value)
-
-
-@pytest.fixture(scope="module")
-async def door(tiny_llama_dir, tiny_llama_perturbed_dir):
-    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2)
-    door = await open_front_door(stack, tiny_llama_dir)
-    yield door
-    await door.close()
-    await stack.stop()
 
 
 async def post(door, route: str, body: dict):
