@@ -44,7 +44,6 @@ from specmesh.service import (DTYPE_CHOICES, ReplicaConfig, ServiceOptions, load
 from specmesh.telemetry import make_tracer_provider
 
 log = logging.getLogger(__name__)
-LOCAL_ACQUIRE_TIMEOUT_S = 120.0  # a request waits this long (within its deadline) for a restarting target
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_
     if draft is not None and draft_replicas > 0:
         draft_pool = PoolSpec(ReplicaConfig(DRAFT.name, draft, greedy_proposals=greedy_draft), replicas=draft_replicas)
     return PoolsOptions(backend="local", target=target_pool, draft=draft_pool, channel_tls=channel_tls,
-                        max_replica_failures=max_replica_failures, acquire_timeout_s=LOCAL_ACQUIRE_TIMEOUT_S,
+                        max_replica_failures=max_replica_failures,
                         restart_policy=restart_policy)
 
 

@@ -23,6 +23,9 @@ class RestartPolicy:
         return min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, recent_restarts - 1))
 
 
+TARGET_WAIT_S = 120.0
+
+
 @dataclass(frozen=True)
 class PoolsOptions:
     backend: str = "ray"  # "local": child processes under a supervisor; "ray": Ray actors
@@ -31,7 +34,9 @@ class PoolsOptions:
     draft: PoolSpec | None = None  # None while target is set: serve target-only
     check_interval_s: float = 1.0  # health checks and controller ticks
     max_replica_failures: int = MAX_REPLICA_FAILURES  # replicas one request may lose before it fails
-    acquire_timeout_s: float = 10.0  # longest a request waits for a healthy target replica (within its deadline)
+    # Longest a request waits for a healthy target replica (within its own deadline): long enough for a
+    # restarted replica to load its model, in both backends.
+    acquire_timeout_s: float = TARGET_WAIT_S
     draft_acquire_timeout_s: float = 0.0  # no healthy draft: the round goes target-only at once
     restart_policy: RestartPolicy = RestartPolicy()  # local backend: restarts of a dead replica
     start_timeout_s: float = START_TIMEOUT_S
