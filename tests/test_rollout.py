@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 
 import grpc
 import pytest
@@ -24,6 +25,7 @@ from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
+from orchestrator.frontend import cli
 from orchestrator.frontend.server import serve_grpc
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.service import ReplicaConfig, ServiceOptions
@@ -56,7 +58,8 @@ async def deployment(tiny_llama_dir, tiny_llama_unrelated_dir):
     deployment = LocalDeployment(pools, servicer, metrics)
     await pools.pools["draft"].wait_serving(DRAFT_REPLICAS, RESTART_WAIT_S)
     deployment.server, port, _ = await serve_grpc(servicer)
-    deployment.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    deployment.endpoint = f"127.0.0.1:{port}"
+    deployment.channel = grpc.aio.insecure_channel(deployment.endpoint)
     deployment.admin = admin_pb2_grpc.AdminStub(deployment.channel)
     deployment.tokenizer = tokenizer
     yield deployment
@@ -212,3 +215,23 @@ async def test_rolling_the_draft_fails_no_request_and_raises_acceptance(
     info = deployment.metrics.registry.get_sample_value
     assert info("specmesh_draft_model_info", {"model": str(tiny_llama_perturbed_dir)}) == 1
     assert info("specmesh_draft_model_info", {"model": str(tiny_llama_unrelated_dir)}) is None
+
+
+async def test_the_rollout_command_rolls_back_printing_progress(deployment, tiny_llama_unrelated_dir, capsys,
+                                                               expected):
+    """`specmesh rollout draft MODEL` against the running deployment (after the rollout above)."""
+    endpoint = deployment.endpoint
+    code = await asyncio.to_thread(cli.main, ["rollout", "draft", str(tiny_llama_unrelated_dir),
+                                              "--endpoint", endpoint])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # Progress, polled each second: each child's start (torch import, model load) alone takes longer.
+    assert re.search(rf"^rolling out {re.escape(repr(str(tiny_llama_unrelated_dir)))}: \d of {DRAFT_REPLICAS} "
+                     "replicas replaced$", out, re.MULTILINE), out
+    assert f"draft: {DRAFT_REPLICAS} replicas desired (autoscaling off), model {tiny_llama_unrelated_dir}" in out
+    assert out.count("serving") == DRAFT_REPLICAS and out.count(str(tiny_llama_unrelated_dir)) >= 3
+    tokens, last = await generate(deployment)
+    assert tokens == expected and last.stats.acceptance_rate == 0.0  # the unrelated draft again
+
+    missing = await asyncio.to_thread(cli.main, ["rollout", "draft", "", "--endpoint", endpoint])
+    assert missing == 2 and "INVALID_ARGUMENT" in capsys.readouterr().err

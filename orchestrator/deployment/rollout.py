@@ -58,7 +58,16 @@ class Rollout:
 
     def start(self) -> asyncio.Task:
         self.task = asyncio.ensure_future(self._run())
+        self.task.add_done_callback(self._log_outcome)  # also when the caller has gone away
         return self.task
+
+    def _log_outcome(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            log.warning("%s pool: rollout cancelled (%s)", self.controller.spec.role, self.progress)
+        elif task.exception() is not None:
+            log.error("%s pool: rollout of %r failed: %s", self.controller.spec.role, self.model, task.exception())
+        else:
+            log.info("%s pool: every replica serves %r", self.controller.spec.role, self.model)
 
     async def _run(self) -> None:
         controller = self.controller
