@@ -149,7 +149,7 @@ class PoolController:
             await asyncio.wait_for(self.actors[name].address.remote(), timeout_s)
         except Exception as error:  # noqa: BLE001 - the model failed to load (a RayTaskError), or too slow
             ray.kill(self.actors.pop(name), no_restart=True)
-            self.pool.withheld.discard(name)
+            await self.pool.remove(name)
             lines = str(error).strip().splitlines()  # a RayTaskError carries the actor's traceback: its last line
             raise ReplicaStartFailed(lines[-1] if lines else type(error).__name__) from error
         return name
