@@ -235,3 +235,17 @@ async def test_the_rollout_command_rolls_back_printing_progress(deployment, tiny
 
     missing = await asyncio.to_thread(cli.main, ["rollout", "draft", "", "--endpoint", endpoint])
     assert missing == 2 and "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+async def test_a_rollout_goes_on_when_its_caller_goes_away(deployment, tiny_llama_perturbed_dir, expected):
+    call = asyncio.ensure_future(replace_model(deployment, "draft", tiny_llama_perturbed_dir))
+    await wait_until(lambda: deployment.pools.rollout is not None and deployment.pools.rollout.running, 60)
+    call.cancel()  # the client's call ends mid-rollout
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    await asyncio.wait_for(asyncio.shield(deployment.pools.rollout.task), ROLLOUT_TIMEOUT_S)
+    state = draft_pool(deployment)
+    assert state.model == str(tiny_llama_perturbed_dir) and len(state.replicas) == DRAFT_REPLICAS
+    assert all(r.model == str(tiny_llama_perturbed_dir) for r in state.replicas)
+    tokens, _ = await generate(deployment)
+    assert tokens == expected
