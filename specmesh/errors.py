@@ -66,3 +66,15 @@ class ShuttingDown(SpecmeshError):
     """The server is draining (specmesh.drain): new work is refused, late work cut off."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class RolloutInProgress(SpecmeshError):
+    """A rollout is already replacing the pool's model (one at a time); the message names it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class RolloutStopped(SpecmeshError):
+    """A validated rollout could not go on (a later replica failed to start); the pool is left mixed."""
+
+    code = grpc.StatusCode.ABORTED

@@ -3,12 +3,16 @@
 Names follow vLLM's spec-decode series (`vllm:spec_decode_num_drafts`, ...)
 under our own `specmesh_` prefix, so existing dashboards translate directly.
 Labels: `model` (the target model of the orchestrator, the served model of a
-service) and, on request-level series, the client-supplied `prompt_class`.
+service) and, on request-level series, the client-supplied `prompt_class`. The
+draft model is a label only of `specmesh_draft_model_*` (and the info gauge), so
+that replacing the draft (a rollout) shows as a new series without multiplying
+every request-level one; its values are the draft models served since start-up.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -82,6 +86,14 @@ class OrchestratorMetrics:
                                         registry=r)
         self.role_failed = Gauge("specmesh_role_failed", "1 when every replica of the role used up its restarts "
                                  "and the role is given up", ("role",), registry=r)
+        self.draft_model_info = Gauge("specmesh_draft_model_info", "1 for the model the draft pool's new replicas "
+                                      "serve (changes with a rollout)", ("model",), registry=r)
+        self.draft_model_draft_tokens = Counter(
+            "specmesh_draft_model_draft_tokens", "Draft tokens proposed, by the draft model that proposed them",
+            ("draft_model",), registry=r)
+        self.draft_model_accepted_tokens = Counter(
+            "specmesh_draft_model_accepted_tokens", "Draft tokens accepted, by the draft model that proposed them "
+            "(its acceptance rate: the ratio of the two rates)", ("draft_model",), registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
 
 
@@ -137,10 +149,12 @@ class RequestRecorder:
     also on errors and cancellation, so the running/waiting gauges stay true).
     """
 
-    def __init__(self, metrics: OrchestratorMetrics, model: str, prompt_class: str):
+    def __init__(self, metrics: OrchestratorMetrics, model: str, prompt_class: str,
+                 draft_model: Callable[[], str | None] = lambda: None):
         self.metrics = metrics
         self.model = model
         self.labels = {"model": model, "prompt_class": prompt_class}
+        self.draft_model = draft_model  # the model that drafted the round just verified; None: unknown
         self.state = "new"
         self.last_stream_at: float | None = None
 
@@ -174,6 +188,10 @@ class RequestRecorder:
             m.num_accepted_tokens_per_pos.labels(**labels, position=str(position)).inc()
         if accepted < drafted:
             m.rejection_position.labels(**labels).observe(accepted)
+        draft_model = self.draft_model()
+        if draft_model:
+            m.draft_model_draft_tokens.labels(draft_model=draft_model).inc(drafted)
+            m.draft_model_accepted_tokens.labels(draft_model=draft_model).inc(accepted)
 
     def round_time(self, breakdown) -> None:
         """One round's orchestrator.decoding.timing.RoundBreakdown."""

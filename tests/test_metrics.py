@@ -41,6 +41,9 @@ async def test_counters_agree_with_request_stats(tiny_llama_dir, tiny_llama_pert
     assert accepted == sum(s.accepted_tokens for s in stats) and accepted <= drafted
     per_position = metric(r, "specmesh_spec_decode_num_accepted_tokens_per_pos_total")
     assert per_position == accepted
+    by_draft = {"draft_model": str(tiny_llama_perturbed_dir)}  # what a rollout's before/after compares
+    assert metric(r, "specmesh_draft_model_draft_tokens_total", **by_draft) == drafted
+    assert metric(r, "specmesh_draft_model_accepted_tokens_total", **by_draft) == accepted
     rounds = sum(s.rounds for s in stats)
     # every output token is an accepted draft token, one recovered/bonus token per round, or a first token
     assert metric(r, "specmesh_generation_tokens_total") == accepted + rounds + len(requests)

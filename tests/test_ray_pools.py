@@ -213,3 +213,31 @@ async def test_scaling_under_load_loses_nothing(ray_stack):
     replicas = (await ray_stack.admin.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10)).pools
     assert [(p.pool, [r.state for r in p.replicas]) for p in replicas] == [
         ("draft", ["serving", "serving"]), ("target", ["serving"])]
+
+
+async def replace_model(stack: RayStack, model) -> admin_pb2.PoolState:
+    request = admin_pb2.ReplaceModelRequest(pool="draft", model=str(model))
+    return await stack.admin.ReplaceModel(request, timeout=300)
+
+
+async def test_rolling_the_draft_over_on_ray_loses_nothing(ray_stack, tiny_llama_unrelated_dir,
+                                                           other_vocab_model_dir):
+    """After the scaling test (2 draft replicas): a bad model is refused, a good one replaces every actor."""
+    old = {r.name for r in ray_stack.pools.state("draft").replicas}
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await replace_model(ray_stack, other_vocab_model_dir)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabularies" in refused.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as missing:  # the actor's load fails (a RayTaskError)
+        await replace_model(ray_stack, "/no/such/model")
+    assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "/no/such/model" in missing.value.details()
+    assert {r.name for r in ray_stack.pools.state("draft").replicas} == old
+    assert set(ray_stack.pools.controllers["draft"].actors) == old  # the refused ones were killed
+
+    streams = await start_streams(ray_stack)
+    state = await replace_model(ray_stack, tiny_llama_unrelated_dir)
+    for prompt, tokens in zip(TINY_PROMPTS, await asyncio.gather(*streams)):
+        assert tokens == ray_stack.expected(prompt, LONG), prompt
+    assert state.model == str(tiny_llama_unrelated_dir) and len(state.replicas) == 2
+    assert not {r.name for r in state.replicas} & old
+    assert all(r.model == str(tiny_llama_unrelated_dir) for r in state.replicas)
+    assert ray_stack.pools.controllers["draft"].spec.replica.service.model == str(tiny_llama_unrelated_dir)

@@ -146,6 +146,9 @@ async def test_grpc_refuses_a_missing_or_wrong_api_key(keyed_stack, header):
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await admin.SetSpeculation(admin_pb2.SetSpeculationRequest(enabled=False), timeout=10, metadata=metadata)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # and replacing the draft's model
+        await admin.ReplaceModel(admin_pb2.ReplaceModelRequest(pool="draft", model="x"), timeout=10, metadata=metadata)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_grpc_right_api_key_works_and_health_stays_open(keyed_stack):
@@ -155,6 +158,10 @@ async def test_grpc_right_api_key_works_and_health_stays_open(keyed_stack):
     state = await admin.GetSpeculation(admin_pb2.GetSpeculationRequest(), timeout=10,
                                        metadata=(("authorization", f"Bearer {API_KEY}"),))
     assert state.enabled
+    with pytest.raises(grpc.aio.AioRpcError) as no_pools:  # past the key: fixed endpoints have no pool to roll
+        await admin.ReplaceModel(admin_pb2.ReplaceModelRequest(pool="draft", model="x"), timeout=10,
+                                 metadata=(("authorization", f"Bearer {API_KEY}"),))
+    assert no_pools.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     health = await health_pb2_grpc.HealthStub(keyed_stack.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
 

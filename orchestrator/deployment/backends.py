@@ -76,4 +76,5 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
-                    model=target_info.model, pipelined=pipelined)
+                    model=target_info.model, pipelined=pipelined,
+                    draft_model=draft_info.model if draft_info is not None else "")

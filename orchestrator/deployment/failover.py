@@ -197,6 +197,12 @@ class PooledDraftClient(PooledClient):
         return placement.replica.client.predraft(request_id, round_number, commit, position, assumed_token_ids,
                                                  num_tokens, extra_branches, timeout)
 
+    def model_of(self, request_id: str) -> str | None:
+        """The model of the replica the session is on (from its last health check); None between replicas."""
+        placement = self.sessions.get(request_id)
+        replica = placement.replica if placement is not None else None
+        return replica.info.model if replica is not None and replica.info is not None else None
+
     async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
         await client.open(request_id, placement.sequence, placement.sampling, timeout)
 

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.decoding.loop import spawn_background
 from specmesh.service import ReplicaConfig
+from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 Resolve = Callable[[], Awaitable[str]]
@@ -41,6 +42,10 @@ class ReplicaGone(Exception):
     """resolve() raises this when a replica is dead for good (not being restarted)."""
 
 
+class ReplicaStartFailed(Exception):
+    """A controller's start_replica(): the replica did not start (a bad model, or not in time)."""
+
+
 @dataclass
 class Replica:
     name: str
@@ -54,6 +59,7 @@ class Replica:
     routed: int = 0  # sessions this orchestrator placed here and has not released
     open_sessions: int = 0  # sessions open on the replica, from its last check
     failures: int = 0  # calls that found it lost; a check begun before one must not revive it
+    info: common_pb2.ModelInfo | None = None  # what it serves, from its last check
     resolving: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -75,6 +81,7 @@ class ReplicaPool:
         self.interceptors = interceptors
         self.tls = tls  # specmesh.security.TLSConfig of the channels to replicas; None = plaintext
         self.replicas: dict[str, Replica] = {}
+        self.withheld: set[str] = set()  # serving replicas that get no sessions yet (a rollout checks them first)
         self.failed = False  # set by a supervisor that gave every replica up: nothing will come back
         self.on_restarted: Callable[[str], None] = lambda role: None  # a replica came back at a new address
         self._task: asyncio.Task | None = None
@@ -82,7 +89,8 @@ class ReplicaPool:
     # ---- routing
 
     def routable(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.serving and not r.draining and r.client is not None]
+        return [r for r in self.replicas.values()
+                if r.serving and not r.draining and r.client is not None and r.name not in self.withheld]
 
     def try_acquire(self, exclude: Sequence[str] = ()) -> Replica | None:
         candidates = [r for r in self.routable() if r.name not in exclude]
@@ -160,7 +168,8 @@ class ReplicaPool:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
-                replica.open_sessions = (await replica.client.model_info(timeout=CHECK_TIMEOUT_S)).open_sessions
+                replica.info = await replica.client.model_info(timeout=CHECK_TIMEOUT_S)
+                replica.open_sessions = replica.info.open_sessions
             replica.serving = serving and replica.failures == failures
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             if replica.serving:
@@ -192,6 +201,12 @@ class ReplicaPool:
             replica.client = self.make_client(replica.channel)
             log.info("%s replica %s at %s", self.role, replica.name, address)
         await self._check(replica)
+
+    async def remove(self, name: str) -> None:
+        """Forget a replica its controller has just stopped, without waiting for the next refresh."""
+        self.withheld.discard(name)
+        if name in self.replicas:
+            await self._forget(self.replicas.pop(name))
 
     async def _forget(self, replica: Replica) -> None:
         replica.serving = False

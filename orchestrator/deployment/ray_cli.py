@@ -1,4 +1,4 @@
-"""The pool flags of `specmesh serve`, the Ray backend's pool options, and `scale` / `replicas`.
+"""The pool flags of `specmesh serve`, the Ray backend's pool options, and `scale` / `replicas` / `rollout`.
 
 `specmesh serve` runs every replica as a Ray actor with --backend ray (the default
 when --address is given); otherwise as a local child process under a supervisor.
@@ -120,7 +120,10 @@ def init_ray(address: str | None, namespace: str, options: PoolsOptions | None =
     ray.init(address=address, **kwargs)
 
 
-# ---- `specmesh scale` and `specmesh replicas`
+# ---- `specmesh scale`, `specmesh replicas` and `specmesh rollout`
+
+ROLLOUT_TIMEOUT_S = 3600.0  # every replica of the pool loads the new model in turn
+PROGRESS_INTERVAL_S = 1.0
 
 
 def add_parsers(commands) -> None:
@@ -132,6 +135,16 @@ def add_parsers(commands) -> None:
     replicas = commands.add_parser("replicas", help="list the replica pools and each replica's state")
     add_client_arguments(replicas)
     replicas.set_defaults(handler=lambda args: asyncio.run(_admin(args, _list)))
+    rollout = commands.add_parser("rollout", help="replace the draft pool's model, one replica at a time, "
+                                                  "without failing a request")
+    rollout.add_argument("pool", choices=["draft"], help="the pool to roll (the target's model defines the output "
+                                                         "and cannot be replaced)")
+    rollout.add_argument("model", help="model directory, .gguf file, embedded alias or hub id, as where the "
+                                       "replicas run sees it (e.g. a `specmesh distill` output)")
+    rollout.add_argument("--timeout", type=float, default=ROLLOUT_TIMEOUT_S,
+                         help="seconds to wait for the whole rollout (it goes on if this command stops)")
+    add_client_arguments(rollout)
+    rollout.set_defaults(handler=lambda args: asyncio.run(_admin(args, _rollout)))
 
 
 async def _scale(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
@@ -145,6 +158,26 @@ async def _list(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metada
     return list((await stub.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10, metadata=metadata)).pools)
 
 
+async def _rollout(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
+    """ReplaceModel, printing the rollout's progress (from ListReplicas) while it runs."""
+    request = admin_pb2.ReplaceModelRequest(pool=args.pool, model=args.model)
+    call = asyncio.ensure_future(stub.ReplaceModel(request, timeout=args.timeout, metadata=metadata))
+    shown = ""
+    while not call.done():
+        await asyncio.wait([call], timeout=PROGRESS_INTERVAL_S)
+        if call.done():
+            break
+        try:
+            listed = await stub.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10, metadata=metadata)
+        except grpc.aio.AioRpcError:
+            continue  # progress is a courtesy; the rollout's own answer decides
+        progress = next((pool.rollout for pool in listed.pools if pool.pool == args.pool), "")
+        if progress and progress != shown:
+            print(progress, flush=True)
+            shown = progress
+    return [await call]
+
+
 async def _admin(args: argparse.Namespace, call) -> int:
     channel, metadata = client_channel(args)
     async with channel:
@@ -155,8 +188,12 @@ async def _admin(args: argparse.Namespace, call) -> int:
             return 2
     for pool in pools:
         bounds = f"autoscaling {pool.min_replicas}..{pool.max_replicas}" if pool.max_replicas else "autoscaling off"
-        print(f"{pool.pool}: {pool.desired_replicas} replicas desired ({bounds})")
+        model = f", model {pool.model}" if pool.model else ""
+        print(f"{pool.pool}: {pool.desired_replicas} replicas desired ({bounds}){model}")
+        if pool.rollout:
+            print(f"  {pool.rollout}")
         for replica in pool.replicas:
             print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
-                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})")
+                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})"
+                  + (f" {replica.model}" if replica.model else ""))
     return 0

@@ -16,8 +16,9 @@ import asyncio
 import logging
 import time
 
-from orchestrator.deployment.pool import Discover, PoolSpec, ReplicaGone, Resolve, new_pool
+from orchestrator.deployment.pool import Discover, PoolSpec, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.deployment.ray_replica import ReplicaActor
+from specmesh.service import ReplicaConfig
 
 log = logging.getLogger(__name__)
 ACTOR_PREFIX = "specmesh-"
@@ -57,6 +58,7 @@ class PoolController:
         self.actors: dict[str, object] = {}  # live and draining replicas, by actor name
         self.draining: dict[str, asyncio.Task] = {}
         self.desired = spec.replicas
+        self.rolling = False  # a rollout is replacing the replicas: no autoscaling meanwhile
         self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
         self._index = 0
         self._last_scaled = 0.0
@@ -113,7 +115,8 @@ class PoolController:
     def _number(name: str) -> int:
         return int(name.rsplit("-", 1)[1])
 
-    def _add_replica(self) -> None:
+    def _add_replica(self, config: ReplicaConfig | None = None) -> str:
+        """Start a replica actor of `config` (default: the spec's); Ray restarts it with that config."""
         import ray
         spec = self.spec
         remote = ray.remote(ReplicaActor)
@@ -124,13 +127,38 @@ class PoolController:
                 handle = remote.options(name=name, namespace=self.namespace, num_cpus=spec.num_cpus,
                                         num_gpus=spec.num_gpus, resources=spec.resources or None,
                                         max_restarts=spec.max_restarts,
-                                        max_task_retries=2).remote(spec.replica)
+                                        max_task_retries=2).remote(config or spec.replica)
                 break
             except ValueError:  # the name is taken (another run in this namespace): try the next
                 continue
         handle.address.remote()  # start loading the model now, not at the first health check
         self.actors[name] = handle
         log.info("started %s replica %s", spec.role, name)
+        return name
+
+    # ---- what a rollout (orchestrator.deployment.rollout) does with the replicas
+
+    async def start_replica(self, config: ReplicaConfig, timeout_s: float) -> str:
+        """One more replica actor serving `config`, once it has started; ReplicaStartFailed (and none left) if not.
+
+        It gets no sessions until the caller takes it out of `pool.withheld`."""
+        import ray
+        name = self._add_replica(config)
+        self.pool.withheld.add(name)  # before the pool's next refresh can find it
+        try:
+            await asyncio.wait_for(self.actors[name].address.remote(), timeout_s)
+        except Exception as error:  # noqa: BLE001 - the model failed to load (a RayTaskError), or too slow
+            ray.kill(self.actors.pop(name), no_restart=True)
+            await self.pool.remove(name)
+            lines = str(error).strip().splitlines()  # a RayTaskError carries the actor's traceback: its last line
+            raise ReplicaStartFailed(lines[-1] if lines else type(error).__name__) from error
+        return name
+
+    async def remove_replica(self, name: str) -> None:
+        """Drain one replica (as scaling down does) and wait until it is gone."""
+        task = self.draining[name] = asyncio.ensure_future(self._drain(name))
+        await task
+        await self.pool.remove(name)
 
     async def _drain(self, name: str) -> None:
         import ray
@@ -169,7 +197,7 @@ class PoolController:
 
     def _autoscale(self) -> None:
         low, high = self.spec.bounds
-        if low >= high or time.monotonic() - self._last_scaled < self.spec.scale_cooldown_s:
+        if low >= high or self.rolling or time.monotonic() - self._last_scaled < self.spec.scale_cooldown_s:
             return
         loads = [max(r.routed, r.open_sessions) for r in self.pool.routable()]
         wanted = autoscale(self.desired, low, high, loads, self.spec.sessions_per_replica)

@@ -10,6 +10,7 @@ their replicas as named actors in the namespace.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from grpc_health.v1 import health_pb2
@@ -21,10 +22,12 @@ from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClie
 from orchestrator.deployment.options import BACKENDS, PoolsOptions
 from orchestrator.deployment.pool import PoolSpec, ReplicaPool, new_pool
 from orchestrator.deployment.ray_controller import PoolController, ray_discovery
+from orchestrator.deployment.rollout import Rollout
 from orchestrator.deployment.supervisor import LocalPoolController
 from orchestrator.decoding.loop import spawn_background
 from orchestrator.frontend.servicer import GenerationServicer
-from specmesh.errors import InvalidArgument, NotManagedHere
+from specmesh.metrics import OrchestratorMetrics
+from specmesh.errors import InvalidArgument, NotManagedHere, RolloutInProgress
 from specmesh.security import token_interceptors
 from specmesh.telemetry import client_interceptors, tracer
 from specmesh.v1 import admin_pb2
@@ -48,6 +51,8 @@ class Pools:
         self.options = options
         self.failed: set[str] = set()  # roles whose replicas all used up their restarts
         self.metrics = None  # specmesh.metrics.OrchestratorMetrics, once the servicer has one
+        self.target_info = None  # the target's ModelInfo(timeout), once the servicer has a target client
+        self.rollout: Rollout | None = None  # the draft pool's latest rollout
         self._health = None  # the orchestrator's grpc.health.v1 servicer, once it serves
         self._serving_names: tuple[str, ...] = ()
 
@@ -89,6 +94,8 @@ class Pools:
             await self._join()
         for role in self.pools:
             self._report(role)
+        if "draft" in self.controllers:
+            self._draft_model_is(self.controllers["draft"].spec.replica.service.model)
 
     async def _join(self) -> None:
         await self.pools["target"].wait_serving(1, self.options.start_timeout_s)
@@ -141,6 +148,9 @@ class Pools:
         return addresses
 
     async def stop(self) -> None:
+        if self.rollout is not None and self.rollout.task is not None:
+            self.rollout.task.cancel()
+            await asyncio.gather(self.rollout.task, return_exceptions=True)
         for role, pool in self.pools.items():
             await (self.controllers[role].stop() if role in self.controllers else pool.stop())
 
@@ -150,6 +160,8 @@ class Pools:
             raise InvalidArgument("pool", "must be 'draft' or 'target'")
         if controller is None:
             raise NotManagedHere(f"this orchestrator does not own a {role} pool; scale it where it was started")
+        if controller.rolling:
+            raise RolloutInProgress(f"{self.rollout.progress}; scale the {role} pool once it is done")
         low, high = controller.spec.bounds
         if low < high and not low <= replicas <= high:
             raise InvalidArgument("replicas", f"must be within the {role} pool's autoscaling range [{low}, {high}]")
@@ -158,6 +170,31 @@ class Pools:
         controller.scale_to(replicas)
         return self.state(role)
 
+    async def replace_model(self, role: str, model: str) -> admin_pb2.PoolState:
+        """Roll the draft pool over to `model` (orchestrator.deployment.rollout); returns once it is done.
+
+        The rollout goes on when the caller goes away: a pool is never left half-rolled by a lost client."""
+        if role != "draft":
+            raise InvalidArgument("pool", "only the 'draft' pool's model can be replaced" + (
+                ": the target's defines the output" if role == "target" else ""))
+        if not model.strip():
+            raise InvalidArgument("model", "must name a model directory, .gguf file, embedded alias or hub id")
+        controller = self.controllers.get(role)
+        if controller is None:
+            raise NotManagedHere("this orchestrator does not own a draft pool; replace its model where it was started"
+                                 " (or start one with a draft)")
+        if self.rollout is not None and self.rollout.running:
+            raise RolloutInProgress(f"{self.rollout.progress}; one rollout at a time")
+        self.rollout = Rollout(controller, model.strip(), self.target_info, self.options.start_timeout_s,
+                               self._draft_model_is)
+        await asyncio.shield(self.rollout.start())
+        return self.state(role)
+
+    def _draft_model_is(self, model: str) -> None:
+        if self.metrics is not None:
+            self.metrics.draft_model_info.clear()  # one series: the model new draft replicas serve
+            self.metrics.draft_model_info.labels(model=model).set(1)
+
     def state(self, role: str) -> admin_pb2.PoolState:
         pool = self.pools[role]
         controller = self.controllers.get(role)
@@ -165,12 +202,16 @@ class Pools:
         if low >= high:
             low = high = 0  # not autoscaling
         desired = controller.desired if controller else len([r for r in pool.replicas.values() if not r.draining])
-        state = admin_pb2.PoolState(pool=role, desired_replicas=desired, min_replicas=low, max_replicas=high)
+        state = admin_pb2.PoolState(pool=role, desired_replicas=desired, min_replicas=low, max_replicas=high,
+                                    model=controller.spec.replica.service.model if controller else "")
+        if controller is not None and controller.rolling:
+            state.rollout = self.rollout.progress
         for replica in sorted(pool.replicas.values(), key=lambda r: r.name):
             draining = replica.draining or bool(controller and replica.name in controller.draining)
-            state.replicas.add(name=replica.name, address=replica.address or "",
-                               state="draining" if draining else replica.state,
-                               open_sessions=replica.open_sessions, routed_sessions=replica.routed)
+            shown = "draining" if draining else "starting" if replica.name in pool.withheld else replica.state
+            state.replicas.add(name=replica.name, address=replica.address or "", state=shown,
+                               open_sessions=replica.open_sessions, routed_sessions=replica.routed,
+                               model=replica.info.model if replica.info is not None else "")
         return state
 
     def list(self) -> admin_pb2.ListReplicasResponse:
@@ -188,11 +229,12 @@ async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
 
 async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, loop, *,
                               tracer_provider: TracerProvider | None = None, metrics=None):
-    pools.metrics = metrics
+    pools.metrics = metrics = metrics or OrchestratorMetrics()
     await pools.start()
     failures = pools.options.max_replica_failures
     target = PooledTargetClient(pools.pools["target"], max_replica_failures=failures,
                                 acquire_timeout_s=pools.options.acquire_timeout_s)
+    pools.target_info = target.model_info
     draft = None
     if "draft" in pools.pools:
         draft = PooledDraftClient(pools.pools["draft"], max_replica_failures=failures,

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from orchestrator.deployment.options import RestartPolicy
-from orchestrator.deployment.pool import PoolSpec, ReplicaGone, Resolve, new_pool
+from orchestrator.deployment.pool import PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from specmesh.roles import START_TIMEOUT_S
 from specmesh.service import ReplicaConfig, load_engine, run_model_service
 
@@ -205,9 +205,10 @@ class LocalPoolController:
         self.spec = spec
         self.policy = policy
         self.replicas: dict[str, LocalReplica] = {}
-        self.draining: dict[str, asyncio.Task] = {}  # local replicas stop at once; their sessions move
+        self.draining: dict[str, asyncio.Task] = {}  # replicas a rollout is draining (scale_to stops at once)
         self.desired = spec.replicas
         self.failed = False
+        self.rolling = False  # a rollout is replacing the replicas (serving.Pools refuses to scale meanwhile)
         self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
         self._on_role_failed = on_role_failed
         self._index = 0
@@ -242,9 +243,12 @@ class LocalPoolController:
             return {self.spec.role: port for port in running.values()}
         return running
 
+    def live(self) -> list[str]:
+        return [name for name, r in self.replicas.items() if not r.gone and name not in self.draining]
+
     def scale_to(self, replicas: int) -> None:
         self.desired = replicas
-        live = [name for name, r in self.replicas.items() if not r.gone]
+        live = self.live()
         for _ in range(replicas - len(live)):
             self._add_replica()
         for name in sorted(live, key=lambda n: -int(n.rsplit("-", 1)[1]))[:max(0, len(live) - replicas)]:
@@ -252,18 +256,54 @@ class LocalPoolController:
             asyncio.ensure_future(replica.stop())  # its sessions fail over to the others
             log.info("removed %s replica %s", self.spec.role, name)
 
-    def _add_replica(self) -> None:
+    def _add_replica(self, config: ReplicaConfig | None = None) -> str:
+        """Start a replica of `config` (default: the spec's); it keeps that config across restarts."""
         name = f"{self.spec.role}-{self._index}"
-        service = self.spec.replica.service
-        if self._index > 0 and service.metrics_port:  # the configured port goes to the first replica only
-            service = replace(service, metrics_port=0)
+        config = config or self.spec.replica
+        if self._index > 0 and config.service.metrics_port:  # the configured port goes to the first replica only
+            config = replace(config, service=replace(config.service, metrics_port=0))
         self._index += 1
-        config = replace(self.spec.replica, service=service)
-        replica = LocalReplica(name, config, self.policy,
-                               self._replica_gone)
+        replica = LocalReplica(name, config, self.policy, self._replica_gone)
         self.replicas[name] = replica
         replica.start()
-        log.info("started %s replica %s", self.spec.role, name)
+        log.info("started %s replica %s (%s)", self.spec.role, name, config.service.model)
+        return name
+
+    # ---- what a rollout (orchestrator.deployment.rollout) does with the replicas
+
+    async def start_replica(self, config: ReplicaConfig, timeout_s: float) -> str:
+        """One more replica serving `config`, once it has started; ReplicaStartFailed (and none left) if not.
+
+        It gets no sessions until the caller takes it out of `pool.withheld`."""
+        name = self._add_replica(config)
+        self.pool.withheld.add(name)  # before the pool's next refresh can find it
+        try:
+            error = await asyncio.wait_for(asyncio.shield(self.replicas[name].first_start), timeout_s)
+        except asyncio.TimeoutError:
+            error = f"not serving within {timeout_s:.0f} s"
+        if error is not None:
+            await self.remove_replica(name, grace_s=0.0)
+            raise ReplicaStartFailed(error)
+        return name
+
+    async def remove_replica(self, name: str, grace_s: float | None = None) -> None:
+        """Drain one replica: no new sessions; those routed here may finish (up to the drain grace); stop it.
+
+        Sessions still open when it stops move to another replica, or their requests go on target-only.
+        """
+        self.draining[name] = asyncio.current_task()
+        try:
+            pooled = self.pool.replicas.get(name)
+            if pooled is not None:
+                pooled.draining = True
+                await _sessions_done(pooled, self.spec.drain_grace_s if grace_s is None else grace_s,
+                                     self.pool.check_interval_s)
+            replica = self.replicas.pop(name)
+        finally:
+            self.draining.pop(name, None)
+        await replica.stop()
+        await self.pool.remove(name)
+        log.info("removed %s replica %s", self.spec.role, name)
 
     def _replica_gone(self) -> None:
         if self.failed or not self.replicas or not all(r.gone for r in self.replicas.values()):
@@ -277,6 +317,13 @@ class LocalPoolController:
         await self.pool.stop()  # first, so that no health check reports the replicas going down
         await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
         self.replicas.clear()
+
+
+async def _sessions_done(replica: Replica, grace_s: float, poll_s: float) -> None:
+    """Until no session routed here is open, or `grace_s` has passed."""
+    deadline = time.monotonic() + grace_s
+    while replica.routed > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def _dial_host(bind_host: str) -> str:

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
-        if args.command in ("stats", "scale", "replicas"):
+        if args.command in ("stats", "scale", "replicas", "rollout"):
             return args.handler(args)
         if args.command == "bench":
             from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking

@@ -33,6 +33,7 @@ class Backends:
     limits: ModelLimits
     model: str  # the target model's name, for metrics and traces
     pipelined: bool = False  # draft the next round while the target verifies (orchestrator.decoding.pipelined)
+    draft_model: str = ""  # the draft's model name at start-up (a pooled draft tells each session's own)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -82,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
                           self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
                           policy=self._draft_length_policy(checked), on_timing=recorder.round_time)
+        recorder.draft_model = lambda: self._draft_model_of(generation.session_id)
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 response.index = index
@@ -90,6 +92,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield response
         finally:
             recorder.abandoned()  # no-op once finished
+
+    def _draft_model_of(self, session_id: str) -> str | None:
+        """The model of the draft replica that holds the session (pools: it changes with a rollout)."""
+        model_of = getattr(self.backends.draft, "model_of", None)
+        return model_of(session_id) if model_of is not None else self.backends.draft_model or None
 
     def _draft_length_policy(self, checked: GenerationRequest) -> AdaptiveDraftLength | None:
         """Adaptive k unless the client fixed k, or seeded sampling must stay reproducible."""
@@ -137,7 +144,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """The operator's kill switch for speculation, and the replica pools' size."""
+    """The operator's kill switch for speculation, the replica pools' size, and the draft's model."""
 
     def __init__(self, switch: SpeculationSwitch, pools=None):
         self.switch = switch
@@ -152,6 +159,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def ScalePool(self, request: admin_pb2.ScalePoolRequest, context: grpc.aio.ServicerContext):
         return self._require_pools().scale(request.pool, request.replicas)
+
+    async def ReplaceModel(self, request: admin_pb2.ReplaceModelRequest, context: grpc.aio.ServicerContext):
+        return await self._require_pools().replace_model(request.pool, request.model)
 
     async def ListReplicas(self, request: admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext):
         return self._require_pools().list()

@@ -30,37 +30,51 @@ class ScalePoolRequest(_message.Message):
     replicas: int
     def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
+class ReplaceModelRequest(_message.Message):
+    __slots__ = ("pool", "model")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    model: str
+    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
 class ListReplicasRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("name", "address", "state", "open_sessions", "routed_sessions")
+    __slots__ = ("name", "address", "state", "open_sessions", "routed_sessions", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: str
     open_sessions: int
     routed_sessions: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., open_sessions: _Optional[int] = ..., routed_sessions: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., open_sessions: _Optional[int] = ..., routed_sessions: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("pool", "desired_replicas", "min_replicas", "max_replicas", "replicas")
+    __slots__ = ("pool", "desired_replicas", "min_replicas", "max_replicas", "replicas", "model", "rollout")
     POOL_FIELD_NUMBER: _ClassVar[int]
     DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MIN_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     MAX_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     pool: str
     desired_replicas: int
     min_replicas: int
     max_replicas: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
-    def __init__(self, pool: _Optional[str] = ..., desired_replicas: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ...) -> None: ...
+    model: str
+    rollout: str
+    def __init__(self, pool: _Optional[str] = ..., desired_replicas: _Optional[int] = ..., min_replicas: _Optional[int] = ..., max_replicas: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., model: _Optional[str] = ..., rollout: _Optional[str] = ...) -> None: ...
 
 class ListReplicasResponse(_message.Message):
     __slots__ = ("pools",)

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.ReplaceModel = channel.unary_unary(
+                '/specmesh.v1.Admin/ReplaceModel',
+                request_serializer=specmesh_dot_v1_dot_admin__pb2.ReplaceModelRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_admin__pb2.PoolState.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -91,6 +96,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplaceModel(self, request, context):
+        """Unary. Roll the draft pool over to another model, one replica at a time:
+        a replica of the new model is started and must serve and share the
+        target's tokenizer before an old one is drained, so no request fails
+        (a session that loses its draft goes on target-only, output unchanged).
+        Returns once every replica serves the new model. A model that does not
+        load or has another vocabulary: INVALID_ARGUMENT naming `model`, the pool
+        untouched. The target pool cannot be replaced (it defines the output):
+        INVALID_ARGUMENT naming `pool`. One rollout at a time: FAILED_PRECONDITION
+        while one runs, or when this orchestrator does not own the draft pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +133,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_admin__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'ReplaceModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplaceModel,
+                    request_deserializer=specmesh_dot_v1_dot_admin__pb2.ReplaceModelRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_admin__pb2.PoolState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +248,33 @@ class Admin:
             '/specmesh.v1.Admin/ListReplicas',
             specmesh_dot_v1_dot_admin__pb2.ListReplicasRequest.SerializeToString,
             specmesh_dot_v1_dot_admin__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplaceModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Admin/ReplaceModel',
+            specmesh_dot_v1_dot_admin__pb2.ReplaceModelRequest.SerializeToString,
+            specmesh_dot_v1_dot_admin__pb2.PoolState.FromString,
             options,
             channel_credentials,
             insecure,
