@@ -8,7 +8,6 @@ series.
 from __future__ import annotations
 
 import asyncio
-import os
 import urllib.request
 
 import grpc

@@ -58,6 +58,7 @@ class Replica:
     gone: bool = False
     routed: int = 0  # sessions this orchestrator placed here and has not released
     open_sessions: int = 0  # sessions open on the replica, from its last check
+    refused_us: bool = False  # its last check was UNAUTHENTICATED: logged once, not every check
     failures: int = 0  # calls that found it lost; a check begun before one must not revive it
     info: common_pb2.ModelInfo | None = None  # what it serves, from its last check
     resolving: asyncio.Task | None = field(default=None, repr=False)
@@ -172,9 +173,14 @@ class ReplicaPool:
                 replica.open_sessions = replica.info.open_sessions
             replica.serving = serving and replica.failures == failures
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
-            if replica.serving:
+            code = error.code() if isinstance(error, grpc.aio.AioRpcError) else "timed out"
+            if code == grpc.StatusCode.UNAUTHENTICATED and not replica.refused_us:
+                log.error("%s replica %s at %s refuses this orchestrator: it holds another internal token "
+                          "(on Ray: the API key)", self.role, replica.name, replica.address)
+            elif replica.serving:
                 log.warning("%s replica %s at %s failed its health check: %s", self.role, replica.name,
-                            replica.address, getattr(error, "code", lambda: error)())
+                            replica.address, code)
+            replica.refused_us = code == grpc.StatusCode.UNAUTHENTICATED
             replica.serving = False
             self._start_resolving(replica)  # it may have restarted on another port
 
