@@ -17,11 +17,14 @@ def main() -> None:
     parser.add_argument("--disagreement-log", default=None, metavar="PATH",
                         help="append rejected draft tokens to this JSONL file")
     parser.add_argument("--disagreement-log-rate", type=float, default=100.0, help="records per second at most")
+    parser.add_argument("--disagreement-log-context", action="store_true",
+                        help="also log each rejection's context token ids (what `specmesh distill` trains on)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s target %(levelname)s %(message)s")
     options = options_from_args(args)
     engine = load_engine(options, generator_salt=0)
-    disagreements = (DisagreementLog(args.disagreement_log, args.disagreement_log_rate)
+    disagreements = (DisagreementLog(args.disagreement_log, args.disagreement_log_rate,
+                                     include_context=args.disagreement_log_context)
                      if args.disagreement_log else None)
     asyncio.run(run_model_service("target", create_server, engine, options,
                                   lambda port, metrics_port: announce("target", options.host, port, metrics_port),

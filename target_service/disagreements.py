@@ -3,8 +3,11 @@
 One line per rejection: where it happened (request, round, absolute position
 and a hash of the context before it), which token the draft proposed and which
 the target committed instead, and how likely each model found each token.
-Fine-tuning the draft on exactly these contexts raises acceptance. Writes are
-rate-limited (a token bucket), so a bad draft cannot flood the disk.
+Fine-tuning the draft on exactly these contexts raises acceptance: with
+`include_context` each record also carries the context's token ids, which
+`specmesh distill --prompts LOG` trains on (off by default: they are the users'
+prompts, and they make the log much larger). Writes are rate-limited (a token
+bucket), so a bad draft cannot flood the disk.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Disagreement:
     target_prob_of_target_token: float
     draft_prob_of_draft_token: float | None  # q; None when the draft sent ids only
     draft_prob_of_target_token: float | None
+    context_token_ids: tuple[int, ...] | None = None  # positions [0, position); only with include_context
 
 
 def context_hash(token_ids: Sequence[int]) -> str:
@@ -40,8 +44,9 @@ class DisagreementLog:
     """Appends Disagreement records as JSON lines, at most `max_per_second` on average."""
 
     def __init__(self, path: Path | str, max_per_second: float = 100.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, include_context: bool = False):
         self.path = Path(path)
+        self.include_context = include_context
         self.rate = max_per_second
         self.capacity = max(1.0, max_per_second)  # burst size
         self.tokens = self.capacity
@@ -58,6 +63,10 @@ class DisagreementLog:
                 self.dropped += 1
                 return False
             line = {"time": time.time(), **asdict(disagreement)}
+            if line["context_token_ids"] is None:
+                del line["context_token_ids"]
+            else:
+                line["context_token_ids"] = list(line["context_token_ids"])
             self._file.write(json.dumps(line) + "\n")
             self._file.flush()
             return True

@@ -11,6 +11,7 @@ import grpc
 
 from orchestrator.frontend import stats_view
 from orchestrator.bench import args as bench_args
+from orchestrator.distill import args as distill_args
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.launch import DisagreementLogOptions, ProcessGroup, StackOptions, add_model_arguments
 from orchestrator.deployment.launch import install_stop_flag, ready_message, start_stack
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_arguments(generate)
     stats_view.add_parser(commands)
     bench_args.add_parser(commands)
+    distill_args.add_parser(commands)
     speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
     speculation.add_argument("state", choices=["on", "off", "status"])
     add_client_arguments(speculation)
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking
             return run_bench(args)
+        if args.command == "distill":
+            from orchestrator.distill.app import run as run_distill  # torch, peft and matplotlib only when distilling
+            return run_distill(args)
         if args.command == "speculation":
             return asyncio.run(set_speculation(args))
         return asyncio.run(generate(args))
