@@ -9,8 +9,10 @@ import random
 
 import pytest
 import torch
-
 from harness import load, start_stack
+from test_greedy_parity import target_greedy
+from tiny_models import TINY_PROMPTS
+
 from orchestrator.distill import teacher
 from orchestrator.distill.acceptance import replay_rounds
 from orchestrator.distill.examples import DistillInputError, check_token_ids, load_examples
@@ -18,8 +20,6 @@ from orchestrator.distill.training import bucket_divergence
 from orchestrator.frontend import cli
 from specmesh.models import eos_token_ids, load_model, vocab_fingerprint
 from target_service.disagreements import DisagreementLog, context_hash
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
 
 WORDS = ("the quick brown fox jumps over lazy dog a journey of thousand miles begins with single step "
          "rain in spain stays mainly plain cat sat on mat model target draft tokens").split()
@@ -184,3 +184,22 @@ async def test_a_disagreement_log_with_contexts_becomes_distillation_prompts(tmp
     assert sorted(e.prompt_token_ids for e in examples) == sorted(contexts.values())
     with pytest.raises(DistillInputError, match="outside the vocabulary"):
         check_token_ids(examples, vocab_size=3)
+
+
+def test_full_fine_tune_from_chat_prompts_under_bfloat16(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
+    """Rank 0 trains every weight; chat messages go through the template; bf16 teacher and autocast."""
+    prompts = tmp_path / "chat.jsonl"
+    write_log(prompts, [{"messages": [{"role": "user", "content": p}]} for p in word_prompts(16, seed=2)])
+    output = tmp_path / "draft"
+    code = cli.main(["distill", "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                     "--prompts", str(prompts), "--output", str(output), "--lora-rank", "0", "--steps", "3",
+                     "--batch-size", "16", "--max-new-tokens", "8", "--teacher-dtype", "bfloat16",
+                     "--train-dtype", "bfloat16", "--no-progress"])
+    assert code == 0
+    report = json.loads((output / "distill_report.json").read_text())
+    assert (report["train_prompts"], report["training_sequences"]) == (13, 26)  # target + on-policy per prompt
+    before, _ = load(str(tiny_llama_perturbed_dir), "cpu")
+    after, _ = load_model(str(output))
+    changed = [name for name, weight in after.state_dict().items()
+               if not torch.equal(weight, before.state_dict()[name])]
+    assert after.dtype == torch.float32 and len(changed) == len(before.state_dict())

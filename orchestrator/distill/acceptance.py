@@ -12,8 +12,8 @@ k cut to the tokens left, stop at max_tokens or an eos) without running either s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ class AcceptanceStats:
     def tokens_per_round(self) -> float:
         return self.round_tokens / self.rounds if self.rounds else 0.0
 
-    def add(self, other: "AcceptanceStats") -> None:
+    def add(self, other: AcceptanceStats) -> None:
         self.rounds += other.rounds
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens

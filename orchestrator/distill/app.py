@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -131,13 +131,13 @@ def training_sequences(run: Run, prompts: list[tuple[int, ...]]) -> list:
     args = run.args
     if args.teacher_dtype == "bfloat16":  # after the float32 evaluation continuations
         run.target.to(torch.bfloat16)
-    common = dict(length=args.max_new_tokens, top_k=args.distribution_top_k, vocab_size=run.vocab_size, batch_size=args.batch_size,
-                  pad_id=run.pad_id, progress=run.progress)
+    common = dict(length=args.max_new_tokens, top_k=args.distribution_top_k, vocab_size=run.vocab_size,
+                  batch_size=args.batch_size, pad_id=run.pad_id, progress=run.progress)
     sequences = teacher.target_sequences(run.target, prompts, eos_ids=run.eos_ids["target"], **common)
     for sample in range(args.on_policy_samples):
         torch.manual_seed(args.seed + 1 + sample)
         sequences += teacher.on_policy_sequences(run.draft, run.target, prompts, temperature=args.draft_temperature,
-                                                 eos_ids=run.eos_ids["draft"], **common)
+                                                 draft_dtype=args.train_dtype, eos_ids=run.eos_ids["draft"], **common)
     return sequences
 
 
@@ -145,7 +145,7 @@ def train_draft(run: Run, sequences: list) -> list[float]:
     args = run.args
     steps = args.steps or steps_for(args.epochs, len(sequences), args.batch_size)
     settings = TrainingSettings(steps=steps, batch_size=args.batch_size, learning_rate=learning_rate(args),
-                                divergence=args.divergence, seed=args.seed)
+                                divergence=args.divergence, seed=args.seed, compute_dtype=args.train_dtype)
     run.target = None  # training needs the memory more; the evaluation continuations are kept
     model = make_trainable(run.draft, args.lora_rank)
     with tqdm(total=steps, desc="training", unit="step", disable=args.no_progress) as bar:
@@ -168,7 +168,8 @@ def build_report(run: Run, train_prompts: int, held_out_prompts: int, training_s
     args = run.args
     settings = {name: getattr(args, name) for name in (
         "k", "max_new_tokens", "max_prompt_tokens", "batch_size", "lora_rank", "on_policy_samples",
-        "draft_temperature", "distribution_top_k", "divergence", "teacher_dtype", "held_out_fraction", "seed",
+        "draft_temperature", "distribution_top_k", "divergence", "teacher_dtype", "train_dtype", "held_out_fraction",
+        "seed",
         "device")}
     settings.update(steps=len(losses), epochs=None if args.steps else args.epochs, learning_rate=learning_rate(args))
     return {

@@ -3,12 +3,13 @@ them, and the draft's teacher-forced guesses. Batched; one progress-bar step per
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from orchestrator.distill.batches import continuation_logits, generate_continuations, sparse_top_k
-from orchestrator.distill.training import TrainingSequence
+from orchestrator.distill.training import TrainingSequence, autocast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -42,14 +43,17 @@ def target_sequences(target: PreTrainedModel, prompts: Prompts, length: int, top
 
 @torch.no_grad()
 def on_policy_sequences(draft: PreTrainedModel, target: PreTrainedModel, prompts: Prompts, length: int,
-                        top_k: int, vocab_size: int, batch_size: int, temperature: float, pad_id: int, eos_ids: set[int],
-                        progress: Progress) -> list[TrainingSequence]:
-    """The draft's own continuations (sampled at `temperature`, 0 = greedy) scored by the target
-    in one teacher-forced forward: where the draft goes wrong is what it has to unlearn."""
+                        top_k: int, vocab_size: int, batch_size: int, temperature: float, pad_id: int,
+                        eos_ids: set[int], progress: Progress, draft_dtype: str = "float32") -> list[TrainingSequence]:
+    """The draft's own continuations (sampled at `temperature`, 0 = greedy; under bf16 autocast with
+    draft_dtype "bfloat16") scored by the target in one teacher-forced forward: where the draft goes
+    wrong is what it has to unlearn."""
     sequences = []
     for batch in progress(chunks(prompts, batch_size), "draft samples scored by target"):
-        tokens, _ = generate_continuations(draft, batch, length, pad_id, temperature=temperature)
-        top_ids, top_probs = sparse_top_k(continuation_logits(target, batch, tokens.tolist(), pad_id), top_k, vocab_size)
+        with autocast(draft, draft_dtype):
+            tokens, _ = generate_continuations(draft, batch, length, pad_id, temperature=temperature)
+        logits = continuation_logits(target, batch, tokens.tolist(), pad_id)  # [B, L, V]
+        top_ids, top_probs = sparse_top_k(logits, top_k, vocab_size)
         sequences += [TrainingSequence(tuple(p), tokens[i], top_ids[i].cpu(), top_probs[i].cpu(),
                                        served_weight(tokens[i], eos_ids)) for i, p in enumerate(batch)]
     return sequences
