@@ -78,7 +78,7 @@ def distill(run: Run) -> dict:
         check_token_ids(train_set + held_out, run.vocab_size)
     with run.phase("evaluate"):
         continuations = teacher.greedy_continuations(run.target, _ids(held_out), args.max_new_tokens,
-                                                     args.batch_size, run.pad_id, run.progress)
+                                                     args.generation_batch_size, run.pad_id, run.progress)
         before = evaluate(run, held_out, continuations, "draft before")
     with run.phase("training data"):
         sequences = training_sequences(run, _ids(train_set))
@@ -122,8 +122,8 @@ def _output_size(model) -> int:
 
 
 def evaluate(run: Run, held_out: list[Example], continuations: torch.Tensor, label: str) -> AcceptanceStats:
-    argmax = teacher.teacher_forced_argmax(run.draft, _ids(held_out), continuations, run.args.batch_size,
-                                           run.pad_id, run.progress, label)
+    argmax = teacher.teacher_forced_argmax(run.draft, _ids(held_out), continuations,
+                                           run.args.generation_batch_size, run.pad_id, run.progress, label)
     return measure_acceptance(argmax, continuations, run.args.k, run.eos_ids["target"], run.eos_ids["draft"])
 
 
@@ -132,7 +132,7 @@ def training_sequences(run: Run, prompts: list[tuple[int, ...]]) -> list:
     if args.teacher_dtype == "bfloat16":  # after the float32 evaluation continuations
         run.target.to(torch.bfloat16)
     common = dict(length=args.max_new_tokens, top_k=args.distribution_top_k, vocab_size=run.vocab_size,
-                  batch_size=args.batch_size, pad_id=run.pad_id, progress=run.progress)
+                  batch_size=args.generation_batch_size, pad_id=run.pad_id, progress=run.progress)
     sequences = teacher.target_sequences(run.target, prompts, eos_ids=run.eos_ids["target"], **common)
     for sample in range(args.on_policy_samples):
         torch.manual_seed(args.seed + 1 + sample)
@@ -167,7 +167,8 @@ def build_report(run: Run, train_prompts: int, held_out_prompts: int, training_s
                  before: AcceptanceStats, after: AcceptanceStats, losses: list[float]) -> dict:
     args = run.args
     settings = {name: getattr(args, name) for name in (
-        "k", "max_new_tokens", "max_prompt_tokens", "batch_size", "lora_rank", "on_policy_samples",
+        "k", "max_new_tokens", "max_prompt_tokens", "batch_size", "generation_batch_size", "lora_rank",
+        "on_policy_samples",
         "draft_temperature", "distribution_top_k", "divergence", "teacher_dtype", "train_dtype", "held_out_fraction",
         "seed",
         "device")}
