@@ -80,6 +80,8 @@ def distill(run: Run) -> dict:
         continuations = teacher.greedy_continuations(run.target, _ids(held_out), args.max_new_tokens,
                                                      args.generation_batch_size, run.pad_id, run.progress)
         before = evaluate(run, held_out, continuations, "draft before")
+    print(f"held-out before training, k = {args.k}: acceptance rate {before.acceptance_rate:.3f}, "
+          f"tokens per round {before.tokens_per_round:.3f}", flush=True)  # seen even if training is cut short
     with run.phase("training data"):
         sequences = training_sequences(run, _ids(train_set))
     with run.phase("training"):
