@@ -63,7 +63,7 @@ class ReplicaConfig:
     role: str  # "draft" or "target"
     service: ServiceOptions  # model, device, dtype, host, session limits, tracing
     greedy_proposals: bool = False  # draft only
-    disagreement_log: tuple[str, float] | None = None  # target only: (path, records per second)
+    disagreement_log: tuple[str, float, bool] | None = None  # target only: DisagreementLog(path, rate, context)
     extra: dict = field(default_factory=dict)  # more create_server keyword arguments
 
 

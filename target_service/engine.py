@@ -147,13 +147,15 @@ class TargetEngine:
         row = verdict.accepted_count
         draft_token, target_token = draft_ids[row], verdict.next_token_id
         q = draft_probs[row] if draft_probs is not None else None  # [V]
+        context = session.token_ids + draft_ids[:row]
         self.disagreements.record(Disagreement(
             request_id=session.request_id, round=session.round, position=position + row,
-            context_hash=context_hash(session.token_ids + draft_ids[:row]),
+            context_hash=context_hash(context),
             draft_token_id=draft_token, target_token_id=target_token,
             target_prob_of_draft_token=float(p[draft_token]), target_prob_of_target_token=float(p[target_token]),
             draft_prob_of_draft_token=None if q is None else float(q[draft_token]),
-            draft_prob_of_target_token=None if q is None else float(q[target_token])))
+            draft_prob_of_target_token=None if q is None else float(q[target_token]),
+            context_token_ids=tuple(context) if self.disagreements.include_context else None))
 
     def _decode_draft_probs(
             self, distributions: Sequence[common_pb2.TokenDistribution]) -> torch.Tensor | None:

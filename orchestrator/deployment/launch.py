@@ -42,6 +42,7 @@ from specmesh.server import serve_until_signal
 from specmesh.service import (DTYPE_CHOICES, ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list,
                               run_model_service)
 from specmesh.telemetry import make_tracer_provider
+from target_service.disagreements import disagreement_log_settings
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
 
 def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_replicas: int = 1,
                 draft_replicas: int = 1, greedy_draft: bool = False,
-                disagreement_log: tuple[str, float] | None = None, channel_tls: TLSConfig | None = None,
+                disagreement_log: tuple[str, float, bool] | None = None, channel_tls: TLSConfig | None = None,
                 max_replica_failures: int = MAX_REPLICA_FAILURES,
                 restart_policy: RestartPolicy = RestartPolicy()) -> PoolsOptions:
     """Each role a pool of local child processes (draft None or no draft replicas: target-only)."""
@@ -116,7 +117,7 @@ def local_pools_options(args: argparse.Namespace, security, metrics_ports, inter
                        metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common),
         draft, target_replicas=1 if args.target_replicas is None else args.target_replicas,
         draft_replicas=1 if args.draft_replicas is None else args.draft_replicas, greedy_draft=args.greedy_draft,
-        disagreement_log=(args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None,
+        disagreement_log=disagreement_log_settings(args),
         channel_tls=security.channel_tls, max_replica_failures=args.max_replica_failures,
         restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
 
@@ -131,7 +132,7 @@ class StackOptions:
     address: str  # the orchestrator's client-facing host:port
     orchestrator: ServiceOptions  # its metrics and HTTP ports and tracing settings
     greedy_draft: bool = False
-    disagreement_log: tuple[str, float] | None = None  # (path, records per second)
+    disagreement_log: tuple[str, float, bool] | None = None  # DisagreementLog(path, records per second, context)
     channel_tls: TLSConfig | None = None  # the orchestrator's channels to the draft and target
 
     def pools(self) -> PoolsOptions:

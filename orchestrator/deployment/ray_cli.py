@@ -20,6 +20,7 @@ from orchestrator.deployment.ray_controller import PoolSpec
 
 from orchestrator.deployment.options import PoolsOptions
 from specmesh.service import ReplicaConfig, ServiceOptions
+from target_service.disagreements import disagreement_log_settings
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # replicas talk gRPC; Ray's object store stays idle
@@ -94,9 +95,8 @@ def pools_options(args: argparse.Namespace, security=None, internal_token: str |
     """security: specmesh.security settings; replicas get the serving TLS material as bytes, and
     `internal_token` (required from the orchestrators that call them)."""
     server_tls = security.server_tls if security else None
-    log = (args.disagreement_log, args.disagreement_log_rate) if args.disagreement_log else None
     target = pool_spec(args, "target", args.target, args.device, args.target_dtype, server_tls, internal_token,
-                       disagreement_log=log)
+                       disagreement_log=disagreement_log_settings(args))
     draft = None
     if args.draft.lower() != "none" and args.draft_replicas != 0:
         draft = pool_spec(args, "draft", args.draft, args.draft_device or args.device, args.draft_dtype,

@@ -11,6 +11,7 @@ import grpc
 
 from orchestrator.frontend import stats_view
 from orchestrator.bench import args as bench_args
+from orchestrator.distill import args as distill_args
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment import ray_cli as pools_cli
 from orchestrator.deployment.backends import OrchestratorOptions
@@ -22,6 +23,7 @@ from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_c
                                add_server_tls_arguments, new_internal_token, security_from_args)
 from specmesh.drain import add_shutdown_arguments
 from specmesh.service import ServiceOptions, add_request_limit_argument, add_telemetry_arguments
+from target_service.disagreements import add_disagreement_log_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,10 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
     add_telemetry_arguments(serve, default_metrics_port=9400)
-    serve.add_argument("--disagreement-log", default=None, metavar="PATH",
-                       help="append the target's rejected draft tokens to this JSONL file")
-    serve.add_argument("--disagreement-log-rate", type=float, default=100.0,
-                       help="at most this many disagreement records per second")
+    add_disagreement_log_arguments(serve)
     add_server_tls_arguments(serve)
     add_client_tls_arguments(serve)
     add_api_key_arguments(serve, serving=True)
@@ -62,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_arguments(generate)
     stats_view.add_parser(commands)
     bench_args.add_parser(commands)
+    distill_args.add_parser(commands)
     speculation = commands.add_parser("speculation", help="turn speculative decoding on or off server-wide")
     speculation.add_argument("state", choices=["on", "off", "status"])
     add_client_arguments(speculation)
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from orchestrator.bench.app import run as run_bench  # matplotlib and torch only when benchmarking
             return run_bench(args)
+        if args.command == "distill":
+            from orchestrator.distill.app import run as run_distill  # torch, peft and matplotlib only when distilling
+            return run_distill(args)
         if args.command == "speculation":
             return asyncio.run(set_speculation(args))
         return asyncio.run(generate(args))

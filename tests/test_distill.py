@@ -1,0 +1,205 @@
+"""`specmesh distill`: the acceptance replay equals real speculation, distillation raises a poor
+draft's held-out acceptance, the distilled directory serves losslessly, and bad inputs fail clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+import torch
+from harness import load, start_stack
+from test_greedy_parity import target_greedy
+from tiny_models import TINY_PROMPTS
+
+from orchestrator.distill import teacher
+from orchestrator.distill.acceptance import replay_rounds
+from orchestrator.distill.examples import DistillInputError, check_token_ids, load_examples
+from orchestrator.distill.training import bucket_divergence
+from orchestrator.frontend import cli
+from specmesh.models import eos_token_ids, load_model, vocab_fingerprint
+from target_service.disagreements import DisagreementLog, context_hash
+
+WORDS = ("the quick brown fox jumps over lazy dog a journey of thousand miles begins with single step "
+         "rain in spain stays mainly plain cat sat on mat model target draft tokens").split()
+
+
+def no_progress(items, label):
+    return items
+
+
+def word_prompts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))).capitalize() for _ in range(count)]
+
+
+def replayed_rounds(target_dir, draft_dir, device, prompts, k, max_tokens):
+    """Per prompt: (the target's greedy continuation, the replayed AcceptanceStats)."""
+    target, tokenizer = load(str(target_dir), device)
+    draft, _ = load(str(draft_dir), device)
+    ids = [tokenizer.encode(p) for p in prompts]
+    continuations = teacher.greedy_continuations(target, ids, max_tokens, 8, 0, no_progress)  # [N, L]
+    argmax = teacher.teacher_forced_argmax(draft, ids, continuations, 8, 0, no_progress, "draft")  # [N, L]
+    target_eos, draft_eos = set(eos_token_ids(target, tokenizer)), set(eos_token_ids(draft, tokenizer))
+    return [(c, replay_rounds(c, a, k, max_tokens, target_eos, draft_eos))
+            for c, a in zip(continuations.tolist(), argmax.tolist())]
+
+
+@pytest.mark.parametrize("k", [2, 5])
+async def test_replayed_rounds_equal_served_speculation(tiny_llama_dir, tiny_llama_perturbed_dir, device, k):
+    max_tokens = 24
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=k, device=device)
+    try:
+        served = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=max_tokens, temperature=0.0)
+                                        for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+    replayed = replayed_rounds(tiny_llama_dir, tiny_llama_perturbed_dir, device, TINY_PROMPTS, k, max_tokens)
+    for prompt, (token_ids, _, last), (continuation, stats) in zip(TINY_PROMPTS, served, replayed):
+        assert token_ids == continuation[:len(token_ids)], prompt
+        assert (stats.accepted_tokens, stats.rounds) == (last.stats.accepted_tokens, last.stats.rounds), prompt
+        assert stats.tokens_per_round == pytest.approx(last.stats.tokens_per_round, rel=1e-6), prompt
+    accepted = sum(stats.accepted_tokens for _, stats in replayed)
+    assert 0 < accepted < sum(stats.draft_tokens for _, stats in replayed)  # partial: the runs matter
+
+
+def test_replay_stops_at_the_targets_eos():
+    eos = 0
+    continuation = [5, 6, 7, eos, 9, 9, 9, 9]
+    stats = replay_rounds(continuation, continuation, k=2, max_tokens=8, target_eos={eos}, draft_eos={eos})
+    # one round: 6 and 7 accepted, the target adds eos, generation ends
+    assert (stats.rounds, stats.accepted_tokens, stats.draft_tokens, stats.round_tokens) == (1, 2, 2, 3)
+
+
+def test_divergences_vanish_only_when_the_draft_matches():
+    logits = torch.randn(2, 3, 50)  # [B, L, V]
+    probs = torch.softmax(logits, -1)
+    top = probs.topk(8, dim=-1)
+    for divergence in ("kl", "tvd"):
+        same = bucket_divergence(logits, top.indices, top.values, divergence)  # [B, L]
+        other = bucket_divergence(torch.randn(2, 3, 50), top.indices, top.values, divergence)
+        assert same.abs().max() < 1e-5 and (other > 1e-3).all()
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, tiny_llama_dir, tiny_llama_unrelated_dir):
+    """An unrelated (near-zero acceptance) draft distilled from tiny_llama with LoRA: (dir, report)."""
+    root = tmp_path_factory.mktemp("distill")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(word_prompts(120, seed=1)) + "\n")
+    output = root / "draft"
+    code = cli.main(["distill", "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_unrelated_dir),
+                     "--prompts", str(prompts), "--output", str(output), "--lora-rank", "16",
+                     "--learning-rate", "1e-2", "--steps", "60", "--batch-size", "32", "--max-new-tokens", "16",
+                     "--held-out-fraction", "0.25", "--k", "4", "--no-progress"])
+    assert code == 0
+    return output, json.loads((output / "distill_report.json").read_text())
+
+
+def test_distillation_raises_held_out_acceptance(distilled, tiny_llama_dir):
+    output, report = distilled
+    assert (report["train_prompts"], report["held_out_prompts"]) == (90, 30)
+    assert report["after"]["acceptance_rate"] >= report["before"]["acceptance_rate"] + 0.15, report
+    assert report["after"]["tokens_per_round"] > report["before"]["tokens_per_round"] * 1.3
+    assert report["loss"]["last"] < report["loss"]["first"]
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja", "loss.png",
+                 "distill_report.md"):
+        assert (output / name).is_file(), name
+    assert not (output / "adapter_config.json").exists()  # the LoRA adapter is merged into the weights
+    model, tokenizer = load_model(str(output))
+    assert vocab_fingerprint(tokenizer) == vocab_fingerprint(load(str(tiny_llama_dir), "cpu")[1])
+    assert not any("lora" in name for name, _ in model.named_parameters())
+
+
+async def test_serving_the_distilled_draft_keeps_greedy_parity(distilled, tiny_llama_dir, device):
+    output, _ = distilled
+    stack = await start_stack(tiny_llama_dir, output, k=4, device=device)
+    try:
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=32, temperature=0.0)
+                                         for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+    for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, 32), prompt
+        assert not last.stats.draft_fallback
+    assert sum(last.stats.accepted_tokens for _, _, last in results) > 0
+
+
+def write_log(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("empty", "no prompts"),
+    ("bad json line", "prompts.jsonl:2: not valid JSON"),
+    ("jsonl without prompt", "prompts.jsonl:1: field 'prompt'"),
+    ("log without context", "--disagreement-log-context"),
+    ("missing output parent", "parent directory"),
+    ("other vocabulary", "different vocabularies"),
+])
+def test_bad_inputs_fail_naming_the_problem(case, expected, tmp_path, capsys, tiny_llama_dir,
+                                            other_vocab_model_dir):
+    prompts, output, draft = tmp_path / "prompts.jsonl", tmp_path / "out", tiny_llama_dir
+    prompts.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "Once upon a time"}\n')
+    if case == "empty":
+        prompts.write_text("\n\n")
+    elif case == "bad json line":
+        prompts.write_text('{"prompt": "The quick brown fox"}\n{"prompt": "Once upon\n')
+    elif case == "jsonl without prompt":
+        prompts.write_text('{"text": "The quick brown fox"}\n')
+    elif case == "log without context":
+        write_log(prompts, [{"request_id": "r", "position": 4, "context_hash": "0" * 16, "draft_token_id": 3}])
+    elif case == "missing output parent":
+        output = tmp_path / "no" / "such" / "out"
+    else:
+        draft = other_vocab_model_dir
+    code = cli.main(["distill", "--target", str(tiny_llama_dir), "--draft", str(draft), "--prompts", str(prompts),
+                     "--output", str(output), "--no-progress"])
+    error = capsys.readouterr().err
+    assert code == 2 and expected in error, error
+    assert not output.exists()
+
+
+async def test_a_disagreement_log_with_contexts_becomes_distillation_prompts(tmp_path, tiny_llama_dir,
+                                                                            tiny_llama_perturbed_dir, device):
+    log_path = tmp_path / "disagreements.jsonl"
+    log = DisagreementLog(log_path, max_per_second=1e6, include_context=True)
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=4, device=device, disagreements=log)
+    try:
+        for prompt in TINY_PROMPTS[:4]:
+            await stack.generate(prompt=prompt, max_tokens=24, temperature=0.0)
+    finally:
+        await stack.stop()
+        log.close()
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert len(records) > 3
+    for record in records:  # the context is exactly what the hash was taken over
+        assert len(record["context_token_ids"]) == record["position"]
+        assert context_hash(record["context_token_ids"]) == record["context_hash"]
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    examples = load_examples(log_path, tokenizer, max_prompt_tokens=1000)
+    contexts = {r["context_hash"]: tuple(r["context_token_ids"]) for r in records}
+    assert sorted(e.prompt_token_ids for e in examples) == sorted(contexts.values())
+    with pytest.raises(DistillInputError, match="outside the vocabulary"):
+        check_token_ids(examples, vocab_size=3)
+
+
+def test_full_fine_tune_from_chat_prompts_under_bfloat16(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
+    """Rank 0 trains every weight; chat messages go through the template; bf16 teacher and autocast."""
+    prompts = tmp_path / "chat.jsonl"
+    write_log(prompts, [{"messages": [{"role": "user", "content": p}]} for p in word_prompts(16, seed=2)])
+    output = tmp_path / "draft"
+    code = cli.main(["distill", "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                     "--prompts", str(prompts), "--output", str(output), "--lora-rank", "0", "--steps", "3",
+                     "--batch-size", "16", "--max-new-tokens", "8", "--teacher-dtype", "bfloat16",
+                     "--train-dtype", "bfloat16", "--no-progress"])
+    assert code == 0
+    report = json.loads((output / "distill_report.json").read_text())
+    assert (report["train_prompts"], report["training_sequences"]) == (13, 26)  # target + on-policy per prompt
+    before, _ = load(str(tiny_llama_perturbed_dir), "cpu")
+    after, _ = load_model(str(output))
+    changed = [name for name, weight in after.state_dict().items()
+               if not torch.equal(weight, before.state_dict()[name])]
+    assert after.dtype == torch.float32 and len(changed) == len(before.state_dict())
