@@ -29,9 +29,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help=f"default {DEFAULT_LEARNING_RATE['lora']} with LoRA, "
                              f"{DEFAULT_LEARNING_RATE['full']} for a full fine-tune")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
-    parser.add_argument("--generation-batch-size", type=int, default=32,
+    parser.add_argument("--generation-batch-size", type=int, default=16,
                         help="prompts per generate / teacher-forced forward (a decode step costs about the same "
-                             "for 8 or 64 rows on a CPU, so larger is faster while memory lasts)")
+                             "for 8 or 64 rows on a CPU, so larger is faster while memory lasts; 48 took 23 GB with the "
+                             "embedded pair)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="continuation length per example")
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="keep each prompt's last N tokens")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank; 0 = full fine-tune")
