@@ -106,13 +106,19 @@ def load_jsonl(path: str | Path) -> list[BenchPrompt]:
     return prompts
 
 
-def _parse_line(line: str, where: str) -> BenchPrompt:
+def json_object(line: str, where: str) -> dict:
+    """One JSONL line as a JSON object; PromptFileError naming `where` otherwise."""
     try:
         item = json.loads(line)
     except json.JSONDecodeError as error:
         raise PromptFileError(f"{where}: not valid JSON ({error.msg})") from None
     if not isinstance(item, dict):
         raise PromptFileError(f"{where}: expected a JSON object")
+    return item
+
+
+def _parse_line(line: str, where: str) -> BenchPrompt:
+    item = json_object(line, where)
 
     def bad(field: str, why: str) -> PromptFileError:
         return PromptFileError(f"{where}: field '{field}': {why}")

@@ -13,13 +13,12 @@ Three file forms are accepted, told apart by their first non-empty line:
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.bench.prompts import PromptFileError, load_jsonl
+from orchestrator.bench.prompts import PromptFileError, json_object, load_jsonl
 from specmesh.models import chat_token_ids
 
 if TYPE_CHECKING:
@@ -63,12 +62,9 @@ def load_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase,
 
 def _json_object(line: str, where: str) -> dict:
     try:
-        item = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DistillInputError(f"{where}: not valid JSON ({error.msg})") from None
-    if not isinstance(item, dict):
-        raise DistillInputError(f"{where}: expected a JSON object")
-    return item
+        return json_object(line, where)
+    except PromptFileError as error:
+        raise DistillInputError(str(error)) from None
 
 
 def _from_jsonl(path: Path, tokenizer: PreTrainedTokenizerBase) -> list[Example]:
