@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,57 @@ from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
 from specmesh.service import ReplicaConfig, ServiceOptions, create_model_server
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
+
+
+async def eventually(probe, wanted=True, timeout_s: float = 30.0) -> None:
+    """Until `probe()` (awaited when it returns an awaitable) gives `wanted`; fails the test at the
+    deadline. It polls: what it waits on lives in another thread or process, with no event to await."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (got := await _value_of(probe())) != wanted:
+        assert asyncio.get_running_loop().time() < deadline, f"still {got!r}, waiting for {wanted!r}"
+        await asyncio.sleep(0.02)
+
+
+async def _value_of(result):
+    return await result if inspect.isawaitable(result) else result
+
+
+class TargetHold:
+    """Lets the engine's next forward (a new session's prefill) run, then holds its worker until
+    released, so a generation stays mid-way however fast the tiny models are. The hold is queued on the
+    worker from inside that forward, ahead of any later one: no window in which the generation runs on."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.gate, self.held = engine, threading.Event(), threading.Event()
+        self._run = engine.run
+        engine.run = self._first_run
+
+    async def _first_run(self, fn, *args):
+        self.engine.run = self._run
+
+        def prefill_then_hold(*fn_args):
+            try:
+                return fn(*fn_args)
+            finally:
+                self.engine._worker.submit(self._hold)
+        return await self._run(prefill_then_hold, *args)
+
+    def _hold(self) -> None:
+        self.held.set()
+        self.gate.wait(60)
+
+    async def wait_held(self) -> None:
+        assert await asyncio.to_thread(self.held.wait, 30), "the engine's next forward never ran"
+
+    def release(self) -> None:
+        self.engine.run = self._run
+        self.gate.set()
+
+    async def __aenter__(self) -> "TargetHold":
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        self.release()
 
 
 @functools.lru_cache(maxsize=16)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import load, make_engine, start_stack
+from harness import TargetHold, eventually, load, make_engine, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
@@ -65,14 +65,6 @@ async def read_rest(call: grpc.aio.UnaryStreamCall) -> list[int]:
     while (response := await call.read()) is not grpc.aio.EOF:
         tokens.extend(response.token_ids)
     return tokens
-
-
-async def eventually(probe, wanted, timeout_s: float = 30.0) -> None:
-    """Until `await probe()` returns `wanted`; fails the test at the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while (got := await probe()) != wanted:
-        assert asyncio.get_running_loop().time() < deadline, f"still {got}, waiting for {wanted}"
-        await asyncio.sleep(0.02)
 
 
 async def assert_refused(stub: generation_pb2_grpc.GenerationStub) -> None:
@@ -125,9 +117,10 @@ async def orchestrator(tiny_llama_dir, tiny_llama_perturbed_dir):
 
 
 async def test_in_flight_stream_finishes_while_new_requests_are_refused(orchestrator, tiny_llama_dir):
-    call = orchestrator.stub.Generate(request(), timeout=60)
-    tokens = list((await call.read()).token_ids)
-    async with orchestrator.target_held():
+    async with TargetHold(orchestrator.stack.target_engine) as hold:  # the stream stalls after its prefill
+        call = orchestrator.stub.Generate(request(), timeout=60)
+        tokens = list((await call.read()).token_ids)
+        await hold.wait_held()
         stopping = asyncio.ensure_future(stop_server(orchestrator.server, orchestrator.health, 60.0))
         await wait_for_health(orchestrator.channel, SERVICE_NAME, NOT_SERVING)
         assert {await health_of(orchestrator.channel, name) for name in ("", ADMIN_SERVICE_NAME)} == {NOT_SERVING}
@@ -189,10 +182,10 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{target_port}") as target_channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
+            hold = TargetHold(engine)  # the stream stalls in flight after its prefill
             call = stub.Generate(request(), timeout=60)
             tokens = list((await call.read()).token_ids)
-            gate = threading.Event()
-            blocker = asyncio.ensure_future(engine.run(gate.wait, 60))  # hold the stream in flight
+            await hold.wait_held()
             stopping = asyncio.ensure_future(stop_server(target, target_health, 60.0))
             try:
                 await wait_for_health(target_channel, TARGET_SERVICE_NAME, NOT_SERVING)
@@ -201,8 +194,7 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
                 assert not stopping.done() and len(engine.sessions) == 1
             finally:
-                gate.set()
-                await blocker
+                hold.release()
             tokens += await read_rest(call)
         assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
         await asyncio.wait_for(stopping, 30)  # done once the orchestrator closed the session

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import openai
 import pytest
 
-from harness import load, start_stack
+from harness import TargetHold, eventually, load, start_stack
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
@@ -103,56 +102,49 @@ def requests_in(metrics: OrchestratorMetrics, series: str) -> float:
                if sample.name == series)
 
 
-async def eventually(condition, timeout_s: float = 30.0) -> None:
-    """Until `await condition()` is true; fails the test at the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
-async def hang_up_mid_generation(stack, metrics: OrchestratorMetrics, hang_up) -> None:
+async def hang_up_mid_generation(stack, metrics: OrchestratorMetrics, hold: TargetHold, hang_up) -> None:
     """The target is held while the client hangs up, so the generation cannot finish first: the
     server must see the disconnect and abandon it; then both sessions must be freed."""
-    gate = threading.Event()
-    blocker = asyncio.ensure_future(stack.target_engine.run(gate.wait, 60))
     try:
+        await hold.wait_held()
         await hang_up()
         async def abandoned() -> bool:
             return requests_in(metrics, "specmesh_requests_running") + \
                 requests_in(metrics, "specmesh_requests_waiting") == 0
         await eventually(abandoned)
     finally:
-        gate.set()
-        await blocker
+        hold.release()
     assert await stack.wait_sessions_freed() == (0, 0)
     assert requests_in(metrics, "specmesh_requests_total") == 0  # abandoned, never finished
 
 
 async def test_disconnecting_client_frees_both_sessions(served):
     stack, metrics, base = served
+    hold = TargetHold(stack.target_engine)
     async with httpx.AsyncClient(timeout=30) as http:
         body = {"prompt": "def f(x):", "max_tokens": 200, "temperature": 0, "stream": True}
         async with http.stream("POST", f"{base}/completions", json=body) as response:
-            async for line in response.aiter_lines():
+            # Held in a name: a dropped line iterator is finalized by the loop, which closes the
+            # connection, a hang-up of its own before the one under test.
+            lines = response.aiter_lines()
+            async for line in lines:
                 if line.startswith("data: "):
-                    break  # one event received: both sessions are open
-            assert response.status_code == 200 and await stack.open_sessions() == (1, 1)
-            await hang_up_mid_generation(stack, metrics, response.aclose)
+                    break  # one event received: the generation is under way
+            assert response.status_code == 200
+            await eventually(stack.open_sessions, (1, 1))  # the draft opens its session beside the prefill
+            await hang_up_mid_generation(stack, metrics, hold, response.aclose)
 
 
 async def test_disconnect_during_unstreamed_completion_frees_sessions(served):
     stack, metrics, base = served
+    hold = TargetHold(stack.target_engine)
     async with httpx.AsyncClient(timeout=30) as http:
         request = asyncio.ensure_future(http.post(f"{base}/completions", json={
             "prompt": "def f(x):", "max_tokens": 240, "temperature": 0}))
-
-        async def sessions_open() -> bool:
-            return await stack.open_sessions() == (1, 1)
-        await eventually(sessions_open)  # the generation is under way
+        await eventually(stack.open_sessions, (1, 1))  # the generation is under way
 
         async def hang_up() -> None:
             request.cancel()
             await asyncio.gather(request, return_exceptions=True)
-        await hang_up_mid_generation(stack, metrics, hang_up)
+        await hang_up_mid_generation(stack, metrics, hold, hang_up)
     assert request.cancelled()

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import load
+from harness import eventually, load
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, servicer_over_pools
@@ -65,7 +65,7 @@ class LocalDeployment:
     async def wait_serving_elsewhere(self, role: str, old_address: str) -> None:
         """Until the pool routes to the role's replica again, at a new address (a new incarnation)."""
         pool = self.pools.pools[role]
-        await wait_until(lambda: any(r.address != old_address for r in pool.routable()), RESTART_WAIT_S)
+        await eventually(lambda: any(r.address != old_address for r in pool.routable()), timeout_s=RESTART_WAIT_S)
 
     def generation(self, tokenizer, k: int = 2) -> SpeculativeGeneration:
         backends = self.servicer.backends
@@ -76,13 +76,6 @@ class LocalDeployment:
 
     def restarts(self, role: str) -> float:
         return self.metrics.registry.get_sample_value("specmesh_replica_restarts_total", {"role": role}) or 0.0
-
-
-async def wait_until(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +133,8 @@ async def kill_until_failed(deployment: LocalDeployment, role: str) -> None:
     """Kill the role's replica, letting it restart, until the supervisor gives the role up."""
     while role not in deployment.pools.failed:
         old = deployment.kill(role)
-        await wait_until(lambda: role in deployment.pools.failed or any(
-            r.address != old for r in deployment.pools.pools[role].routable()), RESTART_WAIT_S)
+        await eventually(lambda: role in deployment.pools.failed or any(
+            r.address != old for r in deployment.pools.pools[role].routable()), timeout_s=RESTART_WAIT_S)
 
 
 async def health_of(deployment: LocalDeployment, name: str) -> int:

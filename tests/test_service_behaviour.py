@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from harness import load, make_engine, start_model_server, start_stack
+from harness import TargetHold, eventually, load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions, TokenizerMismatch
 from orchestrator.frontend.server import create_server
 from specmesh.v1 import generation_pb2
@@ -98,11 +98,13 @@ async def test_slow_draft_falls_back_to_target_only(tiny_llama_dir, tiny_llama_p
 
 
 async def test_cancelled_stream_frees_both_sessions(llama_stack):
-    call = llama_stack.stub.Generate(generation_pb2.GenerateRequest(prompt="def f(x):", max_tokens=200,
-                                                                    temperature=0.0), timeout=60)
-    await call.read()
-    assert await llama_stack.open_sessions() == (1, 1)
-    call.cancel()
+    async with TargetHold(llama_stack.target_engine) as hold:  # the stream stalls after its prefill
+        call = llama_stack.stub.Generate(generation_pb2.GenerateRequest(prompt="def f(x):", max_tokens=200,
+                                                                        temperature=0.0), timeout=60)
+        await call.read()
+        await hold.wait_held()
+        await eventually(llama_stack.open_sessions, (1, 1))  # the draft opens its session beside the prefill
+        call.cancel()
     assert await llama_stack.wait_sessions_freed() == (0, 0)
 
 
