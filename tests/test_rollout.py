@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from front_door import bad_request_fields
-from harness import load
+from harness import eventually, load
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec
@@ -31,7 +31,7 @@ from specmesh.metrics import OrchestratorMetrics
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from test_greedy_parity import target_greedy
-from test_local_pools import MAX_TOKENS, PROMPT, RESTART_WAIT_S, LocalDeployment, wait_until
+from test_local_pools import MAX_TOKENS, PROMPT, RESTART_WAIT_S, LocalDeployment
 
 DRAFT_REPLICAS = 2
 ROLLOUT_TIMEOUT_S = 600.0  # four child processes start (import torch, load) on a shared 2-core machine
@@ -178,7 +178,7 @@ async def test_rolling_the_draft_fails_no_request_and_raises_acceptance(
     streams = [asyncio.ensure_future(stream_until(deployment, done, expected)) for _ in range(STREAMING_CLIENTS)]
     rollout = asyncio.ensure_future(replace_model(deployment, "draft", tiny_llama_perturbed_dir))
     try:
-        await wait_until(lambda: deployment.pools.rollout is not None and deployment.pools.rollout.running, 60)
+        await eventually(lambda: deployment.pools.rollout is not None and deployment.pools.rollout.running, timeout_s=60)
         with pytest.raises(grpc.aio.AioRpcError) as second:  # one rollout at a time
             await replace_model(deployment, "draft", tiny_llama_unrelated_dir)
         assert second.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -239,7 +239,7 @@ async def test_the_rollout_command_rolls_back_printing_progress(deployment, tiny
 
 async def test_a_rollout_goes_on_when_its_caller_goes_away(deployment, tiny_llama_perturbed_dir, expected):
     call = asyncio.ensure_future(replace_model(deployment, "draft", tiny_llama_perturbed_dir))
-    await wait_until(lambda: deployment.pools.rollout is not None and deployment.pools.rollout.running, 60)
+    await eventually(lambda: deployment.pools.rollout is not None and deployment.pools.rollout.running, timeout_s=60)
     call.cancel()  # the client's call ends mid-rollout
     with contextlib.suppress(asyncio.CancelledError):
         await call
