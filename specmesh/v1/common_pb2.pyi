@@ -90,7 +90,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity")
+    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,10 @@ class ModelInfo(_message.Message):
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     CPU_AFFINITY_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -109,4 +113,8 @@ class ModelInfo(_message.Message):
     open_sessions: int
     host: str
     cpu_affinity: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ...) -> None: ...
+    running_sessions: int
+    waiting_sessions: int
+    kv_cache_usage: float
+    queued_rows: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ...) -> None: ...

@@ -18,16 +18,18 @@ NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind
 
 class TargetOpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "resume", "max_new_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     resume: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ...) -> None: ...
+    max_new_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetOpenResponse(_message.Message):
     __slots__ = ("request_id", "token_id", "committed_length", "forward_ns", "logprob")
