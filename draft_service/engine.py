@@ -68,7 +68,8 @@ class DraftEngine:
         if len(prompt) < 2:
             return 0
         try:
-            _, forward_ns = await self.engine.run(self.engine.forward, session, list(prompt[:-1]), 1)
+            _, forward_ns = await self.engine.submit(
+                session, self.engine.feed(session, list(prompt[:-1]), 1, chunkable=True))
         except BaseException:
             self.engine.close(request_id)
             raise
@@ -84,7 +85,7 @@ class DraftEngine:
 
     async def commit(self, request_id: str, round_number: int, commit: CommitSpec) -> int:
         session, _ = self._arrive(request_id, round_number)
-        await self.engine.run(self._apply_commit, session, commit)
+        await self.engine.run(self._apply_commit, session, commit, session=session)
         return len(session.token_ids)
 
     def _apply_commit(self, session: Session, commit: CommitSpec, then: Sequence[int] = ()) -> None:
@@ -102,20 +103,20 @@ class DraftEngine:
                       position: int, num_tokens: int) -> Proposal:
         _check_count("num_tokens", num_tokens, 1, MAX_DRAFT_TOKENS)
         session, _ = self._arrive(request_id, round_number)
-        return await self.engine.run(self._propose, session, commit, position, num_tokens)
+        return await self.engine.submit(session, self._propose(session, commit, position, num_tokens))
 
-    def _propose(self, session: Session, commit: CommitSpec | None, position: int,
-                 num_tokens: int) -> Proposal:
+    def _propose(self, session: Session, commit: CommitSpec | None, position: int, num_tokens: int):
+        """A job (specmesh.batching) -> Proposal."""
         if commit is not None:
             self._apply_commit(session, commit)
         if position != len(session.token_ids):
             raise PositionMismatch(
                 f"position {position} is not the sequence length {len(session.token_ids)}")
-        return self._draft(session, num_tokens)
+        return (yield from self._draft(session, num_tokens))
 
-    def _draft(self, session: Session, num_tokens: int,
-               interrupted: Callable[[], bool] = lambda: False) -> Proposal:
-        """Draft up to num_tokens after the session's sequence, stopping early when interrupted."""
+    def _draft(self, session: Session, num_tokens: int, interrupted: Callable[[], bool] = lambda: False):
+        """In a job: draft up to num_tokens after the session's sequence, one step each, stopping
+        early when interrupted -> Proposal."""
         position = len(session.token_ids)
         generator = generator_at(session.seed, position)
         room = self.engine.context_window - position - 1  # the target adds one token after the draft
@@ -123,7 +124,7 @@ class DraftEngine:
         for _ in range(min(num_tokens, room)):
             if interrupted():
                 break
-            logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+            logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1)  # [1, V]
             total_ns += forward_ns
             token_id, distribution = self._draw(session, logits, generator)
             session.token_ids.append(token_id)
@@ -159,14 +160,14 @@ class DraftEngine:
         def interrupted() -> bool:
             return state.calls != call
         try:
-            main = await self.engine.run(self._predraft_main, session, commit, position, list(assumed),
-                                         num_tokens, extra_branches, interrupted)
+            main = await self.engine.submit(session, self._predraft_main(
+                session, commit, position, list(assumed), num_tokens, extra_branches, interrupted))
             yield main
             for accepted, next_token in main.planned:
                 if interrupted():
                     return
-                branch = await self.engine.run(self._predraft_extra, session, position + accepted, next_token,
-                                               num_tokens, interrupted)
+                branch = await self.engine.submit(session, self._predraft_extra(
+                    session, position + accepted, next_token, num_tokens, interrupted))
                 if branch is not None:
                     yield BranchProposal(accepted, next_token, branch)
         except (asyncio.CancelledError, GeneratorExit):
@@ -182,43 +183,42 @@ class DraftEngine:
 
     def _predraft_main(self, session: Session, commit: CommitSpec | None, position: int, assumed: list[int],
                        num_tokens: int, extra_branches: int, interrupted: Callable[[], bool]):
-        """Take the sequence to prefix + assumed, guess the bonus token, draft after it; plan the rest."""
+        """A job: take the sequence to prefix + assumed, guess the bonus token, draft after it; plan the rest."""
         base = commit if commit is not None else CommitSpec(min(position, len(session.token_ids)), ())
         if base.position + len(base.token_ids) != position:
             raise PositionMismatch(f"position {position} is not the committed length "
                                    f"{base.position + len(base.token_ids)}")
         self._apply_commit(session, base, then=assumed)
-        bonus_logits, plans, score_ns = self._score_assumed(session, position, assumed, extra_branches)
+        bonus_logits, plans, score_ns = yield from self._score_assumed(session, position, assumed, extra_branches)
         bonus = int(bonus_logits[0].argmax())
         proposal = Proposal(position + len(assumed) + 1, [], [], 0)
         if not (assumed[-1] in self.engine.eos_token_ids or bonus in self.engine.eos_token_ids or interrupted()):
             session.token_ids.append(bonus)
-            proposal = self._draft(session, num_tokens, interrupted)
+            proposal = yield from self._draft(session, num_tokens, interrupted)
         proposal = Proposal(proposal.position, proposal.token_ids, proposal.distributions,
                             proposal.forward_ns + score_ns)
         return BranchProposal(len(assumed), bonus, proposal, tuple(plans))
 
-    def _score_assumed(self, session: Session, position: int, assumed: list[int],
-                       extra_branches: int) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
-        """(logits [1, V] for the bonus position, the extra branches to draft, forward ns)."""
+    def _score_assumed(self, session: Session, position: int, assumed: list[int], extra_branches: int):
+        """In a job: (logits [1, V] for the bonus position, the extra branches to draft, forward ns)."""
         if not extra_branches:
-            logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+            logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1)  # [1, V]
             return session.penalize(logits), [], forward_ns
         # Re-score the assumed tokens in one forward (cheap on a batch-friendly device):
         # fed from position - 1 on, row j of the logits predicts position + j.
         surplus = session.cached_length - max(0, position - 1)
         if surplus > 0:
             session.cache.crop(-surplus)  # negative = remove that many tokens from the end
-        logits, forward_ns = self.engine.feed_uncached(session, keep_rows=len(assumed) + 1)  # [k+1, V]
+        logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=len(assumed) + 1)  # [k+1, V]
         logits = session.penalize(logits, position, assumed)
         plans = plan_extra_branches(logits, assumed, extra_branches, self.engine.eos_token_ids)
         return logits[-1:], plans, forward_ns
 
     def _predraft_extra(self, session: Session, recovered_position: int, recovered: int, num_tokens: int,
-                        interrupted: Callable[[], bool]) -> Proposal | None:
-        """Draft after a guessed rejection in a copy of the cache, kept for a later commit to adopt."""
+                        interrupted: Callable[[], bool]):
+        """A job: draft after a guessed rejection in a copy of the cache, kept for a later commit to adopt."""
         branch = Branch.fork(session, recovered_position, recovered)
-        proposal = self._draft(branch.session, num_tokens, interrupted)
+        proposal = yield from self._draft(branch.session, num_tokens, interrupted)
         if interrupted() or not proposal.token_ids:
             return None
         session.ahead.branches.append(branch)

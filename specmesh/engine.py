@@ -6,8 +6,9 @@ covers *fewer* tokens than the sequence: the newest token is fed by the next
 forward pass, which yields the logits that predict the token after it. Rolling
 back is a crop of the cache: positions past the new length are simply dropped.
 
-All model work runs on one worker thread per engine, so the gRPC event loop stays
-responsive and forward passes of different sessions never run concurrently.
+All model work runs on one worker thread per engine (specmesh.batching), so the gRPC
+event loop stays responsive: the services submit jobs, and each step of the worker
+runs the pending rows of every session in one forward (specmesh.ragged).
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import os
 import random
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specmesh import models
+from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
 from specmesh.penalties import penalize_logits
+from specmesh.ragged import ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
+from specmesh.step_costs import StepCosts
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,13 @@ class EngineConfig:
     # but one pass for 4 or 8 (see README, "Figures"). Trailing pad rows cannot
     # change the real rows (attention is causal) and are cropped from the cache.
     row_multiple: int = 1
+    # Rows one step may feed (decode rows first; prefill chunks fill the rest).
+    max_step_tokens: int = 2048
+    # Prefill rows a step adds while streams decode, when no measured StepCosts say more.
+    prefill_chunk: int = 64
+    # With measured costs: a step with a prefill chunk costs at most this many times the
+    # decode rows alone (so a long prompt delays running streams by at most that factor).
+    prefill_slowdown: float = 2.0
 
     @property
     def caller_limit(self) -> int:
@@ -112,11 +122,32 @@ class ModelEngine:
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
         self.sessions: dict[str, Session] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.costs: StepCosts | None = None  # measured by calibrate(); None: row_multiple padding
+        self.ragged = supports_ragged(model)
+        planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
+        self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15])
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run model work on the engine's single worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+    async def run(self, fn: Callable[..., T], *args, session: Session | None = None) -> T:
+        """Run fn on the engine's worker between steps (after the session's earlier jobs, if given)."""
+        return await self.scheduler.call(fn, *args, key=session.request_id if session is not None else None)
+
+    async def submit(self, session: Session, job: Job) -> Any:
+        """Run a job (a generator of Feeds, specmesh.batching) for the session; its result."""
+        return await self.scheduler.submit(session.request_id, job)
+
+    def feed(self, session: Session, token_ids: Sequence[int], keep_rows: int | None = None,
+             chunkable: bool = False) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
+        """In a job: feed token_ids after the cache in the next step; (logits [keep, V], step ns)."""
+        keep = len(token_ids) if keep_rows is None else max(1, min(keep_rows, len(token_ids)))
+        logits, step_ns = yield Feed(session, list(token_ids), keep, chunkable)
+        session.last_used = time.monotonic()
+        return logits, step_ns
+
+    def feed_tail(self, session: Session, extra: Sequence[int] = (), keep_rows: int | None = None,
+                  chunkable: bool = False) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
+        """In a job: feed the sequence's uncached tail plus `extra` (see feed_uncached)."""
+        tail = session.token_ids[session.cached_length:]
+        return (yield from self.feed(session, tail + list(extra), keep_rows, chunkable))
 
     def describe(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -127,6 +158,7 @@ class ModelEngine:
             context_window=self.context_window,
             device=str(self.device),
             open_sessions=len(self.sessions),
+            queued_rows=self.scheduler.queued_rows,
             host=socket.gethostname(),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         )
@@ -183,6 +215,32 @@ class ModelEngine:
         session = Session("warm-up", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
         self.forward(session, [0] * rows, 1)
         self.forward(session, [0], 1)
+        if self.ragged:  # and the masked path that batched steps take
+            other = Session("warm-up-2", [0] * 3, DynamicCache(), SamplingParams(), torch.Generator())
+            self._run_step([Part(session, [0], 1), Part(other, [0, 0], 1)])
+
+    def calibrate(self) -> StepCosts:
+        """Measure what steps of 1..128 rows cost here (specmesh.step_costs), and plan with it."""
+        def forward_rows(rows: int) -> None:
+            session = Session("calibration", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
+            self._forward_rows(session, [0] * rows, 1)
+        self.costs = StepCosts.measure(forward_rows)
+        return self.costs
+
+    def _prefill_allowance(self, decode_rows: int) -> int:
+        if self.costs is not None:
+            return self.costs.prefill_allowance(decode_rows, self.config.prefill_slowdown)
+        return self.config.max_step_tokens if decode_rows == 0 else self.config.prefill_chunk
+
+    def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
+        """One step: the parts' rows in one forward; (logits per part, ns)."""
+        start = time.perf_counter_ns()
+        if len(parts) == 1 or not self.ragged:  # solo forwards: exactly what one session alone gets
+            logits = [self.forward(part.session, part.token_ids, max(1, part.keep_rows))[0] for part in parts]
+        else:
+            total = sum(len(part.token_ids) for part in parts)
+            logits = ragged_forward(self.model, parts, self._padding(total), self.device, self.logits_device)
+        return logits, time.perf_counter_ns() - start
 
     def close(self, request_id: str) -> bool:
         return self.sessions.pop(request_id, None) is not None
@@ -204,10 +262,14 @@ class ModelEngine:
         tokens (all of them when None): the output projection over a 150k-token
         vocabulary is costly, so rows nobody reads are not computed.
         """
+        return self._forward_rows(session, token_ids, keep_rows, self._row_padding(session, len(token_ids)))
+
+    @torch.inference_mode()
+    def _forward_rows(self, session: Session, token_ids: Sequence[int], keep_rows: int | None = None,
+                          padding: int = 0) -> tuple[torch.Tensor, int]:
         start = time.perf_counter_ns()
         n = len(token_ids)
         keep = n if keep_rows is None else max(1, min(keep_rows, n))
-        padding = self._row_padding(session, n)
         input_ids = torch.tensor([list(token_ids) + [token_ids[-1]] * padding], dtype=torch.long,
                                  device=self.device)  # [1, n + padding]
         output = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
@@ -219,12 +281,16 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def _row_padding(self, session: Session, n: int) -> int:
-        multiple = self.config.row_multiple
-        if n <= 1 or multiple <= 1:
-            return 0
-        padding = -n % multiple
+        padding = self._padding(n)
         fits = session.cached_length + n + padding <= self.context_window
         return padding if fits else 0
+
+    def _padding(self, rows: int) -> int:
+        """Rows to add to a forward of `rows`: measured (calibrate), else up to row_multiple."""
+        if self.costs is not None:
+            return self.costs.padding(rows)
+        multiple = self.config.row_multiple
+        return 0 if rows <= 1 or multiple <= 1 else -rows % multiple
 
     def _logit_rows(self, n: int, keep: int, padding: int) -> torch.Tensor:
         """Indices of the padded input's rows to project to logits, the `keep` real ones first.

@@ -46,7 +46,7 @@ class TargetEngine:
                    caller: str = "") -> Opened:
         session = self.engine.new_session(request_id, prompt, sampling, caller)
         try:
-            return await self.engine.run(self._prefill, session)
+            return await self.engine.submit(session, self._prefill(session))
         except BaseException:
             self.engine.close(request_id)
             raise
@@ -65,14 +65,16 @@ class TargetEngine:
         if len(committed) < 2:
             return Opened(-1, len(committed), 0)
         try:
-            _, forward_ns = await self.engine.run(self.engine.forward, session, list(committed[:-1]), 1)
+            _, forward_ns = await self.engine.submit(
+                session, self.engine.feed(session, list(committed[:-1]), 1, chunkable=True))
         except BaseException:
             self.engine.close(request_id)
             raise
         return Opened(-1, len(committed), forward_ns)
 
-    def _prefill(self, session: Session) -> Opened:
-        logits, forward_ns = self.engine.feed_uncached(session, keep_rows=1)  # [1, V]
+    def _prefill(self, session: Session):
+        """A job (specmesh.batching): the prompt, chunked as the steps allow -> Opened."""
+        logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1, chunkable=True)  # [1, V]
         logits = session.penalize(logits)
         token_id = self._next_token(session, logits)
         logprobs = self._logprobs(session, logits, [token_id])
@@ -103,7 +105,7 @@ class TargetEngine:
         session = self.engine.get(request_id)
         self._check_draft(session, position, draft_token_ids, draft_distributions)
         session.enter_round(round_number)
-        return await self.engine.run(self._verify, session, list(draft_token_ids), draft_distributions)
+        return await self.engine.submit(session, self._verify(session, list(draft_token_ids), draft_distributions))
 
     def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],
                      draft_distributions: Sequence[common_pb2.TokenDistribution]) -> None:
@@ -119,11 +121,12 @@ class TargetEngine:
             raise InvalidArgument("draft_token_ids", "draft runs past the context window")
 
     def _verify(self, session: Session, draft_ids: list[int],
-                draft_distributions: Sequence[common_pb2.TokenDistribution]) -> Verification:
+                draft_distributions: Sequence[common_pb2.TokenDistribution]):
+        """A job (specmesh.batching): one forward of the last committed token and the drafts -> Verification."""
         k = len(draft_ids)
         draft_probs = self._decode_draft_probs(draft_distributions)  # [k, V] or None
         # [k+1, V]: row i predicts position `position + i`, after the draft tokens before it
-        logits, forward_ns = self.engine.feed_uncached(session, draft_ids, keep_rows=k + 1)
+        logits, forward_ns = yield from self.engine.feed_tail(session, draft_ids, keep_rows=k + 1)
         logits = session.penalize(logits, draft_ids=draft_ids)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.long)  # [k]
         target_probs = None if session.sampling.greedy else logits_to_probs(logits, session.sampling)  # [k+1, V]

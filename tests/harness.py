@@ -38,24 +38,24 @@ async def _value_of(result):
 
 
 class TargetHold:
-    """Lets the engine's next forward (a new session's prefill) run, then holds its worker until
+    """Lets the engine's next job (a new session's prefill) run, then holds its worker until
     released, so a generation stays mid-way however fast the tiny models are. The hold is queued on the
-    worker from inside that forward, ahead of any later one: no window in which the generation runs on."""
+    worker as that job ends, ahead of the next step: no window in which the generation runs on."""
 
     def __init__(self, engine) -> None:
         self.engine, self.gate, self.held = engine, threading.Event(), threading.Event()
-        self._run = engine.run
-        engine.run = self._first_run
+        self._submit = engine.submit
+        engine.submit = self._first_submit
 
-    async def _first_run(self, fn, *args):
-        self.engine.run = self._run
+    async def _first_submit(self, session, job):
+        self.engine.submit = self._submit
 
-        def prefill_then_hold(*fn_args):
+        def job_then_hold():
             try:
-                return fn(*fn_args)
+                return (yield from job)
             finally:
-                self.engine._worker.submit(self._hold)
-        return await self._run(prefill_then_hold, *args)
+                self.engine.scheduler.call_from_worker(self._hold)
+        return await self._submit(session, job_then_hold())
 
     def _hold(self) -> None:
         self.held.set()
@@ -65,7 +65,7 @@ class TargetHold:
         assert await asyncio.to_thread(self.held.wait, 30), "the engine's next forward never ran"
 
     def release(self) -> None:
-        self.engine.run = self._run
+        self.engine.submit = self._submit
         self.gate.set()
 
     async def __aenter__(self) -> "TargetHold":

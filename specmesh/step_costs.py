@@ -1,0 +1,78 @@
+"""What a forward of T rows costs on this machine, measured at start-up, for the step planner.
+
+Two decisions hang on it. Row padding: on a CPU, MKL's fp32 GEMM can cost a full weight
+pass per row for 2, 3 or 5-7 rows but one for 4 or 8 (README, "Figures"), so a step of
+T rows is padded up to the cheapest T' >= T. Prefill chunking: while streams decode, a
+step may add prefill rows only as long as it costs at most `slowdown` times the decode
+rows alone, so a long prompt never holds their next tokens back by more than that.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+MEASURED_ROWS = tuple(range(1, 17)) + (24, 32, 48, 64, 96, 128)
+PAD_GAIN = 0.9  # pad only to a size at least 10 % cheaper: measurements are noisy
+
+
+class StepCosts:
+    def __init__(self, seconds: dict[int, float]):
+        if not seconds:
+            raise ValueError("no measurements")
+        self.seconds = dict(sorted(seconds.items()))
+        self.padded_rows = {rows: self._cheapest_at_least(rows) for rows in self.seconds}
+        self._allowances: dict[tuple[int, float], int] = {}
+
+    @classmethod
+    def measure(cls, forward_rows: Callable[[int], None], sizes=MEASURED_ROWS, repeats: int = 3) -> "StepCosts":
+        """forward_rows(T) runs one forward of T new rows on a fresh cache."""
+        seconds = {}
+        for rows in sizes:
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                forward_rows(rows)
+                samples.append(time.perf_counter() - start)
+            seconds[rows] = statistics.median(samples)
+        return cls(seconds)
+
+    def cost(self, rows: int) -> float:
+        """Seconds for `rows` rows: measured, interpolated, or extrapolated from the last two sizes."""
+        sizes = list(self.seconds)
+        if rows in self.seconds:
+            return self.seconds[rows]
+        if rows < sizes[0]:
+            return self.seconds[sizes[0]]
+        below = max(size for size in sizes if size < rows)
+        above = min((size for size in sizes if size > rows), default=None)
+        if above is None:
+            below, above = sizes[-2] if len(sizes) > 1 else sizes[-1], sizes[-1]
+        if above == below:
+            return self.seconds[above] * rows / above
+        slope = (self.seconds[above] - self.seconds[below]) / (above - below)
+        return self.seconds[below] + slope * (rows - below)
+
+    def padding(self, rows: int) -> int:
+        """Rows to add to a step of `rows` so that it runs at the cheapest measured size."""
+        return self.padded_rows.get(rows, rows) - rows
+
+    def prefill_allowance(self, decode_rows: int, slowdown: float = 2.0) -> int:
+        """The most prefill rows a step of decode_rows may add and cost <= slowdown x without them."""
+        if decode_rows == 0:
+            return max(self.seconds)
+        key = (decode_rows, slowdown)
+        if key not in self._allowances:
+            budget, extra = slowdown * self.cost(decode_rows), 0
+            while extra < 4096 and self.cost(decode_rows + extra + 1) <= budget:
+                extra += 1
+            self._allowances[key] = extra
+        return self._allowances[key]
+
+    def _cheapest_at_least(self, rows: int) -> int:
+        best = rows
+        for size, seconds in self.seconds.items():
+            if rows < size <= 2 * rows and seconds < PAD_GAIN * self.seconds[best]:
+                best = size
+        return best
