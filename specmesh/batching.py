@@ -69,12 +69,13 @@ class StepPlanner:
     """Which rows go into the next step.
 
     Decode rows (verifications, draft steps) all go in, oldest first, up to
-    max_step_tokens. Prefill chunks fill what is left of `prefill_allowance(decode_rows)`:
-    the rows a step may add to those decode rows and stay cheap (specmesh.step_costs),
-    at least `min_prefill_chunk` so a prefill always moves.
+    max_step_tokens. Prefill chunks fill what is left of `prefill_allowance(decode_rows,
+    prefills)`: the rows a step may add to those decode rows and stay cheap
+    (specmesh.step_costs), at least `min_prefill_chunk` so a prefill always moves.
     """
 
-    def __init__(self, max_step_tokens: int, prefill_allowance: Callable[[int], int], min_prefill_chunk: int = 8):
+    def __init__(self, max_step_tokens: int, prefill_allowance: Callable[[int, int], int],
+                 min_prefill_chunk: int = 8):
         self.max_step_tokens = max_step_tokens
         self.prefill_allowance = prefill_allowance
         self.min_prefill_chunk = min_prefill_chunk
@@ -88,7 +89,10 @@ class StepPlanner:
                 break
             planned.append((work, Part(work.feed.session, work.feed.token_ids, work.feed.keep_rows)))
             rows += work.rows_left
-        allowance = max(self.min_prefill_chunk, min(self.prefill_allowance(rows), self.max_step_tokens - rows))
+        prefills = sum(1 for work in active if work.feed is not None and work.feed.chunkable)
+        if not prefills:
+            return planned
+        allowance = max(self.min_prefill_chunk, min(self.prefill_allowance(rows, prefills), self.max_step_tokens - rows))
         for work in active:
             if allowance <= 0 or work.feed is None or not work.feed.chunkable:
                 continue

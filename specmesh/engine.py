@@ -227,10 +227,19 @@ class ModelEngine:
         self.costs = StepCosts.measure(forward_rows)
         return self.costs
 
-    def _prefill_allowance(self, decode_rows: int) -> int:
+    def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:
+        """Prefill rows the next step may add to its decode_rows.
+
+        Streams between rounds have no rows in this step but will in the next ones, so
+        the open sessions not prefilling count as decoding too: a long prompt is chunked
+        whenever anything else is running, and only goes in whole on an idle engine.
+        """
+        decoding = max(decode_rows, len(self.sessions) - prefills)
+        if decoding <= 0:
+            return self.config.max_step_tokens
         if self.costs is not None:
-            return self.costs.prefill_allowance(decode_rows, self.config.prefill_slowdown)
-        return self.config.max_step_tokens if decode_rows == 0 else self.config.prefill_chunk
+            return self.costs.prefill_allowance(decoding, self.config.prefill_slowdown)
+        return self.config.prefill_chunk
 
     def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
         """One step: the parts' rows in one forward; (logits per part, ns)."""

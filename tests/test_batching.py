@@ -1,0 +1,114 @@
+"""Continuous batching: ragged steps equal solo forwards, concurrent requests stay lossless, and a
+long prompt is chunked between the steps of running streams."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from harness import eventually, load, make_engine, start_stack
+from specmesh.batching import Part
+from specmesh.engine import Session
+from specmesh.sampling import SamplingParams
+from test_greedy_parity import target_greedy
+from tiny_models import TINY_PROMPTS
+
+MAX_ABS_LOGIT_DELTA = 1e-4  # fp32: batched kernels reorder sums, nothing more (README: measured ~4e-6)
+
+
+def session_over(engine, token_ids: list[int], cached: int) -> Session:
+    """A session whose cache covers token_ids[:cached]."""
+    session = Session(f"s{len(token_ids)}-{cached}", list(token_ids), DynamicCache(), SamplingParams(), torch.Generator())
+    if cached:
+        engine.forward(session, token_ids[:cached])
+    return session
+
+
+def fresh_logits(engine, token_ids: list[int], rows: int) -> torch.Tensor:
+    """The last `rows` logits of a forward of the whole sequence on an empty cache ([rows, V])."""
+    session = Session("fresh", list(token_ids), DynamicCache(), SamplingParams(), torch.Generator())
+    return engine.forward(session, token_ids, rows)[0]
+
+
+@pytest.mark.parametrize("row_multiple", [1, 4], ids=["unpadded", "rows-padded-to-4"])
+def test_a_ragged_step_equals_each_session_alone(tiny_llama_dir, device, row_multiple):
+    engine = make_engine(tiny_llama_dir, device, row_multiple=row_multiple)
+    assert engine.ragged
+    sequences = [list(range(5, 30)), list(range(40, 47)), list(range(60, 61)), list(range(70, 110))]
+    sessions = [session_over(engine, seq, cached) for seq, cached in zip(sequences, (20, 6, 0, 33))]
+    new_rows = [seq[s.cached_length:] + [7, 8] for seq, s in zip(sequences, sessions)]  # tails plus two drafts
+    keeps = [len(rows) for rows in new_rows]
+    keeps[3] = 0  # a prefill chunk that is not the last: no logits
+    solo = [copy.deepcopy(s) for s in sessions]
+    batched, _ = engine._run_step([Part(s, rows, keep) for s, rows, keep in zip(sessions, new_rows, keeps)])
+    for alone, rows, keep, logits in zip(solo, new_rows, keeps, batched):
+        if keep == 0:
+            assert logits is None
+            continue
+        expected = engine.forward(alone, rows, keep)[0]  # [keep, V]
+        assert logits.shape == expected.shape
+        assert (logits - expected).abs().max() < MAX_ABS_LOGIT_DELTA
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    # Each session's cache grew by exactly its own rows, with its own keys: the next token's
+    # logits equal a fresh forward over the whole sequence.
+    for session, seq, rows in zip(sessions, sequences, new_rows):
+        whole = seq + [7, 8]
+        assert session.cached_length == len(whole)
+        after, _ = engine.forward(session, [9], 1)
+        assert (after - fresh_logits(engine, whole + [9], 1)).abs().max() < MAX_ABS_LOGIT_DELTA
+
+
+async def test_concurrent_mixed_requests_are_lossless_and_batched(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """Greedy requests of mixed prompts, lengths and draft lengths, with seeded sampled ones among
+    them: each greedy output is the target's own generate; each seeded one is what it was alone."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
+    try:
+        def request(i: int) -> dict:
+            greedy = i % 4 != 3
+            return dict(prompt=TINY_PROMPTS[i % len(TINY_PROMPTS)], max_tokens=12 + (i * 7) % 37,
+                        num_speculative_tokens=1 + i % 6, temperature=0.0 if greedy else 0.9,
+                        **({} if greedy else {"seed": 1000 + i}))
+        requests = [request(i) for i in range(32)]
+        sampled = {i: await stack.generate(**r) for i, r in enumerate(requests) if r["temperature"] > 0}
+        results = await asyncio.gather(*(stack.generate(**r) for r in requests))
+    finally:
+        await stack.stop()
+    for i, (r, (token_ids, _, _)) in enumerate(zip(requests, results)):
+        if r["temperature"] == 0:
+            assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, r["prompt"], r["max_tokens"]), i
+        else:
+            assert token_ids == sampled[i][0], i  # reproducible whatever shared its steps
+    assert stack.target_engine.scheduler.batched_steps > 0 and stack.draft_engine.scheduler.batched_steps > 0
+
+
+async def test_a_long_prompt_is_chunked_between_steps_of_running_streams(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                         device):
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2, device=device)
+    target = stack.target_engine
+    target.config = dataclasses.replace(target.config, prefill_chunk=8)
+    tokenizer = load(str(tiny_llama_dir), device)[1]
+    long_prompt = tokenizer.decode(tokenizer.encode(" ".join(TINY_PROMPTS * 4))[:180])  # of the 256-token window
+    steps = []  # per step: (rows fed for the long prompt's session, rows of other sessions)
+
+    def observe(parts: list[Part], _ns: int) -> None:
+        long_rows = sum(len(p.token_ids) for p in parts if p.session.output_start > 100)
+        steps.append((long_rows, sum(len(p.token_ids) for p in parts) - long_rows))
+    target.scheduler.observers.append(observe)
+    try:
+        running = [asyncio.ensure_future(stack.generate(prompt=p, max_tokens=150, temperature=0.0))
+                   for p in TINY_PROMPTS[:3]]
+        await eventually(lambda: len(target.sessions) == 3)  # the streams are decoding
+        long_ids, _, _ = await stack.generate(prompt=long_prompt, max_tokens=4, temperature=0.0)
+        await asyncio.gather(*running)
+    finally:
+        await stack.stop()
+    prefill_steps = [(long_rows, others) for long_rows, others in steps if long_rows > 0]
+    shared = [(long_rows, others) for long_rows, others in prefill_steps if others > 0]
+    assert len(prefill_steps) > 2, prefill_steps  # the prompt went in over several steps ...
+    assert shared and all(long_rows <= 8 + 3 for long_rows, _ in shared), shared  # ... in chunks, beside the streams
+    assert tuple(long_ids) == target_greedy(str(tiny_llama_dir), device, long_prompt, 4)

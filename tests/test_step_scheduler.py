@@ -1,0 +1,131 @@
+"""The step scheduler and planner on their own: ordering, errors, chunking; and the step-cost table."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specmesh.batching import Feed, Part, StepPlanner, StepScheduler
+from specmesh.step_costs import StepCosts
+
+
+class Steps:
+    """A run_step that records each step's parts and answers row i of a part with its token ids."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.log: list[list[tuple[str, tuple[int, ...]]]] = []
+        self.fail_on = fail_on
+
+    def __call__(self, parts: list[Part]):
+        self.log.append([(part.session.name, tuple(part.token_ids)) for part in parts])
+        if self.fail_on is not None and any(self.fail_on in part.token_ids for part in parts):
+            raise RuntimeError("the forward failed")
+        return [torch.tensor(part.token_ids[-part.keep_rows:]) if part.keep_rows else None for part in parts], 1
+
+
+def session(name: str):
+    return SimpleNamespace(name=name)
+
+
+def decode(s, rounds: int, first: int = 0):
+    """A job of `rounds` one-row feeds; returns what each step answered."""
+    answers = []
+    for i in range(rounds):
+        logits, _ = yield Feed(s, [first + i])
+        answers.append(int(logits[0]))
+    return answers
+
+
+def scheduler(steps: Steps, chunk: int = 4, max_step: int = 64) -> StepScheduler:
+    return StepScheduler(steps, StepPlanner(max_step, lambda decode_rows, prefills: chunk, min_prefill_chunk=1))
+
+
+async def test_jobs_of_different_sessions_share_steps_and_get_their_own_rows():
+    steps = Steps()
+    worker = scheduler(steps)
+    a, b = session("a"), session("b")
+    got = await asyncio.gather(worker.submit("a", decode(a, 3, 10)), worker.submit("b", decode(b, 3, 20)))
+    assert got == [[10, 11, 12], [20, 21, 22]]
+    assert any(len(step) == 2 for step in steps.log) and worker.batched_steps > 0
+    worker.stop()
+
+
+async def test_jobs_of_one_session_run_one_after_the_other():
+    steps = Steps()
+    worker = scheduler(steps)
+    a = session("a")
+    first, second = await asyncio.gather(worker.submit("a", decode(a, 2, 0)), worker.submit("a", decode(a, 2, 5)))
+    assert (first, second) == ([0, 1], [5, 6])
+    assert [step for step in steps.log] == [[("a", (0,))], [("a", (1,))], [("a", (5,))], [("a", (6,))]]
+    worker.stop()
+
+
+async def test_a_failing_job_or_step_fails_only_its_callers_and_the_worker_goes_on():
+    steps = Steps(fail_on=99)
+    worker = scheduler(steps)
+
+    def bad_job():
+        yield Feed(session("bad"), [1])
+        raise ValueError("bad input")
+    with pytest.raises(ValueError, match="bad input"):
+        await worker.submit("bad", bad_job())
+    with pytest.raises(RuntimeError, match="forward failed"):
+        await worker.submit("boom", decode(session("boom"), 1, 99))
+    assert await worker.submit("ok", decode(session("ok"), 2, 1)) == [1, 2]
+    worker.stop()
+
+
+async def test_a_caller_that_goes_away_leaves_the_worker_serving():
+    started, gate = threading.Event(), threading.Event()
+    worker = scheduler(Steps())
+    held = asyncio.ensure_future(worker.call(lambda: (started.set(), gate.wait(10))))
+    assert await asyncio.to_thread(started.wait, 10)  # the worker is held between steps
+    waiting = asyncio.ensure_future(worker.submit("a", decode(session("a"), 2)))
+    waiting.cancel()  # its caller goes away while the job waits in the inbox
+    gate.set()
+    await held
+    assert await worker.submit("b", decode(session("b"), 1, 7)) == [7]
+    assert waiting.cancelled()
+    worker.stop()
+
+
+async def test_a_prefill_is_chunked_beside_decode_rows_and_its_logits_come_with_the_last_chunk():
+    steps = Steps()
+    worker = scheduler(steps, chunk=4)
+    prompt = list(range(100, 111))  # 11 rows: chunks of 4, 4, 3
+
+    def prefill(s):
+        logits, _ = yield Feed(s, prompt, keep_rows=1, chunkable=True)
+        return int(logits[0])
+    decoded, first = await asyncio.gather(worker.submit("d", decode(session("d"), 3)),
+                                          worker.submit("p", prefill(session("p"))))
+    assert first == 110 and decoded == [0, 1, 2]
+    chunks = [rows for step in steps.log for name, rows in step if name == "p"]
+    assert [len(c) for c in chunks] == [4, 4, 3] and sum(chunks, ()) == tuple(prompt)
+    worker.stop()
+
+
+def test_planner_puts_decode_rows_first_then_prefill_within_the_allowance():
+    planner = StepPlanner(max_step_tokens=10, prefill_allowance=lambda rows, prefills: 3)
+    works = []
+    for name, rows, chunkable in (("p", 20, True), ("d1", 4, False), ("d2", 5, False), ("d3", 5, False)):
+        work = SimpleNamespace(feed=Feed(session(name), list(range(rows)), 1, chunkable), fed=0)
+        work.rows_left = rows
+        works.append(work)
+    planned = planner.plan(works)
+    assert [(part.session.name, len(part.token_ids), part.keep_rows) for _, part in planned] == [
+        ("d1", 4, 1), ("d2", 5, 1), ("p", 8, 0)]  # d3 would pass 10 rows; the prefill gets at least 8
+
+
+def test_step_costs_pad_to_cheaper_sizes_and_bound_prefill_chunks():
+    # A CPU where 2-3 rows cost two weight passes and 4 rows one: pad 2 and 3 up to 4.
+    costs = StepCosts({1: 1.0, 2: 2.0, 3: 2.0, 4: 1.05, 8: 1.1, 16: 2.0, 32: 4.0})
+    assert [costs.padding(rows) for rows in (1, 2, 3, 4, 8)] == [0, 2, 1, 0, 0]
+    assert costs.cost(24) == pytest.approx(3.0) and costs.cost(64) == pytest.approx(8.0)
+    # Beside 4 decode rows (1.05 s), a step may grow to 2.1 s: up to 16 rows, 12 of prefill.
+    assert costs.prefill_allowance(4, slowdown=2.0) == 12
+    assert costs.prefill_allowance(0) == 32  # an idle engine takes the largest measured step
