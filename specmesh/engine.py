@@ -84,10 +84,11 @@ class EngineConfig:
     # (a leaking orchestrator, or one of several) can never take every slot.
     max_sessions_per_caller: int | None = None
     generator_salt: int = 0  # keeps the draft's random stream apart from the target's
-    # Pad a forward of n > 1 new tokens to a multiple of this many rows. MKL's fp32
-    # GEMM on our AMD CPUs costs one full weight pass per row for 2, 3 and 5-7 rows,
-    # but one pass for 4 or 8 (see README, "Figures"). Trailing pad rows cannot
-    # change the real rows (attention is causal) and are cropped from the cache.
+    # Until calibrate() measures this machine's step costs (specmesh.step_costs), pad a
+    # forward of n > 1 rows to a multiple of this many. MKL's fp32 GEMM on our AMD CPUs
+    # costs one weight pass per row for 2, 3 and 5-7 rows, but one pass for 4 or 8
+    # (README, "Figures"). Trailing pad rows cannot change the real rows (attention is
+    # causal) and are dropped from the cache.
     row_multiple: int = 1
     # Rows one step may feed (decode rows first; prefill chunks fill the rest).
     max_step_tokens: int = 2048
@@ -102,10 +103,6 @@ class EngineConfig:
         if self.max_sessions_per_caller is not None:
             return self.max_sessions_per_caller
         return max(1, self.max_sessions - self.max_sessions // 4)
-
-
-def default_row_multiple(device: str, dtype: torch.dtype) -> int:
-    return 4 if str(device).startswith("cpu") and dtype == torch.float32 else 1
 
 
 class ModelEngine:

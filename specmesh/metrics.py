@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specmesh.roles import MAX_DRAFT_TOKENS
 
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0,
                    40.0, 80.0, 160.0)
 POSITION_BUCKETS = tuple(range(MAX_DRAFT_TOKENS + 1))  # rejection positions within a round
@@ -108,6 +109,12 @@ class ServiceMetrics:
                                          ("service", "model", "op"), buckets=LATENCY_BUCKETS, registry=r)
         self.sessions_open = Gauge("specmesh_sessions_open", "Open sessions (KV caches)", ("service", "model"),
                                    registry=r)
+        self.step_rows = Histogram("specmesh_step_rows", "Token rows fed by one batched forward step",
+                                   ("service", "model"), buckets=ROW_BUCKETS, registry=r)
+        self.step_sessions = Histogram("specmesh_step_sessions", "Sessions sharing one batched forward step",
+                                       ("service", "model"), buckets=ROW_BUCKETS, registry=r)
+        self.queued_rows = Gauge("specmesh_queued_rows", "Token rows waiting for the next steps",
+                                 ("service", "model"), registry=r)
         self.device_memory = Gauge("specmesh_device_memory_bytes", "Accelerator memory allocated by the model "
                                    "and its KV caches (GPU only)", ("service", "model", "device"), registry=r)
         prometheus_client.ProcessCollector(registry=r)
@@ -117,6 +124,8 @@ class ServiceMetrics:
         """Metrics of a service over `engine` (a specmesh.engine.ModelEngine), its gauges read at scrape time."""
         metrics = cls(service, engine.config.model_name, registry)
         metrics.sessions_open.labels(**metrics.labels).set_function(lambda: len(engine.sessions))
+        metrics.queued_rows.labels(**metrics.labels).set_function(lambda: engine.scheduler.queued_rows)
+        engine.scheduler.observers.append(metrics.observe_step)
         if engine.device.type == "cuda":
             import torch
             metrics.device_memory.labels(**metrics.labels, device=str(engine.device)).set_function(
@@ -125,6 +134,11 @@ class ServiceMetrics:
 
     def observe_forward(self, op: str, forward_ns: int) -> None:
         self.forward_seconds.labels(**self.labels, op=op).observe(forward_ns / 1e9)
+
+    def observe_step(self, parts, _step_ns: int) -> None:
+        """A batched step's size (specmesh.batching observer; runs on the model worker)."""
+        self.step_rows.labels(**self.labels).observe(sum(len(part.token_ids) for part in parts))
+        self.step_sessions.labels(**self.labels).observe(len({id(part.session) for part in parts}))
 
 
 _servers_lock = threading.Lock()

@@ -17,7 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from specmesh import models
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
-from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
+from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.roles import DRAFT, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
@@ -54,6 +54,8 @@ class ServiceOptions:
     internal_token: str | None = field(default=None, repr=False)
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
     max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
+    max_step_tokens: int = EngineConfig.max_step_tokens  # rows one batched step may feed
+    prefill_slowdown: float = EngineConfig.prefill_slowdown  # a prefill chunk's step costs <= this x decode alone
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,21 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
+    add_batching_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
     add_internal_token_arguments(parser, serving=True)
     add_shutdown_arguments(parser)
+
+
+def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
+    batching = parser.add_argument_group("continuous batching")
+    batching.add_argument("--max-step-tokens", type=positive_int, default=EngineConfig.max_step_tokens,
+                          metavar="ROWS", help="token rows one batched forward step may feed (decode rows of every "
+                                               "session first, then prefill chunks)")
+    batching.add_argument("--prefill-slowdown", type=float, default=EngineConfig.prefill_slowdown, metavar="X",
+                          help="while streams decode, a step with a prefill chunk may cost at most X times the "
+                               "decode rows alone (from costs measured at start-up)")
 
 
 def add_request_limit_argument(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +143,8 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
                           session_idle_timeout_s=args.session_idle_timeout, dtype=args.dtype,
                           metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
                           trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token,
-                          shutdown_grace_s=args.shutdown_grace)
+                          shutdown_grace_s=args.shutdown_grace, max_step_tokens=args.max_step_tokens,
+                          prefill_slowdown=args.prefill_slowdown)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -182,9 +196,12 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
                           max_sessions_per_caller=options.max_sessions_per_caller,
                           generator_salt=role(role_name).generator_salt,
-                          row_multiple=default_row_multiple(options.device, dtype))
+                          max_step_tokens=options.max_step_tokens, prefill_slowdown=options.prefill_slowdown)
     engine = ModelEngine(model, tokenizer, config)
     engine.warm_up()
+    costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs
+    log.info("%s step costs (ms by rows): %s", role_name,
+             {rows: round(seconds * 1e3, 1) for rows, seconds in costs.seconds.items()})
     return engine
 
 
