@@ -217,7 +217,7 @@ class ModelEngine:
             self._run_step([Part(session, [0], 1), Part(other, [0, 0], 1)])
 
     def calibrate(self) -> StepCosts:
-        """Measure what steps of 1..128 rows cost here (specmesh.step_costs), and plan with it."""
+        """Measure what steps of 1..64 rows cost here (specmesh.step_costs), and plan with it."""
         def forward_rows(rows: int) -> None:
             session = Session("calibration", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
             self._forward_rows(session, [0] * rows, 1)
