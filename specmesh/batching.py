@@ -21,6 +21,7 @@ import asyncio
 import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
 
@@ -108,9 +109,13 @@ class StepScheduler:
     """The worker thread that batches jobs into steps; `run_step(parts)` does the forward."""
 
     def __init__(self, run_step: Callable[[list[Part]], tuple[list[torch.Tensor | None], int]],
-                 planner: StepPlanner, name: str = "model"):
+                 planner: StepPlanner, name: str = "model", expected_sessions: Callable[[], int] = lambda: 0,
+                 gather_fraction: float = 0.1, max_gather_s: float = 0.02):
         self.run_step = run_step
         self.planner = planner
+        self.expected_sessions = expected_sessions  # sessions that will send work soon (open, not idle)
+        self.gather_fraction, self.max_gather_s = gather_fraction, max_gather_s
+        self.last_step_s = 0.0
         self._inbox: collections.deque[_Work] = collections.deque()
         self._wakeup = threading.Condition()
         self._active: list[_Work] = []  # jobs with a Feed to run, in arrival order
@@ -158,14 +163,35 @@ class StepScheduler:
                     self._wakeup.wait()
                 if self._stopping:
                     return
-                arrived = list(self._inbox)
-                self._inbox.clear()
-            for work in arrived:
-                self._admit(work)
-            while self._inbox:  # what jobs queued from the worker (call_from_worker)
-                self._admit(self._inbox.popleft())
+            self._admit_arrived()
             if self._active:
+                self._gather()
                 self._step()
+
+    def _admit_arrived(self) -> None:
+        with self._wakeup:
+            arrived = list(self._inbox)
+            self._inbox.clear()
+        for work in arrived:
+            self._admit(work)
+
+    def _gather(self) -> None:
+        """Wait a moment for the other sessions' next calls before stepping.
+
+        Each session's next Verify or Propose arrives a round trip after the step that
+        answered its last one; stepping at the first arrival would split the sessions
+        into a step of one and a step of the rest. The wait is bounded by a fraction of
+        the last step's time, and skipped when every expected session is already here.
+        """
+        deadline = time.monotonic() + min(self.max_gather_s, self.gather_fraction * self.last_step_s)
+        while len({work.key for work in self._active}) < self.expected_sessions():
+            with self._wakeup:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopping:
+                    return
+                if not self._inbox:
+                    self._wakeup.wait(remaining)
+            self._admit_arrived()
 
     def _admit(self, work: _Work) -> None:
         if work.key is not None and work.key in self._busy:
@@ -226,6 +252,7 @@ class StepScheduler:
                 self._finish(work)
             return
         parts = [part for _, part in planned]
+        self.last_step_s = step_ns / 1e9
         self.steps += 1
         self.batched_steps += len({id(part.session) for part in parts}) > 1
         for observe in self.observers:

@@ -122,7 +122,8 @@ class ModelEngine:
         self.costs: StepCosts | None = None  # measured by calibrate(); None: row_multiple padding
         self.ragged = supports_ragged(model)
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
-        self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15])
+        self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
+                                       expected_sessions=self._recently_active)
 
     async def run(self, fn: Callable[..., T], *args, session: Session | None = None) -> T:
         """Run fn on the engine's worker between steps (after the session's earlier jobs, if given)."""
@@ -223,6 +224,11 @@ class ModelEngine:
             self._forward_rows(session, [0] * rows, 1)
         self.costs = StepCosts.measure(forward_rows)
         return self.costs
+
+    def _recently_active(self) -> int:
+        """Sessions fed within the last few steps: their next call is likely on its way."""
+        horizon = time.monotonic() - max(0.5, 4 * self.scheduler.last_step_s)
+        return sum(1 for session in list(self.sessions.values()) if session.last_used >= horizon)
 
     def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:
         """Prefill rows the next step may add to its decode_rows.
