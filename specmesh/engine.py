@@ -29,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from specmesh import models
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
 from specmesh.penalties import penalize_logits
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.v1 import common_pb2
@@ -86,6 +87,8 @@ class EngineConfig:
     # but one pass for 4 or 8 (see README, "Figures"). Trailing pad rows cannot
     # change the real rows (attention is causal) and are cropped from the cache.
     row_multiple: int = 1
+    kv_cache_memory: KVCacheMemory | None = None  # the KV budget (specmesh.kv_budget); None: the device's default
+    max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens queued for KV room; more are refused
 
     @property
     def caller_limit(self) -> int:
@@ -112,6 +115,7 @@ class ModelEngine:
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
         self.sessions: dict[str, Session] = {}
+        self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     async def run(self, fn: Callable[..., T], *args) -> T:
@@ -127,6 +131,9 @@ class ModelEngine:
             context_window=self.context_window,
             device=str(self.device),
             open_sessions=len(self.sessions),
+            running_sessions=self.kv.running,
+            waiting_sessions=self.kv.waiting,
+            kv_cache_usage=self.kv.usage,
             host=socket.gethostname(),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         )
@@ -139,6 +146,18 @@ class ModelEngine:
     def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     caller: str = "") -> Session:
         """Register an empty-cache session for `prompt` opened by `caller`; the service prefills it."""
+        self.check_new_session(request_id, prompt, sampling, caller)
+        salt = self.config.generator_salt
+        seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
+        session = Session(request_id, list(prompt), DynamicCache(), sampling,
+                          make_generator(sampling.seed, salt), seed=seed, caller=caller,
+                          output_start=sampling.output_start or len(prompt))
+        self.sessions[request_id] = session
+        return session
+
+    def check_new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                          caller: str = "") -> None:
+        """What new_session refuses; also checked before a session waits for KV room (specmesh.kv_budget)."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not prompt:
@@ -153,13 +172,6 @@ class ModelEngine:
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExhausted(f"{self.config.max_sessions} sessions already open")
         self._check_caller_limit(caller)
-        salt = self.config.generator_salt
-        seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
-        session = Session(request_id, list(prompt), DynamicCache(), sampling,
-                          make_generator(sampling.seed, salt), seed=seed, caller=caller,
-                          output_start=sampling.output_start or len(prompt))
-        self.sessions[request_id] = session
-        return session
 
     def _check_caller_limit(self, caller: str) -> None:
         limit = self.config.caller_limit
@@ -185,6 +197,7 @@ class ModelEngine:
         self.forward(session, [0], 1)
 
     def close(self, request_id: str) -> bool:
+        self.kv.release(request_id)  # its KV room, held from admission (specmesh.kv_budget)
         return self.sessions.pop(request_id, None) is not None
 
     def reap_idle(self, max_idle_s: float) -> list[str]:

@@ -18,6 +18,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from specmesh import models
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.engine import EngineConfig, ModelEngine, default_row_multiple
+from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
+                                parse_kv_cache_memory)
 from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.roles import DRAFT, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
@@ -54,6 +56,8 @@ class ServiceOptions:
     internal_token: str | None = field(default=None, repr=False)
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
     max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
+    kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
+    max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,19 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                         help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
+    add_kv_cache_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
     add_internal_token_arguments(parser, serving=True)
     add_shutdown_arguments(parser)
+
+
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-memory", type=parse_kv_cache_memory, default=None, metavar="SIZE",
+                        help=KV_CACHE_MEMORY_HELP)
+    parser.add_argument("--max-waiting-sessions", type=positive_int, default=DEFAULT_MAX_WAITING_SESSIONS,
+                        metavar="N", help="sessions that may wait for KV room; past them an open gets "
+                                          "RESOURCE_EXHAUSTED at once (default: %(default)s)")
 
 
 def add_request_limit_argument(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +143,8 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
                           session_idle_timeout_s=args.session_idle_timeout, dtype=args.dtype,
                           metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
                           trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token,
-                          shutdown_grace_s=args.shutdown_grace)
+                          shutdown_grace_s=args.shutdown_grace, kv_cache_memory=args.kv_cache_memory,
+                          max_waiting_sessions=args.max_waiting_sessions)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -182,7 +196,8 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
                           max_sessions_per_caller=options.max_sessions_per_caller,
                           generator_salt=role(role_name).generator_salt,
-                          row_multiple=default_row_multiple(options.device, dtype))
+                          row_multiple=default_row_multiple(options.device, dtype),
+                          kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions)
     engine = ModelEngine(model, tokenizer, config)
     engine.warm_up()
     return engine
