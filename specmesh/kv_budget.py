@@ -5,7 +5,7 @@ min(context window, prompt + max_new_tokens) (max_new_tokens 0: the whole window
 Reservations are counted in tokens against a budget (`--kv-cache-memory`) divided by
 the bytes one token's keys and values take in every layer. A session that does not
 fit waits, first in first out, until closes free enough room or its RPC's deadline
-passes; one that could never fit, or that would join a queue already
+nears; one that could never fit, or that would join a queue already
 `--max-waiting-sessions` long, is refused at once with RESOURCE_EXHAUSTED.
 
 Reservations are an upper bound, not an allocation: a session's cache grows as it
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING_SESSIONS = 64
+WAIT_MARGIN_S, WAIT_MARGIN_FRACTION = 1.0, 0.1  # an open stops waiting this long before its deadline
 DEFAULT_FRACTION = {"cuda": 0.8, "cpu": 0.3}  # of free device memory (after the weights) / available RAM
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -208,11 +209,19 @@ def reservation(engine: "ModelEngine", length: int, max_new_tokens: int) -> int:
     return min(engine.context_window, length + max_new_tokens)
 
 
+def wait_limit(deadline_s: float | None) -> float | None:
+    """How long an open may wait for room: until a little before its RPC's deadline, so that its caller
+    hears why (RESOURCE_EXHAUSTED, the budget stayed full) rather than a bare DEADLINE_EXCEEDED."""
+    if deadline_s is None:
+        return None
+    return max(0.0, deadline_s - min(WAIT_MARGIN_S, WAIT_MARGIN_FRACTION * deadline_s))
+
+
 async def admit_session(engine: "ModelEngine", request_id: str, prompt: Sequence[int], sampling: "SamplingParams",
                         caller: str = "", max_new_tokens: int = 0, timeout_s: float | None = None) -> "Session":
     """engine.new_session once the session's KV reservation is granted; a bad request fails before it waits."""
     engine.check_new_session(request_id, prompt, sampling, caller)
-    await engine.kv.reserve(request_id, reservation(engine, len(prompt), max_new_tokens), timeout_s)
+    await engine.kv.reserve(request_id, reservation(engine, len(prompt), max_new_tokens), wait_limit(timeout_s))
     try:
         return engine.new_session(request_id, prompt, sampling, caller)
     except BaseException:

@@ -15,7 +15,8 @@ from front_door import assert_openai_error, open_front_door
 from harness import TargetHold, eventually, load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.failover import PooledTargetClient
 from specmesh.engine import EngineConfig, ModelEngine
-from specmesh.kv_budget import KVBudget, KVCacheMemory, kv_bytes_per_token, parse_kv_cache_memory
+from specmesh.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token,
+                                parse_kv_cache_memory)
 from specmesh.metrics import ServiceMetrics
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams
@@ -84,6 +85,14 @@ def test_bytes_per_token_is_what_the_cache_holds(request, model_fixture, device)
     held = sum(t.nelement() * t.element_size() for layer in session.cache.layers for t in (layer.keys, layer.values))
     assert held == session.cached_length * engine.kv.bytes_per_token and session.cached_length == len(PROMPT)
     assert engine.kv.capacity == 1000
+
+
+def test_a_fraction_is_of_the_devices_free_memory(tiny_llama_dir, device):
+    """0.5: half the free memory of the model's device (CUDA), or half the RAM available (CPU)."""
+    model, tokenizer = load(str(tiny_llama_dir), device)
+    engine = ModelEngine(model, tokenizer, EngineConfig(model_name="m", kv_cache_memory=KVCacheMemory(fraction=0.5)))
+    free = available_memory([engine.device])
+    assert 0.4 * free <= engine.kv.capacity * engine.kv.bytes_per_token <= 0.6 * free
 
 
 async def test_sessions_that_fit_are_admitted_and_counted(target):
@@ -170,9 +179,10 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing(target):
     await eventually(lambda: engine.kv.waiting, 1)
     call.cancel()
     await eventually(lambda: engine.kv.waiting, 0)
-    with pytest.raises(grpc.aio.AioRpcError) as timed_out:  # a waiter whose deadline passes leaves too
-        await open_call(stub, "late", max_new_tokens=40, timeout=0.5)
-    assert timed_out.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(grpc.aio.AioRpcError) as timed_out:  # a waiter whose deadline nears leaves too, saying why
+        await open_call(stub, "late", max_new_tokens=40, timeout=2.0)
+    assert timed_out.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tokens of KV: the budget of 100 stayed full" in timed_out.value.details()
     await eventually(lambda: engine.kv.waiting, 0)
     await close_call(stub, "a")
     assert engine.kv.reserved == {} and not engine.sessions
