@@ -113,7 +113,10 @@ def budget_bytes(setting: KVCacheMemory | None, devices: Sequence[torch.device])
 
 
 class KVBudget:
-    """Token reservations against a capacity; a FIFO queue of sessions waiting for room."""
+    """Token reservations against a capacity; a FIFO queue of sessions waiting for room.
+
+    Used from the event loop only (the servicers, the idle reaper): a release wakes waiters' futures.
+    """
 
     def __init__(self, capacity_tokens: int, max_waiting: int = DEFAULT_MAX_WAITING_SESSIONS,
                  bytes_per_token: int = 0):
@@ -129,6 +132,9 @@ class KVBudget:
         devices = list({p.device for p in model.parameters()})
         per_token = kv_bytes_per_token(model)
         budget = budget_bytes(setting, devices)
+        if budget < per_token:
+            raise ValueError(f"a KV cache budget of {budget} bytes (--kv-cache-memory {setting or 'default'}) "
+                             f"holds no token: one takes {per_token} bytes")
         log.info("KV cache budget %.2f GiB (%s): %d tokens of %d bytes", budget / 2**30,
                  setting or "default", budget // per_token, per_token)
         return cls(budget // per_token, max_waiting, per_token)

@@ -95,6 +95,11 @@ def test_a_fraction_is_of_the_devices_free_memory(tiny_llama_dir, device):
     assert 0.4 * free <= engine.kv.capacity * engine.kv.bytes_per_token <= 0.6 * free
 
 
+def test_a_budget_that_holds_no_token_stops_the_service_from_starting(tiny_llama_dir, device):
+    with pytest.raises(ValueError, match="holds no token"):
+        budget_engine(tiny_llama_dir, device, tokens=0)
+
+
 async def test_sessions_that_fit_are_admitted_and_counted(target):
     engine, metrics, stub = target
     await open_call(stub, "a", max_new_tokens=30)  # 10 + 30 = 40 tokens
