@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import psutil
 import torch
 
 from specmesh.errors import CapacityExhausted, SessionExists
@@ -72,7 +73,10 @@ def parse_kv_cache_memory(text: str) -> KVCacheMemory:
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of keys and values one token holds: layers x 2 (K, V) x KV heads x head dim x dtype bytes."""
+    """Bytes of keys and values one token holds: layers x 2 (K, V) x KV heads x head dim x dtype bytes.
+
+    For models with sliding-window layers (which keep fewer tokens) it is an upper bound.
+    """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -84,7 +88,8 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 def available_memory(devices: Sequence[torch.device]) -> int:
     """Free memory on the CUDA devices among `devices` (summed: a sharded model spreads its KV), else
     the system RAM available to this process."""
-    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    cuda = sorted({torch.cuda.current_device() if d.index is None else d.index
+                   for d in devices if d.type == "cuda"})
     if cuda:
         return sum(torch.cuda.mem_get_info(index)[0] for index in cuda)
     return available_ram()
@@ -92,7 +97,6 @@ def available_memory(devices: Sequence[torch.device]) -> int:
 
 def available_ram() -> int:
     """MemAvailable, capped by the cgroup's limit (a container sees the host's RAM in /proc/meminfo)."""
-    import psutil
     available = psutil.virtual_memory().available
     try:
         with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
@@ -128,7 +132,7 @@ class KVBudget:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, setting: KVCacheMemory | None,
-                  max_waiting: int = DEFAULT_MAX_WAITING_SESSIONS) -> "KVBudget":
+                  max_waiting: int = DEFAULT_MAX_WAITING_SESSIONS) -> KVBudget:
         devices = list({p.device for p in model.parameters()})
         per_token = kv_bytes_per_token(model)
         budget = budget_bytes(setting, devices)
@@ -208,7 +212,7 @@ class KVBudget:
             granted.set_result(None)
 
 
-def reservation(engine: "ModelEngine", length: int, max_new_tokens: int) -> int:
+def reservation(engine: ModelEngine, length: int, max_new_tokens: int) -> int:
     """Tokens a session of `length` tokens that may add `max_new_tokens` (0: no limit) can ever hold."""
     if max_new_tokens <= 0:
         return engine.context_window
@@ -223,8 +227,8 @@ def wait_limit(deadline_s: float | None) -> float | None:
     return max(0.0, deadline_s - min(WAIT_MARGIN_S, WAIT_MARGIN_FRACTION * deadline_s))
 
 
-async def admit_session(engine: "ModelEngine", request_id: str, prompt: Sequence[int], sampling: "SamplingParams",
-                        caller: str = "", max_new_tokens: int = 0, timeout_s: float | None = None) -> "Session":
+async def admit_session(engine: ModelEngine, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                        caller: str = "", max_new_tokens: int = 0, timeout_s: float | None = None) -> Session:
     """engine.new_session once the session's KV reservation is granted; a bad request fails before it waits."""
     engine.check_new_session(request_id, prompt, sampling, caller)
     await engine.kv.reserve(request_id, reservation(engine, len(prompt), max_new_tokens), wait_limit(timeout_s))

@@ -23,7 +23,8 @@ from specmesh.sampling import SamplingParams
 from specmesh.service import add_service_arguments
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from test_greedy_parity import target_greedy
-from test_pool_failover import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT, Replicas, generation, placed
+from test_pool_failover import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT
+from test_pool_failover import Replicas, generation, placed
 from tiny_models import TINY_PROMPTS
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens
