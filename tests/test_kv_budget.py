@@ -310,3 +310,35 @@ async def test_a_session_moved_to_another_target_replica_reserves_the_same_room(
     finally:
         await replicas.stop_all()
         await replicas.pool.stop()
+
+
+async def test_a_burst_stays_within_the_budget_and_every_output_is_the_targets(tiny_llama_dir,
+                                                                             tiny_llama_perturbed_dir, device):
+    """64 concurrent greedy requests, room for 4 at a time in each service: the KV the sessions' caches hold
+    never exceeds the budget, some requests wait, none is refused, every output is the target's own."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
+    max_tokens, prompts = 12, [TINY_PROMPTS[i % len(TINY_PROMPTS)] for i in range(64)]
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    room = 4 * (max(len(tokenizer.encode(p)) for p in prompts) + max_tokens + MAX_DRAFT_TOKENS + 1)
+    engines = [stack.target_engine, stack.draft_engine]
+    for engine in engines:
+        engine.kv = KVBudget(capacity_tokens=room, bytes_per_token=kv_bytes_per_token(engine.model))
+    held, waited, done = [0, 0], [0, 0], asyncio.Event()
+
+    async def watch() -> None:  # samples, never synchronises: the burst runs whatever it sees
+        while not done.is_set():
+            for index, engine in enumerate(engines):
+                held[index] = max(held[index], sum(s.cached_length for s in list(engine.sessions.values())))
+                waited[index] = max(waited[index], engine.kv.waiting)
+            await asyncio.sleep(0.005)
+    watcher = asyncio.ensure_future(watch())
+    try:
+        outputs = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=max_tokens, temperature=0.0)
+                                         for p in prompts))
+    finally:
+        done.set()
+        await watcher
+        await stack.stop()
+    for prompt, (token_ids, _, _) in zip(prompts, outputs):
+        assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens)
+    assert 0 < held[0] <= room and held[1] <= room and waited[0] > 0, (held, waited, room)
