@@ -161,7 +161,8 @@ async def test_a_full_queue_refuses_at_once_naming_the_limit(target):
 
 async def test_a_session_larger_than_the_budget_is_refused_at_once(target):
     engine, _, stub = target
-    for max_new_tokens, needs in ((91, 101), (0, engine.context_window)):  # 0: the whole context window
+    # 0, or more than the window holds: the whole context window
+    for max_new_tokens, needs in ((91, 101), (0, engine.context_window), (2**32 - 1, engine.context_window)):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await open_call(stub, "huge", max_new_tokens=max_new_tokens)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
