@@ -23,7 +23,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
-                                            sampling_from_pb(request.sampling), caller_of(context))
+                                            sampling_from_pb(request.sampling), caller_of(context),
+                                            request.max_new_tokens, context.time_remaining())
         self.metrics.observe_forward("prefill", forward_ns)
         annotate_current_span(forward_ns=forward_ns)
         return draft_pb2.DraftOpenResponse(request_id=request.request_id,

@@ -30,6 +30,7 @@ from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
 from specmesh.penalties import penalize_logits
 from specmesh.ragged import ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
@@ -97,6 +98,8 @@ class EngineConfig:
     # With measured costs: a step with a prefill chunk costs at most this many times the
     # decode rows alone (so a long prompt delays running streams by at most that factor).
     prefill_slowdown: float = 2.0
+    kv_cache_memory: KVCacheMemory | None = None  # the KV budget (specmesh.kv_budget); None: the device's default
+    max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens queued for KV room; more are refused
 
     @property
     def caller_limit(self) -> int:
@@ -119,6 +122,7 @@ class ModelEngine:
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
         self.sessions: dict[str, Session] = {}
+        self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
         self.costs: StepCosts | None = None  # measured by calibrate(); None: row_multiple padding
         self.ragged = supports_ragged(model)
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
@@ -157,6 +161,9 @@ class ModelEngine:
             device=str(self.device),
             open_sessions=len(self.sessions),
             queued_rows=self.scheduler.queued_rows,
+            running_sessions=self.kv.running,
+            waiting_sessions=self.kv.waiting,
+            kv_cache_usage=self.kv.usage,
             host=socket.gethostname(),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         )
@@ -169,6 +176,18 @@ class ModelEngine:
     def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     caller: str = "") -> Session:
         """Register an empty-cache session for `prompt` opened by `caller`; the service prefills it."""
+        self.check_new_session(request_id, prompt, sampling, caller)
+        salt = self.config.generator_salt
+        seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
+        session = Session(request_id, list(prompt), DynamicCache(), sampling,
+                          make_generator(sampling.seed, salt), seed=seed, caller=caller,
+                          output_start=sampling.output_start or len(prompt))
+        self.sessions[request_id] = session
+        return session
+
+    def check_new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                          caller: str = "") -> None:
+        """What new_session refuses; also checked before a session waits for KV room (specmesh.kv_budget)."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not prompt:
@@ -183,13 +202,6 @@ class ModelEngine:
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExhausted(f"{self.config.max_sessions} sessions already open")
         self._check_caller_limit(caller)
-        salt = self.config.generator_salt
-        seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
-        session = Session(request_id, list(prompt), DynamicCache(), sampling,
-                          make_generator(sampling.seed, salt), seed=seed, caller=caller,
-                          output_start=sampling.output_start or len(prompt))
-        self.sessions[request_id] = session
-        return session
 
     def _check_caller_limit(self, caller: str) -> None:
         limit = self.config.caller_limit
@@ -255,6 +267,7 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def close(self, request_id: str) -> bool:
+        self.kv.release(request_id)  # its KV room, held from admission (specmesh.kv_budget)
         return self.sessions.pop(request_id, None) is not None
 
     def reap_idle(self, max_idle_s: float) -> list[str]:

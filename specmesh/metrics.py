@@ -117,6 +117,14 @@ class ServiceMetrics:
                                  ("service", "model"), registry=r)
         self.device_memory = Gauge("specmesh_device_memory_bytes", "Accelerator memory allocated by the model "
                                    "and its KV caches (GPU only)", ("service", "model", "device"), registry=r)
+        self.kv_cache_usage = Gauge("specmesh_kv_cache_usage_perc", "KV cache budget reserved by admitted "
+                                    "sessions, 0..1", ("service", "model"), registry=r)
+        self.kv_cache_budget = Gauge("specmesh_kv_cache_budget_tokens", "KV cache budget, in tokens "
+                                     "(--kv-cache-memory / bytes per token)", ("service", "model"), registry=r)
+        self.requests_running = Gauge("specmesh_num_requests_running", "Sessions admitted (holding KV "
+                                      "reservations)", ("service", "model"), registry=r)
+        self.requests_waiting = Gauge("specmesh_num_requests_waiting", "Session opens waiting for KV room",
+                                      ("service", "model"), registry=r)
         prometheus_client.ProcessCollector(registry=r)
 
     @classmethod
@@ -126,6 +134,10 @@ class ServiceMetrics:
         metrics.sessions_open.labels(**metrics.labels).set_function(lambda: len(engine.sessions))
         metrics.queued_rows.labels(**metrics.labels).set_function(lambda: engine.scheduler.queued_rows)
         engine.scheduler.observers.append(metrics.observe_step)
+        metrics.kv_cache_usage.labels(**metrics.labels).set_function(lambda: engine.kv.usage)
+        metrics.kv_cache_budget.labels(**metrics.labels).set_function(lambda: engine.kv.capacity)
+        metrics.requests_running.labels(**metrics.labels).set_function(lambda: engine.kv.running)
+        metrics.requests_waiting.labels(**metrics.labels).set_function(lambda: engine.kv.waiting)
         if engine.device.type == "cuda":
             import torch
             metrics.device_memory.labels(**metrics.labels, device=str(engine.device)).set_function(

@@ -18,6 +18,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from specmesh import models
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.engine import EngineConfig, ModelEngine
+from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
+                                parse_kv_cache_memory)
 from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.roles import DRAFT, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
@@ -56,6 +58,8 @@ class ServiceOptions:
     max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
     max_step_tokens: int = EngineConfig.max_step_tokens  # rows one batched step may feed
     prefill_slowdown: float = EngineConfig.prefill_slowdown  # a prefill chunk's step costs <= this x decode alone
+    kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
+    max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_batching_arguments(parser)
+    add_kv_cache_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
     add_internal_token_arguments(parser, serving=True)
@@ -99,6 +104,14 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     batching.add_argument("--prefill-slowdown", type=float, default=EngineConfig.prefill_slowdown, metavar="X",
                           help="while streams decode, a step with a prefill chunk may cost at most X times the "
                                "decode rows alone (from costs measured at start-up)")
+
+
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-memory", type=parse_kv_cache_memory, default=None, metavar="SIZE",
+                        help=KV_CACHE_MEMORY_HELP)
+    parser.add_argument("--max-waiting-sessions", type=positive_int, default=DEFAULT_MAX_WAITING_SESSIONS,
+                        metavar="N", help="sessions that may wait for KV room; past them an open gets "
+                                          "RESOURCE_EXHAUSTED at once (default: %(default)s)")
 
 
 def add_request_limit_argument(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +157,8 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
                           metrics_port=args.metrics_port, trace_exporter=args.trace_exporter,
                           trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token,
                           shutdown_grace_s=args.shutdown_grace, max_step_tokens=args.max_step_tokens,
-                          prefill_slowdown=args.prefill_slowdown)
+                          prefill_slowdown=args.prefill_slowdown, kv_cache_memory=args.kv_cache_memory,
+                          max_waiting_sessions=args.max_waiting_sessions)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -196,7 +210,8 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
                           max_sessions_per_caller=options.max_sessions_per_caller,
                           generator_salt=role(role_name).generator_salt,
-                          max_step_tokens=options.max_step_tokens, prefill_slowdown=options.prefill_slowdown)
+                          max_step_tokens=options.max_step_tokens, prefill_slowdown=options.prefill_slowdown,
+                          kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions)
     engine = ModelEngine(model, tokenizer, config)
     engine.warm_up()
     costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs

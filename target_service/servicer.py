@@ -23,7 +23,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
         open_ = self.engine.resume if request.resume else self.engine.open
         opened = await open_(request.request_id, list(request.prompt_token_ids), sampling_from_pb(request.sampling),
-                             caller_of(context))
+                             caller_of(context), request.max_new_tokens, context.time_remaining())
         self.metrics.observe_forward("prefill", opened.forward_ns)
         annotate_current_span(forward_ns=opened.forward_ns)
         response = target_pb2.TargetOpenResponse(request_id=request.request_id,

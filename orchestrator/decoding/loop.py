@@ -27,6 +27,7 @@ from opentelemetry import trace
 
 from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
+from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -155,6 +156,11 @@ class SpeculativeGeneration:
             return per_call
         return max(0.001, min(per_call, self.request.deadline - time.monotonic()))
 
+    def _kv_new_tokens(self) -> int:
+        """What a session may add to the prompt, reserved in each service's KV budget: the output, plus a
+        last round's draft tokens past the end (verified, then cut at max_tokens) and its bonus token."""
+        return self.request.max_tokens + MAX_DRAFT_TOKENS + 1
+
     async def _open(self) -> list[int]:
         """Prefill both models; the target's first token does not wait for the draft."""
         request = self.request
@@ -164,9 +170,10 @@ class SpeculativeGeneration:
             if self.draft is not None:
                 self._draft_opening = asyncio.ensure_future(self.draft.open(
                     self.session_id, request.prompt_token_ids, request.sampling,
-                    timeout=self._timeout(self.config.draft_timeout_s)))
+                    timeout=self._timeout(self.config.draft_timeout_s), max_new_tokens=self._kv_new_tokens()))
             opened = await self.target.open(self.session_id, request.prompt_token_ids, request.sampling,
-                                            timeout=self._timeout(self.config.target_timeout_s))
+                                            timeout=self._timeout(self.config.target_timeout_s),
+                                            max_new_tokens=self._kv_new_tokens())
             span.set_attribute("specmesh.target_forward_ns", opened.forward_ns)
         self.stats.target_forward_passes += 1
         self.draft_agreed = len(request.prompt_token_ids)

@@ -47,9 +47,11 @@ class DraftClient:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
 
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                   timeout: float) -> draft_pb2.DraftOpenResponse:
+                   timeout: float, max_new_tokens: int = 0) -> draft_pb2.DraftOpenResponse:
+        """max_new_tokens: what the session may add to the prompt, its KV reservation (0: the context window)."""
         return await self.stub.OpenSession(draft_pb2.DraftOpenRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_pb(sampling)), timeout=timeout)
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_pb(sampling),
+            max_new_tokens=max_new_tokens), timeout=timeout)
 
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
                       position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
@@ -78,16 +80,18 @@ class TargetClient:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
 
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                   timeout: float) -> target_pb2.TargetOpenResponse:
+                   timeout: float, max_new_tokens: int = 0) -> target_pb2.TargetOpenResponse:
+        """max_new_tokens: what the session may add to the prompt, its KV reservation (0: the context window)."""
         request = target_pb2.TargetOpenRequest(request_id=request_id, prompt_token_ids=prompt,
-                                               sampling=sampling_to_pb(sampling))
+                                               sampling=sampling_to_pb(sampling), max_new_tokens=max_new_tokens)
         return await _call_target(self.stub.OpenSession, request, timeout)
 
     async def resume(self, request_id: str, committed: Sequence[int], sampling: SamplingParams,
-                     timeout: float) -> target_pb2.TargetOpenResponse:
+                     timeout: float, max_new_tokens: int = 0) -> target_pb2.TargetOpenResponse:
         """Re-open a session another replica lost, prefilled with its committed sequence."""
         request = target_pb2.TargetOpenRequest(request_id=request_id, prompt_token_ids=committed,
-                                               sampling=sampling_to_pb(sampling), resume=True)
+                                               sampling=sampling_to_pb(sampling), resume=True,
+                                               max_new_tokens=max_new_tokens)
         return await _call_target(self.stub.OpenSession, request, timeout)
 
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],

@@ -54,6 +54,12 @@ class Placement:
     opened: bool = False  # the session exists (on this or a lost replica)
     stale: bool = False  # placed on a new replica that does not hold the session yet
     failures: int = 0
+    kv_limit: int = 0  # the most tokens the session may hold (its KV reservation); 0: the context window
+
+    @property
+    def max_new_tokens(self) -> int:
+        """What a re-opened session may still add: the rest of its reservation (0: no limit)."""
+        return max(1, self.kv_limit - len(self.sequence)) if self.kv_limit else 0
 
 
 def _code(error: Exception) -> grpc.StatusCode:
@@ -131,10 +137,12 @@ class PooledClient:
     def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
         raise NotImplementedError
 
-    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, timeout: float):
-        placement = self.sessions[request_id] = Placement(list(prompt), sampling)
+    async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, timeout: float,
+                   max_new_tokens: int = 0):
+        placement = self.sessions[request_id] = Placement(
+            list(prompt), sampling, kv_limit=len(prompt) + max_new_tokens if max_new_tokens else 0)
         opened = await self._call(request_id, placement, timeout,
-                                  lambda client, t: client.open(request_id, prompt, sampling, t))
+                                  lambda client, t: client.open(request_id, prompt, sampling, t, max_new_tokens))
         placement.opened = True
         self._opened(placement, opened)
         return opened
@@ -160,7 +168,7 @@ class PooledTargetClient(PooledClient):
         return verified
 
     async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
-        await client.resume(request_id, placement.sequence, placement.sampling, timeout)
+        await client.resume(request_id, placement.sequence, placement.sampling, timeout, placement.max_new_tokens)
 
     def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
         return ReplicaFailure(self.service, code, message)
@@ -204,7 +212,7 @@ class PooledDraftClient(PooledClient):
         return replica.info.model if replica is not None and replica.info is not None else None
 
     async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
-        await client.open(request_id, placement.sequence, placement.sampling, timeout)
+        await client.open(request_id, placement.sequence, placement.sampling, timeout, placement.max_new_tokens)
 
     def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
         # The loop answers any draft RPC error by going target-only: the output is unchanged.

@@ -107,7 +107,8 @@ def local_pools_options(args: argparse.Namespace, security, metrics_ports, inter
     # Only this deployment's orchestrator may call its draft and target: the token reaches the children
     # with their start-up arguments (pickled over a pipe), never on a command line or in the environment.
     common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                  tls=security.server_tls, internal_token=internal_token, shutdown_grace_s=args.shutdown_grace)
+                  tls=security.server_tls, internal_token=internal_token, shutdown_grace_s=args.shutdown_grace,
+                  kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions)
     draft = None
     if args.draft.lower() != "none":
         draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,

@@ -22,7 +22,8 @@ from orchestrator.frontend.servicer import FINISH_REASON_NAMES
 from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
                                add_server_tls_arguments, new_internal_token, security_from_args)
 from specmesh.drain import add_shutdown_arguments
-from specmesh.service import ServiceOptions, add_request_limit_argument, add_telemetry_arguments
+from specmesh.service import (ServiceOptions, add_kv_cache_arguments, add_request_limit_argument,
+                              add_telemetry_arguments)
 from target_service.disagreements import add_disagreement_log_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
     add_request_limit_argument(serve)
+    add_kv_cache_arguments(serve)  # each model service's own budget (a fraction: of its device)
     serve.add_argument("--greedy-draft", action="store_true",
                        help="the draft proposes its argmax tokens (point masses) even when sampling")
     add_telemetry_arguments(serve, default_metrics_port=9400)
