@@ -8,6 +8,7 @@ fills them), so the report travels over GetModelInfo like any other.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from orchestrator.deployment.clients import TargetClient, open_channel
 from orchestrator.deployment.failover import PooledTargetClient
 from orchestrator.deployment.load import KV_FULL, ROWS_PER_SESSION, Load, replica_load
 from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
+from orchestrator.deployment.ray_cli import add_serve_arguments
 from orchestrator.deployment.ray_controller import autoscale
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2
@@ -205,3 +207,11 @@ def full(score: float) -> Load:
 ])
 def test_autoscale_steps_towards_the_load_per_replica_target(desired, loads, expected):
     assert autoscale(desired, 1, 4, loads, load_per_replica=4.0) == expected
+
+
+def test_the_autoscaling_target_keeps_its_old_flag():
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args([]).load_per_replica == 4.0
+    assert parser.parse_args(["--load-per-replica", "2.5"]).load_per_replica == 2.5
+    assert parser.parse_args(["--sessions-per-replica", "3"]).load_per_replica == 3.0
