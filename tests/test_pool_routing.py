@@ -22,6 +22,7 @@ from orchestrator.deployment.load import KV_FULL, ROWS_PER_SESSION, Load, replic
 from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
 from orchestrator.deployment.ray_cli import add_serve_arguments
 from orchestrator.deployment.ray_controller import autoscale
+from orchestrator.deployment.serving import Pools
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2
 
@@ -137,6 +138,10 @@ async def test_a_full_replica_is_avoided_while_another_has_room(tiny_llama_dir, 
         await pair.pool.refresh()
         assert not pair.pool.replicas["target-0"].load.has_room
         assert await pair.open("a", "b") == ["target-1"] * 2
+        shown = Pools({"target": pair.pool}).state("target").replicas  # what `specmesh replicas` prints
+        assert [(r.name, r.has_room, r.load) for r in shown] == [
+            ("target-0", False, report.get("waiting_sessions", 0)),  # no session open there
+            ("target-1", True, 6.0)]  # 4 open at the report, 2 routed since
         pair.report("target-1", waiting_sessions=2)  # now both are full: the least work wins
         await pair.pool.refresh()
         assert await pair.open("c") == ["target-0"]

@@ -197,6 +197,7 @@ async def _admin(args: argparse.Namespace, call) -> int:
             print(f"  {pool.rollout}")
         for replica in pool.replicas:
             print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
-                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})"
+                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions}) "
+                  f"load {replica.load:.1f} KV {replica.kv_cache_usage:.0%}" + ("" if replica.has_room else " full")
                   + (f" {replica.model}" if replica.model else ""))
     return 0
