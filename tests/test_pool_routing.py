@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -19,12 +20,14 @@ from harness import make_engine, start_model_server
 from orchestrator.deployment.clients import TargetClient, open_channel
 from orchestrator.deployment.failover import PooledTargetClient
 from orchestrator.deployment.load import KV_FULL, ROWS_PER_SESSION, Load, replica_load
+from orchestrator.deployment import pool as pool_module
 from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
 from orchestrator.deployment.ray_cli import add_serve_arguments
 from orchestrator.deployment.ray_controller import autoscale
 from orchestrator.deployment.serving import Pools
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2
+from target_service.servicer import TargetServicer
 
 PROMPT = [5, 6, 7, 8]
 GREEDY = SamplingParams(temperature=0.0)
@@ -165,6 +168,28 @@ async def test_a_failing_model_info_takes_only_that_replica_out_of_routing(tiny_
         pair.heal_reports("target-0")
         await pair.pool.refresh()
         assert await pair.open("d") == ["target-0"]
+
+
+async def test_a_hanging_model_info_times_out_and_takes_only_that_replica_out(tiny_llama_dir, monkeypatch):
+    hanging: set[int] = set()  # ids of the engines whose GetModelInfo never answers
+    answer = TargetServicer.GetModelInfo
+
+    async def hang_or_answer(servicer, request, context):
+        if id(servicer.engine.engine) in hanging:
+            await asyncio.Event().wait()
+        return await answer(servicer, request, context)
+    monkeypatch.setattr(TargetServicer, "GetModelInfo", hang_or_answer)  # before the servers bind it
+    monkeypatch.setattr(pool_module, "CHECK_TIMEOUT_S", 0.5)
+    async with targets(tiny_llama_dir) as pair:
+        hanging.add(id(pair.engines["target-0"]))
+        started = time.monotonic()
+        await pair.pool.refresh()
+        assert time.monotonic() - started < 5.0  # the poll's deadline, not a hang
+        assert [r.serving for r in pair.pool.replicas.values()] == [False, True]
+        assert await pair.open(*"ab") == ["target-1"] * 2
+        hanging.clear()
+        await pair.pool.refresh()
+        assert await pair.open("c") == ["target-0"]
 
 
 async def test_model_info_through_the_pool_places_no_session(tiny_llama_dir):
