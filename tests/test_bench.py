@@ -131,15 +131,18 @@ async def test_bench_concurrency_sweep_on_and_off_in_one_run(tmp_path, capsys, t
         await stack.stop()
     assert code == 0
     result = check_result(tmp_path, ["c=1 T=0", "c=2 T=0"], {"on", "off"}, 4, {"code"})
-    table = capsys.readouterr().out.split("== by concurrency (ms) ==\n", 1)[1].split("\n\n", 1)[0]
-    rows = {(line[:18].split()[0], line[18:31].strip()): line[31:].split() for line in table.splitlines()[2:]}
+    table = capsys.readouterr().out.split("== by concurrency", 1)[1].split("\n\n", 1)[0]
+    rows = {(line[:18].split()[0], line[18:31].strip()): line[31:].split() for line in table.splitlines()[3:]}
     assert set(rows) == {(c, m) for c in ("c=1", "c=2") for m in ("spec on", "spec off")}
     for entry in result["configurations"]:
         for mode, figures in entry["modes"].items():
             overall = figures["overall"]
-            tokens_per_s, itl_p50, itl_p99 = map(float, rows[entry["name"].split()[0], f"spec {mode}"][:3])
+            row = rows[entry["name"].split()[0], f"spec {mode}"]
+            tokens_per_s, itl_p50, itl_p99 = map(float, row[:3])
             assert tokens_per_s == round(overall["output_throughput"], 2) > 0
             assert 0 < itl_p50 <= itl_p99 and itl_p99 == round(overall["itl_ms"]["p99"], 1)
+            c1 = next(e for e in result["configurations"] if e["max_concurrency"] == 1)["modes"][mode]["overall"]
+            assert row[6] == f"{overall['output_throughput'] / c1['output_throughput']:.2f}x"  # tok/s / c1
             # 12 tokens in at most 12 chunks: the gaps cannot add up to more than the whole request
             assert overall["itl_ms"]["p99"] <= overall["e2e_ms"]["p99"]
 
