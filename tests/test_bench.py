@@ -32,7 +32,8 @@ AGGREGATE_KEYS = {"num_requests", "completed", "failed", "duration_s", "total_pr
 LATENCY_KEYS = {"mean", "p50", "p95", "p99"}
 REQUEST_KEYS = {"configuration", "kind", "mode", "index", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
                 "itl_ms", "prompt_tokens", "output_tokens", "draft_tokens", "accepted_tokens", "rounds"}
-PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "acceptance_by_kind.png")
+PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "itl_by_concurrency.png",
+         "acceptance_by_kind.png")
 JSONL = [
     {"kind": "code", "prompt": "def add(a, b):", "max_tokens": 6},
     {"kind": "code", "prompt": "the quick brown fox", "max_tokens": 8},
@@ -114,6 +115,36 @@ async def test_bench_against_running_http_server(tmp_path, tiny_llama_dir, tiny_
     assert result["server"] == {"endpoint": f"127.0.0.1:{port}", "protocol": "http", "self_started": False,
                                 "target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b",
                                 "num_speculative_tokens": None}
+
+
+async def test_bench_concurrency_sweep_on_and_off_in_one_run(tmp_path, capsys, tiny_llama_dir,
+                                                             tiny_llama_perturbed_dir):
+    """The issue's sweep, shrunk: concurrency 1 and 2, speculation on and off, against a gRPC server; a
+    table row per concurrency and mode, and the throughput and ITL plots."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3)  # fixed k: "on" drafts
+    try:
+        code = await asyncio.to_thread(specmesh_main, [
+            "bench", "--endpoint", f"127.0.0.1:{stack.port}", "--kinds", "code", "--num-prompts", "4",
+            "--max-tokens", "12", "--temperature", "0", "--max-concurrency", "1", "2", "--ab", "--num-warmups", "0",
+            "--no-progress", "--result-dir", str(tmp_path)])
+    finally:
+        await stack.stop()
+    assert code == 0
+    result = check_result(tmp_path, ["c=1 T=0", "c=2 T=0"], {"on", "off"}, 4, {"code"})
+    table = capsys.readouterr().out.split("== by concurrency", 1)[1].split("\n\n", 1)[0]
+    rows = {(line[:18].split()[0], line[18:31].strip()): line[31:].split() for line in table.splitlines()[3:]}
+    assert set(rows) == {(c, m) for c in ("c=1", "c=2") for m in ("spec on", "spec off")}
+    for entry in result["configurations"]:
+        for mode, figures in entry["modes"].items():
+            overall = figures["overall"]
+            row = rows[entry["name"].split()[0], f"spec {mode}"]
+            tokens_per_s, itl_p50, itl_p99 = map(float, row[:3])
+            assert tokens_per_s == round(overall["output_throughput"], 2) > 0
+            assert 0 < itl_p50 <= itl_p99 and itl_p99 == round(overall["itl_ms"]["p99"], 1)
+            c1 = next(e for e in result["configurations"] if e["max_concurrency"] == 1)["modes"][mode]["overall"]
+            assert row[6] == f"{overall['output_throughput'] / c1['output_throughput']:.2f}x"  # tok/s / c1
+            # 12 tokens in at most 12 chunks: the gaps cannot add up to more than the whole request
+            assert overall["itl_ms"]["p99"] <= overall["e2e_ms"]["p99"]
 
 
 @pytest.mark.parametrize("line, field", [

@@ -17,7 +17,6 @@ from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamE
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.deployment.ray_cli import replica_device
-from orchestrator.deployment.ray_controller import autoscale
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
 from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
 from specmesh import models
@@ -165,15 +164,3 @@ def test_a_sharded_target_needs_gpus(tiny_llama_dir):
     assert replica_device("cuda:1", 0) == "cuda:1"
     with pytest.raises(ValueError, match="no CUDA device"):
         models.load_model(str(tiny_llama_dir), device="auto")
-
-
-@pytest.mark.parametrize("desired, loads, expected", [
-    (2, [5, 4], 3),  # mean 4.5 > 4: up
-    (4, [9, 9, 9, 9], 4),  # at the maximum
-    (3, [2, 1, 0], 2),  # 3 sessions fit under half the target on 2 replicas: down
-    (3, [3, 3, 2], 3),  # 8 sessions would be 4 per replica on 2: stay
-    (1, [0], 1),  # at the minimum
-    (2, [], 2),  # nothing serving: no figure to act on
-])
-def test_autoscale_steps_towards_the_sessions_per_replica_target(desired, loads, expected):
-    assert autoscale(desired, 1, 4, loads, sessions_per_replica=4.0) == expected

@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
         print("specmesh bench: needs a draft model (--draft) to measure speculation", file=sys.stderr)
         return 2
     configurations = [Configuration(c, t) for t in (args.temperature or [None]) for c in args.max_concurrency]
+    if max(args.max_concurrency) > args.num_prompts:
+        print(f"specmesh bench: warning: {args.num_prompts} prompts never put {max(args.max_concurrency)} requests "
+              "in flight; raise --num-prompts", file=sys.stderr)
     load = LoadSettings(args.max_tokens, args.request_rate, args.seed, None, args.timeout, not args.no_progress,
                         args.seeded_requests)
     started_at = datetime.now(timezone.utc)

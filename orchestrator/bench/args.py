@@ -10,6 +10,7 @@ from orchestrator.deployment.launch import add_model_arguments
 
 EPILOG = """examples:
   specmesh bench --ab                                  # start the embedded pair, speculation on vs off
+  specmesh bench --ab --max-concurrency 1 2 4 8 16     # the batching sweep: tokens/s and ITL by concurrency
   specmesh bench --ab --peer --max-concurrency 1 4 --temperature 0 1 --num-prompts 8 --max-tokens 48
   specmesh bench --endpoint 127.0.0.1:8000 --protocol http --prompt-file prompts.jsonl
 """

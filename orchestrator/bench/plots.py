@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
-from orchestrator.bench.metrics import LATENCIES  # noqa: E402
+from orchestrator.bench.metrics import LATENCIES, lookup  # noqa: E402
 from orchestrator.bench.report import LATENCY_TITLES, MODE_TITLES  # noqa: E402
 
 COLOURS = {"on": "tab:blue", "off": "tab:orange", "peer": "tab:green"}
@@ -18,6 +18,7 @@ COLOURS = {"on": "tab:blue", "off": "tab:orange", "peer": "tab:green"}
 def write_plots(result: dict, directory: Path) -> list[Path]:
     paths = [latency_distributions(result, directory / "latency_distributions.png"),
              throughput_by_concurrency(result, directory / "throughput_by_concurrency.png"),
+             itl_by_concurrency(result, directory / "itl_by_concurrency.png"),
              acceptance_by_kind(result, directory / "acceptance_by_kind.png")]
     plt.close("all")
     return paths
@@ -56,11 +57,31 @@ def latency_distributions(result: dict, path: Path) -> Path:
 def throughput_by_concurrency(result: dict, path: Path) -> Path:
     """Output tokens/s against max concurrency, one line per mode and temperature."""
     figure, axis = plt.subplots(figsize=(6, 4))
+    _by_concurrency(axis, result, "output_throughput", "output tokens/s")
+    axis.set_title("Output throughput by concurrency")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def itl_by_concurrency(result: dict, path: Path) -> Path:
+    """ITL p50 and p99 against max concurrency (one panel each), one line per mode and temperature."""
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, stat in zip(axes, ("p50", "p99")):
+        _by_concurrency(axis, result, f"itl_ms.{stat}", "ms")
+        axis.set_title(f"Inter-token latency {stat} by concurrency")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def _by_concurrency(axis, result: dict, metric: str, unit: str) -> None:
+    """One line per mode (colour) and temperature (line style) of `metric` against max concurrency."""
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for entry in result["configurations"]:
         temperature = entry["name"].split(" ", 1)[1]
         for mode, figures in entry["modes"].items():
-            value = figures["overall"]["output_throughput"]
+            value = lookup(figures["overall"], metric)
             if value is not None:
                 series.setdefault((mode, temperature), []).append((entry["max_concurrency"], value))
     styles = ["-", "--", ":", "-."]
@@ -71,14 +92,13 @@ def throughput_by_concurrency(result: dict, path: Path) -> Path:
                   linestyle=styles[temperatures.index(temperature) % len(styles)],
                   label=f"{MODE_TITLES[mode]}, {temperature}")
     axis.set_xlabel("max concurrency")
-    axis.set_ylabel("output tokens/s")
-    axis.set_xticks(sorted({e["max_concurrency"] for e in result["configurations"]}))
-    axis.set_title("Output throughput by concurrency")
+    axis.set_ylabel(unit)
+    axis.set_xscale("log", base=2)  # the sweep doubles: 1, 2, 4, 8, 16
+    concurrencies = sorted({e["max_concurrency"] for e in result["configurations"]})
+    axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    axis.set_ylim(bottom=0)  # from zero, so that the lines' heights compare as ratios
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    return path
 
 
 def acceptance_by_kind(result: dict, path: Path) -> Path:

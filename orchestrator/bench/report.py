@@ -118,10 +118,39 @@ def summary_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def print_report(result: dict, out=sys.stdout) -> None:
+def concurrency_table(result: dict) -> str:
+    """One row per configuration and mode: how throughput and latency move with concurrency, also as
+    ratios to the lowest concurrency of the same mode and temperature (the batching criteria read so)."""
+    header = (f"{'configuration':<18}{'mode':<13}{'tok/s':>9}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
+              f"{'TTFT p50':>10}{'E2E p50':>10}{'tok/s/c1':>10}{'ITLp99/c1':>11}{'done/failed':>13}")
+    lines = ["== by concurrency (ms; /c1: ratio to the lowest concurrency) ==", header, "-" * len(header)]
+    lowest: dict[tuple, dict] = {}  # (temperature, mode) -> figures at the lowest concurrency
+    for entry in sorted(result["configurations"], key=lambda e: e["max_concurrency"]):
+        for mode, figures in entry["modes"].items():
+            lowest.setdefault((entry["temperature"], mode), figures["overall"])
+    for entry in result["configurations"]:
+        for mode, figures in entry["modes"].items():
+            overall, base = figures["overall"], lowest[entry["temperature"], mode]
+            lines.append(f"{entry['name']:<18}{MODE_TITLES[mode]:<13}{_cell(overall['output_throughput']):>9}"
+                         f"{_cell(overall['itl_ms']['p50'], 1):>9}{_cell(overall['itl_ms']['p99'], 1):>9}"
+                         f"{_cell(overall['tpot_ms']['p50'], 1):>10}{_cell(overall['ttft_ms']['p50'], 1):>10}"
+                         f"{_cell(overall['e2e_ms']['p50'], 1):>10}"
+                         f"{_ratio(_divide(overall['output_throughput'], base['output_throughput'])):>10}"
+                         f"{_ratio(_divide(overall['itl_ms']['p99'], base['itl_ms']['p99'])):>11}"
+                         f"{str(overall['completed']) + ' / ' + str(overall['failed']):>13}")
+    return "\n".join(lines)
+
+
+def _divide(value, base):
+    return value / base if value is not None and base else None
+
+
+def print_report(result: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up now: whatever stdout is at the call (a test's capture included)
     for entry in result["configurations"]:
         print(configuration_table(entry) + "\n", file=out)
     print(kind_table(result) + "\n", file=out)
+    print(concurrency_table(result) + "\n", file=out)
     print(summary_table(result), file=out)
     if any("peer" in e["modes"] for e in result["configurations"]):
         print("\nHF assisted: transformers' assisted generation in-process, one request at a time; its acceptance "

@@ -82,7 +82,7 @@ class PooledClient:
         self.failovers = 0  # sessions moved off a lost replica, over this client's life
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
-        replica = await self._acquire(time.monotonic() + timeout)
+        replica = await self._acquire(time.monotonic() + timeout, session=False)
         try:
             return await replica.client.model_info(timeout=timeout)
         finally:
@@ -125,9 +125,10 @@ class PooledClient:
                                 f"request {request_id} lost {placement.failures} {self.service} replicas; "
                                 "failing it rather than letting it take down more")
 
-    async def _acquire(self, deadline: float) -> Replica:
+    async def _acquire(self, deadline: float, session: bool = True) -> Replica:
         try:
-            return await self.pool.acquire(min(self.acquire_timeout_s, max(0.0, deadline - time.monotonic())))
+            return await self.pool.acquire(min(self.acquire_timeout_s, max(0.0, deadline - time.monotonic())),
+                                           session)
         except NoHealthyReplica as error:
             raise self._failure(grpc.StatusCode.UNAVAILABLE, str(error)) from None
 

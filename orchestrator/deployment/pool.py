@@ -4,9 +4,10 @@ Replicas come from a `discover()` callable (Ray named actors, or fixed addresses
 tests), each with a `resolve()` that returns its current gRPC address: a restarted
 replica serves on a new port, so an unreachable one is resolved again. Every
 `check_interval_s` the pool asks each replica's grpc.health.v1 service whether it is
-SERVING and how many sessions it holds. A new session goes to the least-loaded
-serving replica — fewest sessions routed from here, then fewest open on the replica —
-and stays there until it ends or the replica is lost.
+SERVING, then its GetModelInfo for its load (a replica that fails either is not
+routed to). A new session goes to the serving replica with the least load
+(orchestrator.deployment.load: one with KV room and nobody waiting first) and stays
+there until it ends or the replica is lost.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.deployment.load import Load, replica_load
 from orchestrator.decoding.loop import spawn_background
 from specmesh.service import ReplicaConfig
 from specmesh.v1 import common_pb2
@@ -57,6 +59,8 @@ class Replica:
     draining: bool = False  # set by the controller here; other orchestrators see NOT_SERVING
     gone: bool = False
     routed: int = 0  # sessions this orchestrator placed here and has not released
+    placed: int = 0  # sessions this orchestrator ever placed here
+    placed_at_report: int = 0  # `placed` when the replica's last load report (`info`) was asked for
     open_sessions: int = 0  # sessions open on the replica, from its last check
     refused_us: bool = False  # its last check was UNAUTHENTICATED: logged once, not every check
     failures: int = 0  # calls that found it lost; a check begun before one must not revive it
@@ -70,6 +74,10 @@ class Replica:
         if self.serving:
             return "serving"
         return "unhealthy" if self.address else "starting"
+
+    @property
+    def load(self) -> Load:
+        return replica_load(self.info, self.placed - self.placed_at_report)
 
 
 class ReplicaPool:
@@ -93,18 +101,20 @@ class ReplicaPool:
         return [r for r in self.replicas.values()
                 if r.serving and not r.draining and r.client is not None and r.name not in self.withheld]
 
-    def try_acquire(self, exclude: Sequence[str] = ()) -> Replica | None:
+    def try_acquire(self, exclude: Sequence[str] = (), session: bool = True) -> Replica | None:
+        """The least-loaded routable replica; `session`: a new session goes there (it adds to the load)."""
         candidates = [r for r in self.routable() if r.name not in exclude]
         if not candidates:
             return None
-        replica = min(candidates, key=lambda r: (r.routed, r.open_sessions, r.name))
+        replica = min(candidates, key=lambda r: (r.load.routing_key(), r.name))
         replica.routed += 1
+        replica.placed += session
         return replica
 
-    async def acquire(self, timeout: float) -> Replica:
+    async def acquire(self, timeout: float, session: bool = True) -> Replica:
         """The least-loaded serving replica; waits up to `timeout` for one to become healthy."""
         started = time.monotonic()
-        while (replica := self.try_acquire()) is None:
+        while (replica := self.try_acquire(session=session)) is None:
             if self.failed:
                 raise NoHealthyReplica(self.role, time.monotonic() - started, "the pool failed: every replica "
                                        "used up its restarts")
@@ -169,8 +179,11 @@ class ReplicaPool:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT_S)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
+                # Sessions placed from now on may be missing from the report: they count on top of it.
+                placed = replica.placed
                 replica.info = await replica.client.model_info(timeout=CHECK_TIMEOUT_S)
                 replica.open_sessions = replica.info.open_sessions
+                replica.placed_at_report = max(replica.placed_at_report, placed)
             replica.serving = serving and replica.failures == failures
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             code = error.code() if isinstance(error, grpc.aio.AioRpcError) else "timed out"
@@ -243,7 +256,7 @@ class PoolSpec:
     num_gpus: float = 0.0  # > 1: the target is sharded over that many GPUs of one node
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (a worker group's)
     max_restarts: int = 3  # Ray restarts of one replica before it is replaced (the local backend: RestartPolicy)
-    sessions_per_replica: float = 4.0  # autoscaling target: mean open sessions per serving replica
+    load_per_replica: float = 4.0  # autoscaling target: mean load per serving replica (orchestrator.deployment.load)
     scale_cooldown_s: float = 30.0
     drain_grace_s: float = 60.0  # longest a removed replica waits for its sessions
 

@@ -46,8 +46,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{role}-resources", type=_resources, default={}, metavar="JSON",
                            help=f"custom Ray resources per {role} replica, e.g. '{{\"specmesh_{role}\": 1}}', "
                                 "to place the pool on its own worker group")
-    group.add_argument("--sessions-per-replica", type=float, default=4.0,
-                       help="autoscaling target: mean open sessions per serving replica")
+    group.add_argument("--load-per-replica", "--sessions-per-replica", dest="load_per_replica", type=float,
+                       default=4.0,
+                       help="autoscaling target: mean load per serving replica, in sessions' worth of work "
+                            "(open and waiting sessions plus queued token rows / 8); --sessions-per-replica "
+                            "is its old name")
     group.add_argument("--drain-grace", type=float, default=60.0,
                        help="seconds a removed replica waits for its sessions before it is killed")
     group.add_argument("--max-replica-failures", type=int, default=2,
@@ -89,7 +92,7 @@ def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtyp
     return PoolSpec(ReplicaConfig(role, service, **replica), replicas=replicas, min_replicas=get("min_replicas"),
                     max_replicas=get("max_replicas"), num_cpus=num_cpus, num_gpus=num_gpus,
                     resources=get("resources"),
-                    sessions_per_replica=args.sessions_per_replica, drain_grace_s=args.drain_grace)
+                    load_per_replica=args.load_per_replica, drain_grace_s=args.drain_grace)
 
 
 def pools_options(args: argparse.Namespace, security=None, internal_token: str | None = None) -> PoolsOptions:
@@ -195,6 +198,7 @@ async def _admin(args: argparse.Namespace, call) -> int:
             print(f"  {pool.rollout}")
         for replica in pool.replicas:
             print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
-                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions})"
+                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions}) "
+                  f"load {replica.load:.1f} KV {replica.kv_cache_usage:.0%}" + ("" if replica.has_room else " full")
                   + (f" {replica.model}" if replica.model else ""))
     return 0

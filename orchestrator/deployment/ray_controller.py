@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 
+from orchestrator.deployment.load import Load
 from orchestrator.deployment.pool import Discover, PoolSpec, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.deployment.ray_replica import ReplicaActor
 from specmesh.service import ReplicaConfig
@@ -103,12 +104,12 @@ class PoolController:
             self.draining[name] = asyncio.ensure_future(self._drain(name))
 
     def _drain_order(self, names: list[str]) -> list[str]:
-        """Cheapest to remove first: not yet serving, then fewest sessions, then newest."""
+        """Cheapest to remove first: not yet serving, then least loaded, then newest."""
         def cost(name: str):
             replica = self.pool.replicas.get(name)
             if replica is None or not replica.serving:
-                return (0, 0, -self._number(name))
-            return (1, max(replica.routed, replica.open_sessions), -self._number(name))
+                return (0, 0.0, -self._number(name))
+            return (1, replica.load.score, -self._number(name))
         return sorted(names, key=cost)
 
     @staticmethod
@@ -199,25 +200,28 @@ class PoolController:
         low, high = self.spec.bounds
         if low >= high or self.rolling or time.monotonic() - self._last_scaled < self.spec.scale_cooldown_s:
             return
-        loads = [max(r.routed, r.open_sessions) for r in self.pool.routable()]
-        wanted = autoscale(self.desired, low, high, loads, self.spec.sessions_per_replica)
+        loads = [r.load for r in self.pool.routable()]
+        wanted = autoscale(self.desired, low, high, loads, self.spec.load_per_replica)
         if wanted != self.desired:
-            log.info("%s pool: %d sessions on %d serving replicas; scaling to %d", self.spec.role, sum(loads),
-                     len(loads), wanted)
+            log.info("%s pool: load %.1f on %d serving replicas (%d full); scaling to %d", self.spec.role,
+                     sum(load.score for load in loads), len(loads), sum(not load.has_room for load in loads), wanted)
             self.scale_to(wanted)
 
 
-def autoscale(desired: int, low: int, high: int, loads: list[int], sessions_per_replica: float) -> int:
-    """One step towards `sessions_per_replica` mean load; `loads` are the serving replicas' sessions.
+def autoscale(desired: int, low: int, high: int, loads: list[Load], load_per_replica: float) -> int:
+    """One step towards `load_per_replica` mean load; `loads` are the serving replicas' loads.
 
-    Up when the mean is above the target; down only when one replica fewer would stay
-    under half of it, so the pool does not flap around the threshold.
+    Up when the mean is above the target, or when no replica has room for a new session
+    (all KV-full or queueing); down only when every replica has room and one replica
+    fewer would stay under half the target, so the pool does not flap around the threshold.
     """
     if not loads:
         return desired  # nothing serving yet (starting or restarting): no figure to act on
-    total = sum(loads)
-    if total / len(loads) > sessions_per_replica and desired < high:
+    total = sum(load.score for load in loads)
+    crowded = not any(load.has_room for load in loads)
+    if (total / len(loads) > load_per_replica or crowded) and desired < high:
         return desired + 1
-    if desired > low and total <= (desired - 1) * sessions_per_replica / 2:
+    roomy = all(load.has_room for load in loads)
+    if desired > low and roomy and total <= (desired - 1) * load_per_replica / 2:
         return desired - 1
     return desired

@@ -209,9 +209,11 @@ class Pools:
         for replica in sorted(pool.replicas.values(), key=lambda r: r.name):
             draining = replica.draining or bool(controller and replica.name in controller.draining)
             shown = "draining" if draining else "starting" if replica.name in pool.withheld else replica.state
+            load = replica.load
             state.replicas.add(name=replica.name, address=replica.address or "", state=shown,
                                open_sessions=replica.open_sessions, routed_sessions=replica.routed,
-                               model=replica.info.model if replica.info is not None else "")
+                               model=replica.info.model if replica.info is not None else "",
+                               load=load.score, kv_cache_usage=load.kv_cache_usage, has_room=load.has_room)
         return state
 
     def list(self) -> admin_pb2.ListReplicasResponse:
