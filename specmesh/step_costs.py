@@ -41,18 +41,18 @@ class StepCosts:
         return cls(seconds)
 
     def cost(self, rows: int) -> float:
-        """Seconds for `rows` rows: measured, interpolated, or extrapolated from the last two sizes."""
+        """Seconds for `rows` rows: measured or interpolated; past the largest measured size, in
+        proportion to it (large steps are compute-bound, and a noisy slope must never make a
+        huge chunk look cheap)."""
         sizes = list(self.seconds)
         if rows in self.seconds:
             return self.seconds[rows]
         if rows < sizes[0]:
             return self.seconds[sizes[0]]
+        if rows > sizes[-1]:
+            return self.seconds[sizes[-1]] * rows / sizes[-1]
         below = max(size for size in sizes if size < rows)
-        above = min((size for size in sizes if size > rows), default=None)
-        if above is None:
-            below, above = sizes[-2] if len(sizes) > 1 else sizes[-1], sizes[-1]
-        if above == below:
-            return self.seconds[above] * rows / above
+        above = min(size for size in sizes if size > rows)
         slope = (self.seconds[above] - self.seconds[below]) / (above - below)
         return self.seconds[below] + slope * (rows - below)
 
@@ -67,7 +67,7 @@ class StepCosts:
         key = (decode_rows, slowdown)
         if key not in self._allowances:
             budget, extra = slowdown * self.cost(decode_rows), 0
-            while extra < 4096 and self.cost(decode_rows + extra + 1) <= budget:
+            while extra < max(self.seconds) and self.cost(decode_rows + extra + 1) <= budget:
                 extra += 1
             self._allowances[key] = extra
         return self._allowances[key]

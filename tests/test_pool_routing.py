@@ -109,7 +109,9 @@ async def test_new_sessions_go_to_the_replica_another_orchestrator_left_idle(tin
         await pair.pool.refresh()
         assert pair.pool.replicas["target-0"].load.score == 3.0
         assert await pair.open("a", "b", "c") == ["target-1"] * 3
-        assert await pair.open("d") == ["target-0"]  # 3 and 3: the tie goes by name
+        # 3 and 3: the tie goes to the most KV left as reported, target-1's (its 3 are not in its report yet)
+        assert pair.pool.replicas["target-0"].load.kv_cache_usage > pair.pool.replicas["target-1"].load.kv_cache_usage
+        assert await pair.open("d") == ["target-1"]
 
 
 async def test_a_burst_spreads_before_the_next_poll_and_is_not_counted_twice_after_it(tiny_llama_dir):
