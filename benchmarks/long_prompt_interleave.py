@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import sys
 import tempfile
@@ -138,7 +139,7 @@ async def measure(endpoint: str, args, text: str) -> tuple[StreamLog, tuple[floa
 
 def gaps_in(arrivals: list[float], window: tuple[float, float], within: bool) -> list[float]:
     """Gaps (s) between consecutive responses inside `window` (within) or overlapping it."""
-    pairs = zip(arrivals, arrivals[1:])
+    pairs = list(itertools.pairwise(arrivals))
     if within:
         return [b - a for a, b in pairs if a >= window[0] and b <= window[1]]
     return [b - a for a, b in pairs if b >= window[0] and a <= window[1]]
