@@ -130,11 +130,12 @@ def run(engine: ModelEngine, args: argparse.Namespace, rng: random.Random) -> di
           f"{args.prompt_tokens[0]}..{args.prompt_tokens[1]} tokens, 1..{args.k + 1} new rows per round")
     for round_number in range(args.rounds):
         keeps = [1 if len(r) > args.k + 1 else len(r) for r in rows]  # a prefill keeps its last row only
+        cached = [session.cached_length for session in batched]
         deltas, agrees, scales = compare_round(engine, batched, solo, rows, keeps)
         worst, all_agree = max(worst, *deltas), all_agree and all(agrees)
         compared_rows, scale = compared_rows + sum(keeps), max(scale, *scales)
         per_session = " ".join(f"{d:.1e}{'' if a else '(argmax!)'}" for d, a in zip(deltas, agrees))
-        print(f"  round {round_number + 1}: rows {[len(r) for r in rows]} (cached {[s.cached_length - len(r) for s, r in zip(batched, rows)]})")
+        print(f"  round {round_number + 1}: new rows {[len(r) for r in rows]} after cached {cached}")
         print(f"    max |Δlogit| {max(deltas):.2e}; argmax agrees: {all(agrees)}; per session: {per_session}")
         rows = next_rows(batched, args.k, engine.vocab_size, rng)
     summary = dict(max_abs_delta=worst, argmax_agrees=all_agree, rows=compared_rows, max_abs_logit=scale)

@@ -173,7 +173,7 @@ def report(sampler: RssSampler, before, during, after, results) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="target model (default: a tiny one built here)")
-    parser.add_argument("--draft", default=None, help="draft model (default: a tiny one built here); 'none': target-only")
+    parser.add_argument("--draft", default=None, help="draft model (default: a tiny one); 'none': target-only")
     parser.add_argument("--requests", type=int, default=64, help="all sent at once")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--max-tokens", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))

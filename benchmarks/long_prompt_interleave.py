@@ -161,7 +161,8 @@ def stream_report(index: int, arrivals: list[float], baseline: tuple[float, floa
     over = sum(1 for _, gap in during if gap > DONE_WHEN_STEPS * step)
     print(f"  stream {index}: decode step {step * 1e3:.1f} ms; largest gap in the window {largest * 1e3:.1f} ms = "
           f"{largest / step:.2f} steps (delay {largest / step - 1:.2f}), from +{(at - window[0]) * 1e3:.0f} ms; "
-          f"{over} of {len(during)} gaps over {DONE_WHEN_STEPS:g} steps; baseline's largest {max(quiet) / step:.2f} steps, "
+          f"{over} of {len(during)} gaps over {DONE_WHEN_STEPS:g} steps; "
+          f"baseline's largest {max(quiet) / step:.2f} steps, "
           f"from +{(quiet_start - baseline[0]) * 1e3:.0f} ms of the baseline")
     return largest / step
 
@@ -183,7 +184,7 @@ def report(log: StreamLog, baseline: tuple[float, float], long: tuple[float, flo
 def main(argv: list[str] | None = None) -> bool:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="target model (default: a tiny one built here)")
-    parser.add_argument("--draft", default=None, help="draft model (default: a tiny one built here); 'none': target-only")
+    parser.add_argument("--draft", default=None, help="draft model (default: a tiny one); 'none': target-only")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--speculation", choices=("on", "off"), default="on", help="the streams' request field")
     parser.add_argument("--k", type=int, default=3, help="the server's default draft tokens per round")
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> bool:
                 draft=ServiceOptions(model=draft, **tuning) if draft else None,
                 loop=LoopConfig(num_speculative_tokens=args.k), address="127.0.0.1:0",
                 orchestrator=ServiceOptions(model=target)))
-            print(f"{args.streams} greedy streams (speculation {args.speculation}), then a {prompt_tokens}-token prompt")
+            print(f"{args.streams} greedy streams (speculation {args.speculation}), "
+                  f"then a {prompt_tokens}-token prompt")
             log, baseline, long = asyncio.run(measure(f"127.0.0.1:{ready['orchestrator'].port}", args, text))
         finally:
             group.stop()
