@@ -20,7 +20,9 @@ by more than two decode steps"): every stream's largest gap in the window <= 3 d
 
 By default the stack is tiny random-weight models built on the fly (tests/tiny_models.py, with an
 8192-token context); --target and --draft take real ones. --speculation off runs the streams
-target-only (the request's `speculation` field):
+target-only (the request's `speculation` field). The tiny models' services run one torch thread
+each: on a machine with few cores and other load, two OpenMP threads per service stall steps for
+tens to hundreds of ms at random, which would drown what this measures:
 
     python benchmarks/long_prompt_interleave.py --runs 3
     python benchmarks/long_prompt_interleave.py --speculation off --prompt-tokens 8000
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> bool:
     parser.add_argument("--baseline-responses", type=int, default=20, help="responses per stream in the baseline")
     parser.add_argument("--after-responses", type=int, default=3, help="responses per stream after the long answer")
     parser.add_argument("--runs", type=int, default=1, help="measurements against the same stack")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per service (default: 1 for the tiny models, else the services' own)")
     parser.add_argument("--prefill-slowdown", type=float, default=None,
                         help="the services' --prefill-slowdown (default: theirs)")
     args = parser.parse_args(argv)
@@ -202,6 +206,8 @@ def main(argv: list[str] | None = None) -> bool:
         draft = None if draft is None or draft.lower() == "none" else draft
         text, prompt_tokens = filler_text(load_tokenizer(target), args.prompt_tokens)
         tuning = {} if args.prefill_slowdown is None else {"prefill_slowdown": args.prefill_slowdown}
+        threads = args.num_threads if args.num_threads is not None else (None if args.target else 1)
+        tuning.update({} if threads is None else {"num_threads": threads})
         group = ProcessGroup()
         try:
             ready = start_stack(group, StackOptions(
