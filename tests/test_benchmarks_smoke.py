@@ -1,0 +1,24 @@
+"""Benchmark scripts still run against the code they measure (tiny models, seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_batched_logits_compares_every_kept_row_of_every_round(tiny_llama_dir, capsys):
+    batched_logits = load_script("batched_logits")
+    summary = batched_logits.main(["--model", str(tiny_llama_dir), "--sessions", "4", "--rounds", "2", "--k", "3",
+                                   "--prompt-tokens", "4", "40", "--no-calibrate"])
+    assert summary["rows"] >= 4 * 2  # at least one logit row per session per round
+    assert summary["argmax_agrees"] and summary["max_abs_delta"] < batched_logits.NOISE_BOUND
+    assert "done-when (max |Δlogit| < 1e-04 and every argmax agrees): met" in capsys.readouterr().out
