@@ -13,8 +13,8 @@ job) and the peak RSS of each service is what its KV budget allows; the after-lo
 whether the sessions' memory was given back.
 
 --target-option and --draft-option set fields of each service's ServiceOptions (specmesh.service),
-e.g. `--target-option max_sessions=32`; the KV-cache budget is set the same way, with the services'
-own field for it once they have one.
+e.g. `--target-option max_sessions=32`; `--kv-cache-memory SIZE` sets both services' KV budget
+(the services' own flag, e.g. 1GiB or 0.2).
 
 By default the stack is tiny random-weight models built on the fly (tests/tiny_models.py, with a
 4096-token context); --target and --draft take real ones:
@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
+from specmesh.kv_budget import parse_kv_cache_memory  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -181,9 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=3, help="the server's default draft tokens per round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet-seconds", type=float, default=1.0, help="idle sampling before and after the load")
+    parser.add_argument("--kv-cache-memory", type=parse_kv_cache_memory, default=None, metavar="SIZE",
+                        help="both services' KV budget (default: theirs)")
     parser.add_argument("--target-option", type=service_option, action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--draft-option", type=service_option, action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    budget = {} if args.kv_cache_memory is None else {"kv_cache_memory": args.kv_cache_memory}
     with tempfile.TemporaryDirectory() as root:
         target, draft = (args.target, args.draft) if args.target else tiny_pair(Path(root))
         draft = None if draft is None or draft.lower() == "none" else draft
@@ -191,8 +195,8 @@ def main(argv: list[str] | None = None) -> None:
         group = ProcessGroup()
         try:
             ready = start_stack(group, StackOptions(
-                target=ServiceOptions(model=target, **dict(args.target_option)),
-                draft=ServiceOptions(model=draft, **dict(args.draft_option)) if draft else None,
+                target=ServiceOptions(model=target, **budget, **dict(args.target_option)),
+                draft=ServiceOptions(model=draft, **budget, **dict(args.draft_option)) if draft else None,
                 loop=LoopConfig(num_speculative_tokens=args.k), address="127.0.0.1:0",
                 orchestrator=ServiceOptions(model=target)))["orchestrator"]
             processes = service_processes(group.processes[0].pid, ready.replica_addresses or {})

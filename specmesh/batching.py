@@ -50,6 +50,7 @@ class Part:
     session: Any
     token_ids: list[int]
     keep_rows: int  # 0: a chunk that is not the last, no logits
+    prefill: bool = False  # a chunk of a chunkable Feed
 
 
 @dataclass(eq=False)
@@ -100,7 +101,7 @@ class StepPlanner:
             feed, take = work.feed, min(work.rows_left, allowance)
             last = take == work.rows_left
             planned.append((work, Part(feed.session, feed.token_ids[work.fed: work.fed + take],
-                                       feed.keep_rows if last else 0)))
+                                       feed.keep_rows if last else 0, prefill=True)))
             allowance -= take
         return planned
 

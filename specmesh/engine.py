@@ -34,7 +34,7 @@ from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMe
 from specmesh.penalties import penalize_logits
 from specmesh.ragged import ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.step_costs import StepCosts
+from specmesh.step_costs import ChunkSteering, StepCosts
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ class ModelEngine:
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
                                        expected_sessions=self._recently_active)
+        self.chunks = ChunkSteering(config.prefill_slowdown, maximum=config.max_step_tokens)
+        self.scheduler.observers.append(self._steer_chunks)
 
     async def run(self, fn: Callable[..., T], *args, session: Session | None = None) -> T:
         """Run fn on the engine's worker between steps (after the session's earlier jobs, if given)."""
@@ -252,9 +254,17 @@ class ModelEngine:
         decoding = max(decode_rows, len(self.sessions) - prefills)
         if decoding <= 0:
             return self.config.max_step_tokens
+        return self.chunks.allowance(self._planned_chunk(decoding))
+
+    def _planned_chunk(self, decoding: int) -> int:
         if self.costs is not None:
             return self.costs.prefill_allowance(decoding, self.config.prefill_slowdown)
         return self.config.prefill_chunk
+
+    def _steer_chunks(self, parts: list[Part], step_ns: int) -> None:
+        prefill = sum(len(part.token_ids) for part in parts if part.prefill)
+        decode = sum(len(part.token_ids) for part in parts) - prefill
+        self.chunks.observe(decode, prefill, step_ns / 1e9, self._planned_chunk(max(decode, 1)))
 
     def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
         """One step: the parts' rows in one forward; (logits per part, ns)."""
