@@ -88,24 +88,24 @@ class ChunkSteering:
     chunk the table calls cheap can cost several decode steps. After each step with both
     decode rows and a chunk, the chunk shrinks in proportion when the step took more than
     `slowdown` x a decode-only step (their running mean), and grows by a quarter when it
-    took less. It starts at twice the minimum (a slow start: the first chunk beside running
-    streams must not be the costly one) and keeps what it learned for later prompts.
+    took less.
     """
 
     def __init__(self, slowdown: float, minimum: int = 8, maximum: int = 2048, weight: float = 0.3):
         self.slowdown, self.minimum, self.maximum, self.weight = slowdown, minimum, maximum, weight
         self.decode_s: float | None = None
-        self.rows = 2 * minimum  # the steered chunk
+        self.rows: int | None = None  # the steered chunk; None until a step with both ran
 
     def allowance(self, planned: int) -> int:
         """The chunk for the next step, `planned` being what the cost table allows."""
-        return min(planned, self.rows)
+        return planned if self.rows is None else min(planned, self.rows)
 
     def observe(self, decode_rows: int, prefill_rows: int, seconds: float, planned: int) -> None:
         if decode_rows and not prefill_rows:
             self.decode_s = seconds if self.decode_s is None else self.decode_s + self.weight * (seconds - self.decode_s)
         elif decode_rows and prefill_rows and self.decode_s:
-            rows, ratio = min(self.rows, planned), seconds / self.decode_s
+            rows = self.rows if self.rows is not None else planned
+            ratio = seconds / self.decode_s
             if ratio > self.slowdown:
                 rows = int(rows * self.slowdown / ratio)
             else:
