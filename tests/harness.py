@@ -156,13 +156,14 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       adaptive_k: bool = False, server_tls: TLSConfig | None = None,
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
-                      internal_token: str | None = None) -> Stack:
+                      internal_token: str | None = None, loop_options: dict | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
     target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent;
     `internal_token`: required by the draft and target, sent by the orchestrator.
-    `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs)."""
+    `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs);
+    `loop_options`: more LoopConfig fields."""
     target_engine = make_engine(target_dir, device, "target")
     target_server, target_port = await start_model_server("target", target_engine, server_tls, internal_token,
                                                           extra=dict(disagreements=disagreements))
@@ -176,7 +177,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
         target_endpoint=f"127.0.0.1:{target_port}",
         draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
         loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k,
-                        pipeline=pipeline, extra_branches=extra_branches),
+                        pipeline=pipeline, extra_branches=extra_branches, **(loop_options or {})),
         channel_tls=channel_tls, internal_token=internal_token)
     _, tokenizer = load(str(target_dir), device)
     servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import time
 
+import grpc
 import pytest
 import torch
 from transformers import DynamicCache
@@ -112,3 +114,23 @@ async def test_a_long_prompt_is_chunked_between_steps_of_running_streams(tiny_ll
     assert len(prefill_steps) > 2, prefill_steps  # the prompt went in over several steps ...
     assert shared and all(long_rows <= 8 + 3 for long_rows, _ in shared), shared  # ... in chunks, beside the streams
     assert tuple(long_ids) == target_greedy(str(tiny_llama_dir), device, long_prompt, 4)
+
+
+@pytest.mark.parametrize("per_token_s, finishes", [(1.0, True), (0.0, False)], ids=["grows", "fixed"])
+async def test_a_prefill_gets_a_deadline_that_grows_with_the_prompt(tiny_llama_dir, device, per_token_s, finishes):
+    """A busy target takes longer than one call's deadline to reach a prefill; the prompt's own
+    allowance covers it (a long prompt fed in chunks between other streams' steps is the real case)."""
+    stack = await start_stack(tiny_llama_dir, None, device=device,
+                              loop_options=dict(target_timeout_s=0.5, prefill_timeout_per_token_s=per_token_s))
+    busy = asyncio.ensure_future(stack.target_engine.run(time.sleep, 1.5))  # the worker, busy for 3 call deadlines
+    try:
+        if finishes:
+            token_ids, _, _ = await stack.generate(prompt=TINY_PROMPTS[0], max_tokens=4, temperature=0.0)
+            assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, TINY_PROMPTS[0], 4)
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stack.generate(prompt=TINY_PROMPTS[0], max_tokens=4, temperature=0.0)
+            assert failed.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+    finally:
+        await busy
+        await stack.stop()

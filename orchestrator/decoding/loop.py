@@ -45,6 +45,9 @@ class LoopConfig:
     adaptive_k: bool = True
     draft_timeout_s: float = 5.0  # per-round deadline on the draft; past it, target-only
     target_timeout_s: float = 120.0  # per-call deadline on the target
+    # ... plus this much per prompt token for its prefill: a batching target feeds a long prompt
+    # in chunks between other streams' steps, which takes longer than one hung call would.
+    prefill_timeout_per_token_s: float = 0.1
     # Draft the next round while the target verifies this one (orchestrator.decoding.pipelined):
     # "on", "off", or "auto" = on when draft and target compute on separate hardware.
     pipeline: str = "auto"
@@ -171,9 +174,10 @@ class SpeculativeGeneration:
                 self._draft_opening = asyncio.ensure_future(self.draft.open(
                     self.session_id, request.prompt_token_ids, request.sampling,
                     timeout=self._timeout(self.config.draft_timeout_s), max_new_tokens=self._kv_new_tokens()))
+            prefill_s = self.config.target_timeout_s + self.config.prefill_timeout_per_token_s * len(
+                request.prompt_token_ids)
             opened = await self.target.open(self.session_id, request.prompt_token_ids, request.sampling,
-                                            timeout=self._timeout(self.config.target_timeout_s),
-                                            max_new_tokens=self._kv_new_tokens())
+                                            timeout=self._timeout(prefill_s), max_new_tokens=self._kv_new_tokens())
             span.set_attribute("specmesh.target_forward_ns", opened.forward_ns)
         self.stats.target_forward_passes += 1
         self.draft_agreed = len(request.prompt_token_ids)
