@@ -59,6 +59,11 @@ class Session:
     def cached_length(self) -> int:
         return self.cache.get_seq_length()
 
+    @property
+    def uncached_tail(self) -> list[int]:
+        """The tokens the cache does not cover yet: the next forward feeds them."""
+        return self.token_ids[self.cached_length:]
+
     def enter_round(self, round_number: int) -> None:
         """Refuse work from a round older than one already seen (pipelined leftovers)."""
         if round_number < self.round:
@@ -150,8 +155,7 @@ class ModelEngine:
     def feed_tail(self, session: Session, extra: Sequence[int] = (), keep_rows: int | None = None,
                   chunkable: bool = False) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
         """In a job: feed the sequence's uncached tail plus `extra` (see feed_uncached)."""
-        tail = session.token_ids[session.cached_length:]
-        return (yield from self.feed(session, tail + list(extra), keep_rows, chunkable))
+        return (yield from self.feed(session, session.uncached_tail + list(extra), keep_rows, chunkable))
 
     def describe(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -341,8 +345,7 @@ class ModelEngine:
     def feed_uncached(self, session: Session, extra: Sequence[int] = (),
                       keep_rows: int | None = None) -> tuple[torch.Tensor, int]:
         """Forward the sequence's uncached tail plus `extra`; logits of the last keep_rows positions."""
-        tail = session.token_ids[session.cached_length:]
-        return self.forward(session, tail + list(extra), keep_rows)
+        return self.forward(session, session.uncached_tail + list(extra), keep_rows)
 
     def rollback(self, session: Session, position: int, append: Sequence[int] = ()) -> None:
         """Truncate the sequence to `position` tokens, then append `append`.
