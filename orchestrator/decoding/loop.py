@@ -76,9 +76,13 @@ class GenerationRequest:
 
 
 class DraftLengthPolicy(Protocol):
+    def wants_draft(self, k_max: int) -> bool: ...
+
     def choose(self, k_max: int) -> int: ...
 
     def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ class SpeculativeGeneration:
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
         self._draft_opening: asyncio.Task | None = None
+        self._draft_asked = False  # the draft's session was opened, or is opening
         self._draft_back_at_round = 0  # an unreachable draft is asked again from this round on
         self._draft_retry_rounds = 1
         self._round = 0
@@ -143,6 +148,8 @@ class SpeculativeGeneration:
                     return
                 batch = await self._run_round()
         finally:
+            if self.policy is not None:
+                self.policy.close()
             self._close_sessions()
 
     def _finished(self, batch: list[int]) -> bool:
@@ -165,15 +172,17 @@ class SpeculativeGeneration:
         return self.request.max_tokens + MAX_DRAFT_TOKENS + 1
 
     async def _open(self) -> list[int]:
-        """Prefill both models; the target's first token does not wait for the draft."""
+        """Prefill the target; the draft's prefill starts once the target's first token is out.
+
+        The first token never waits for the draft, nor shares the hardware with its prefill
+        (on one machine the two would compete). With a policy, rounds run target-only until
+        the draft's session is open, and the draft is not opened at all until the policy
+        first wants a draft token (a prompt class that never pays never costs a draft prefill).
+        """
         request = self.request
         with self.tracer.start_as_current_span("specmesh.prefill", attributes={
                 "specmesh.request_id": self.session_id,
                 "specmesh.prompt_tokens": len(request.prompt_token_ids)}) as span:
-            if self.draft is not None:
-                self._draft_opening = asyncio.ensure_future(self.draft.open(
-                    self.session_id, request.prompt_token_ids, request.sampling,
-                    timeout=self._timeout(self.config.draft_timeout_s), max_new_tokens=self._kv_new_tokens()))
             prefill_s = self.config.target_timeout_s + self.config.prefill_timeout_per_token_s * len(
                 request.prompt_token_ids)
             opened = await self.target.open(self.session_id, request.prompt_token_ids, request.sampling,
@@ -184,7 +193,18 @@ class SpeculativeGeneration:
         self.sequence.append(opened.token_id)
         if opened.HasField("logprob"):
             self.logprobs.append(opened.logprob)
+        if self.draft is not None and (self.policy is None or self.policy.wants_draft(self._k_max())):
+            self._open_draft()
         return [opened.token_id]
+
+    def _open_draft(self) -> None:
+        """Start the draft's prefill of the prompt in the background; the next Propose's commit
+        brings it the tokens generated since."""
+        request = self.request
+        self._draft_asked = True
+        self._draft_opening = asyncio.ensure_future(self.draft.open(
+            self.session_id, request.prompt_token_ids, request.sampling,
+            timeout=self._timeout(self.config.draft_timeout_s), max_new_tokens=self._kv_new_tokens()))
 
     async def _run_round(self) -> list[int]:
         self._round += 1
@@ -233,13 +253,24 @@ class SpeculativeGeneration:
         self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
         return verified
 
+    def _k_max(self) -> int:
+        remaining = self.request.max_tokens - self.generated
+        return max(0, min(self.request.num_speculative_tokens, remaining - 1))
+
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
         if self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round:
             return 0
-        remaining = self.request.max_tokens - self.generated
-        k_max = max(0, min(self.request.num_speculative_tokens, remaining - 1))
-        return self.policy.choose(k_max) if self.policy is not None else k_max
+        if self.policy is None:  # a fixed k: the round waits for the draft's session if it must
+            if not self._draft_asked:
+                self._open_draft()
+            return self._k_max()
+        k = self.policy.choose(self._k_max())
+        if k and not self._draft_asked:
+            self._open_draft()
+        if k and self._draft_opening is not None and not self._draft_opening.done():
+            return 0  # never wait for the draft's prefill: the target decodes meanwhile
+        return k
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""
@@ -303,7 +334,7 @@ class SpeculativeGeneration:
             self._draft_opening.cancel()
             self._draft_opening.add_done_callback(_retrieve_outcome)
         spawn_background(self.target.close(self.session_id))
-        if self.draft is not None:
+        if self.draft is not None and self._draft_asked:
             spawn_background(self.draft.close(self.session_id))
 
 

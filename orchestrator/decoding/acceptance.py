@@ -1,0 +1,153 @@
+"""Per-position acceptance, learned fast: a request's own rounds over its prompt class's, over the deployment's.
+
+Position p's acceptance a_p is the chance that the p-th draft token of a round is
+accepted, given that the ones before it were. A round that drafted k tokens and
+had `accepted` of them accepted reached positions 1..min(accepted + 1, k); the
+first `accepted` were accepted and, when accepted < k, the next one rejected.
+Acceptance falls with position (the draft drifts from the target the further it
+runs), so one per-token rate over- or under-prices long drafts; per position it
+does not.
+
+Three levels: the deployment (every request this orchestrator served; its prior a
+weak DEFAULT_ACCEPTANCE), the prompt class, the request. Each has a per-token
+level (accepted tokens against rejections, every round informs it) over the level
+above as its prior. The deployment and each class also learn the shape along the
+positions, each position's evidence over the per-token level (or the deployment's
+shape scaled to the class's level) as its prior, so a position rarely drafted is
+priced like the others rather than written off. A request uses its class's shape
+at its own per-token level: its first round is chosen from its class's history
+(for a new class, the deployment's), and a few rounds of its own outweigh both.
+
+Deployment and class evidence decays slowly, following drift; a request's decays
+every round, target-only rounds included, so that after a stretch at k = 0 one
+probe round speaks for itself. At most MAX_CLASSES classes are remembered (the
+least recently used is forgotten and starts again from the deployment's prior).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from specmesh.roles import MAX_DRAFT_TOKENS
+
+DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it
+POSITION_WEIGHT = 4.0  # rounds' worth of evidence a level's prior counts for at each position
+MAX_CLASSES = 64
+FLOOR, CEILING = 0.01, 0.995  # no position is ever certain either way
+
+
+class PositionCounts:
+    """Decayed evidence of one level: rounds that reached each position and accepted it, and the
+    totals of accepted tokens and rejections (the per-token rate, if acceptance were the same at
+    every position: the maximum-likelihood rate of a truncated geometric)."""
+
+    def __init__(self, decay: float, positions: int = MAX_DRAFT_TOKENS):
+        self.decay = decay
+        self.reached = [0.0] * positions
+        self.accepted = [0.0] * positions
+        self.tokens = 0.0  # accepted draft tokens
+        self.rejections = 0.0  # rounds that ended in a rejection
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.decay < 1.0:
+            self.reached = [n * self.decay for n in self.reached]
+            self.accepted = [a * self.decay for a in self.accepted]
+            self.tokens *= self.decay
+            self.rejections *= self.decay
+        for position in range(min(accepted + 1, drafted, len(self.reached))):
+            self.reached[position] += 1.0
+        for position in range(min(accepted, len(self.accepted))):
+            self.accepted[position] += 1.0
+        self.tokens += accepted
+        self.rejections += 1.0 if accepted < drafted else 0.0
+
+    def per_token(self, prior: float, weight: float) -> float:
+        """The level's per-token rate, `prior` counting for `weight` tokens' worth of evidence."""
+        return _clamp((self.tokens + weight * prior) / (self.tokens + self.rejections + weight))
+
+    def rates(self, shape: list[float]) -> list[float]:
+        """Per-position rates: this level's evidence at each position over `shape` as the prior, which
+        stands wherever the level has drafted little (so a deep position is never written off
+        because it was rarely reached)."""
+        return [_clamp((accepted + POSITION_WEIGHT * prior) / (reached + POSITION_WEIGHT))
+                for reached, accepted, prior in zip(self.reached, self.accepted, shape)]
+
+    @property
+    def rounds(self) -> float:
+        return self.reached[0]
+
+
+def _clamp(rate: float) -> float:
+    return min(CEILING, max(FLOOR, rate))
+
+
+def _scaled(rates: list[float], factor: float) -> list[float]:
+    return [_clamp(rate * factor) for rate in rates]
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k): tokens a round commits with k draft tokens: the accepted prefix's expected length,
+    plus the recovered or bonus token."""
+    expected, reach = 1.0, 1.0
+    for rate in rates[:k]:
+        reach *= rate
+        expected += reach
+    return expected
+
+
+class AcceptanceMemory:
+    """The orchestrator-wide levels: the deployment's, and its prompt classes' (bounded)."""
+
+    def __init__(self, max_classes: int = MAX_CLASSES):
+        self.deployment = PositionCounts(decay=0.995)
+        self.classes: OrderedDict[str, PositionCounts] = OrderedDict()
+        self.max_classes = max_classes
+
+    def for_class(self, prompt_class: str) -> PositionCounts:
+        counts = self.classes.get(prompt_class)
+        if counts is None:
+            counts = self.classes[prompt_class] = PositionCounts(decay=0.99)
+            while len(self.classes) > self.max_classes:
+                self.classes.popitem(last=False)
+        self.classes.move_to_end(prompt_class)
+        return counts
+
+    def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
+        """A class's per-token rate and per-position rates, over the deployment's."""
+        deployment_rate = self.deployment.per_token(DEFAULT_ACCEPTANCE, weight=1.0)
+        deployment_shape = self.deployment.rates([deployment_rate] * len(self.deployment.reached))
+        counts = self.for_class(prompt_class)
+        class_rate = counts.per_token(deployment_rate, weight=2.0)
+        # The deployment's shape along the positions, at the class's own level.
+        return class_rate, counts.rates(_scaled(deployment_shape, class_rate / deployment_rate))
+
+
+class RequestAcceptance:
+    """One request's acceptance: its class's per-position shape, at the request's own per-token level.
+
+    A request has too few rounds to learn each position, but every round tells its
+    per-token level; the class (or the deployment) supplies the shape.
+    """
+
+    def __init__(self, memory: AcceptanceMemory, prompt_class: str):
+        self.memory = memory
+        self.prompt_class = prompt_class
+        self.own = PositionCounts(decay=0.95)
+        self._rates: list[float] | None = None
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.own.observe(drafted, accepted)  # decays at k = 0 too: see the module's docstring
+        if drafted:
+            self.memory.deployment.observe(drafted, accepted)
+            self.memory.for_class(self.prompt_class).observe(drafted, accepted)
+        self._rates = None
+
+    def rates(self) -> list[float]:
+        if self._rates is None:
+            class_rate, class_shape = self.memory.class_rates(self.prompt_class)
+            own_rate = self.own.per_token(class_rate, weight=2.0)
+            self._rates = _scaled(class_shape, own_rate / class_rate)
+        return self._rates
+
+    def expected_tokens(self, k: int) -> float:
+        return expected_tokens(self.rates(), k)
