@@ -135,6 +135,7 @@ class ModelEngine:
                                        expected_sessions=self._recently_active)
         self.chunks = ChunkSteering(config.prefill_slowdown, maximum=config.max_step_tokens)
         self.scheduler.observers.append(self._steer_chunks)
+        self.scheduler.observers.append(self._track_step_costs)
 
     async def run(self, fn: Callable[..., T], *args, session: Session | None = None) -> T:
         """Run fn on the engine's worker between steps (after the session's earlier jobs, if given)."""
@@ -172,6 +173,7 @@ class ModelEngine:
             kv_cache_usage=self.kv.usage,
             host=socket.gethostname(),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+            step_costs=self.costs.to_proto() if self.costs is not None else [],
         )
 
     def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:
@@ -269,6 +271,17 @@ class ModelEngine:
         prefill = sum(len(part.token_ids) for part in parts if part.prefill)
         decode = sum(len(part.token_ids) for part in parts) - prefill
         self.chunks.observe(decode, prefill, step_ns / 1e9, self._planned_chunk(max(decode, 1)))
+
+    def _track_step_costs(self, parts: list[Part], step_ns: int) -> None:
+        """Keep the cost table current from decode-only steps (a prefill chunk over a long prompt
+        is not what a decode step costs), at the size the step ran at, its padding included."""
+        costs = self.costs
+        if costs is None or any(part.prefill for part in parts):
+            return
+        if len(parts) > 1 and not self.ragged:  # solo forwards one after another: not one step of all rows
+            return
+        rows = sum(len(part.token_ids) for part in parts)
+        costs.observe(rows + self._padding(rows), step_ns / 1e9)
 
     def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
         """One step: the parts' rows in one forward; (logits per part, ns)."""

@@ -16,6 +16,7 @@ from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from specmesh.roles import MAX_DRAFT_TOKENS
 
@@ -138,6 +139,7 @@ class ServiceMetrics:
         metrics.kv_cache_budget.labels(**metrics.labels).set_function(lambda: engine.kv.capacity)
         metrics.requests_running.labels(**metrics.labels).set_function(lambda: engine.kv.running)
         metrics.requests_waiting.labels(**metrics.labels).set_function(lambda: engine.kv.waiting)
+        metrics.registry.register(StepCostCollector(metrics.labels, lambda: engine.costs))
         if engine.device.type == "cuda":
             import torch
             metrics.device_memory.labels(**metrics.labels, device=str(engine.device)).set_function(
@@ -151,6 +153,29 @@ class ServiceMetrics:
         """A batched step's size (specmesh.batching observer; runs on the model worker)."""
         self.step_rows.labels(**self.labels).observe(sum(len(part.token_ids) for part in parts))
         self.step_sessions.labels(**self.labels).observe(len({id(part.session) for part in parts}))
+
+
+class StepCostCollector:
+    """`specmesh_step_seconds{rows}`: the service's current step-cost table, read at scrape time.
+
+    The label takes only the table's sizes (specmesh.step_costs.MEASURED_ROWS), so it stays
+    bounded; no series before the service measured its costs."""
+
+    def __init__(self, labels: dict[str, str], costs: Callable[[], object]):
+        self.labels, self.costs = labels, costs  # costs(): a specmesh.step_costs.StepCosts or None
+
+    def collect(self):
+        family = GaugeMetricFamily("specmesh_step_seconds", "Current cost of one forward step of `rows` new "
+                                   "token rows over all sessions in it: measured at start-up, kept current "
+                                   "from decode steps", labels=(*self.labels, "rows"))
+        costs = self.costs()
+        for rows, seconds in (costs.seconds.items() if costs is not None else ()):
+            family.add_metric((*self.labels.values(), str(rows)), seconds)
+        yield family
+
+    def describe(self):
+        # Registration asks for the names without a scrape (prometheus_client: duplicate checks).
+        return [GaugeMetricFamily("specmesh_step_seconds", "", labels=(*self.labels, "rows"))]
 
 
 _servers_lock = threading.Lock()

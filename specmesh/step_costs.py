@@ -5,25 +5,40 @@ pass per row for 2, 3 or 5-7 rows but one for 4 or 8 (README, "Figures"), so a s
 T rows is padded up to the cheapest T' >= T. Prefill chunking: while streams decode, a
 step may add prefill rows only as long as it costs at most `slowdown` times the decode
 rows alone, so a long prompt never holds their next tokens back by more than that.
+
+Both decisions keep the start-up table (`measured`): one slow step must not flip
+padding, and ChunkSteering already steers chunks by what steps really take. What the
+table says a step costs *now* (`seconds`, `cost`) follows decode-only steps online
+(`observe`), and services report it (ModelInfo.step_costs) to the orchestrator's
+draft-length policy.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Callable
+from typing import Callable, Iterable
+
+from specmesh.v1 import common_pb2
 
 # Every size where padding decisions live, then a few to extrapolate chunk costs from.
 # About 20 s at start-up for a 1.5B fp32 model on 2 CPU cores; milliseconds on a GPU.
 MEASURED_ROWS = tuple(range(1, 9)) + (12, 16, 24, 32, 48, 64)
 PAD_GAIN = 0.9  # pad only to a size at least 10 % cheaper: measurements are noisy
+OBSERVED_WEIGHT = 0.2  # of each new step in its size's entry: about the last five steps count
+MAX_REPORTED_SIZES = 256  # of a reported table (from_proto): a bad report stays cheap to read
+OUTLIER_FACTOR = 4.0  # one step counts as at most this many times its entry (a GC pause is not the new cost)
 
 
 class StepCosts:
     def __init__(self, seconds: dict[int, float]):
         if not seconds:
             raise ValueError("no measurements")
-        self.seconds = dict(sorted(seconds.items()))
-        self.padded_rows = {rows: self._cheapest_at_least(rows) for rows in self.seconds}
+        self.measured = dict(sorted(seconds.items()))  # the start-up table: planning decisions use it
+        # Current costs, replaced whole (never changed in place) by observe() on the model worker,
+        # so a reader on another thread always holds one consistent table.
+        self.seconds = dict(self.measured)
+        self.padded_rows = {rows: self._cheapest_at_least(rows) for rows in self.measured}
         self._allowances: dict[tuple[int, float], int] = {}
 
     @classmethod
@@ -40,44 +55,79 @@ class StepCosts:
             seconds[rows] = min(samples)
         return cls(seconds)
 
+    @classmethod
+    def from_proto(cls, entries: Iterable[common_pb2.StepCost]) -> "StepCosts | None":
+        """The table a service reported (ModelInfo.step_costs); None when it reported none.
+
+        Garbage never raises: entries with zero rows or seconds that are not positive and
+        finite are dropped (a later duplicate size wins), and past MAX_REPORTED_SIZES sizes the
+        largest."""
+        seconds = {int(entry.rows): float(entry.seconds) for entry in entries
+                   if entry.rows > 0 and math.isfinite(entry.seconds) and entry.seconds > 0}
+        kept = dict(sorted(seconds.items())[:MAX_REPORTED_SIZES])
+        return cls(kept) if kept else None
+
+    def to_proto(self) -> list[common_pb2.StepCost]:
+        """The current table as ModelInfo.step_costs entries, smallest size first."""
+        return [common_pb2.StepCost(rows=rows, seconds=seconds) for rows, seconds in self.seconds.items()]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows (padding included) took `seconds`: move that size's
+        entry towards it (EWMA). Sizes not in the table change nothing: their cost is
+        interpolated from the measured ones, and a step padded to a measured size reports
+        that size (the planner pads to one wherever it pays)."""
+        current = self.seconds.get(rows)
+        if current is None or not math.isfinite(seconds) or seconds <= 0:
+            return
+        sample = min(seconds, OUTLIER_FACTOR * current)
+        updated = dict(self.seconds)
+        updated[rows] = current + OBSERVED_WEIGHT * (sample - current)
+        self.seconds = updated
+
     def cost(self, rows: int) -> float:
-        """Seconds for `rows` rows: measured or interpolated; past the largest measured size, in
-        proportion to it (large steps are compute-bound, and a noisy slope must never make a
-        huge chunk look cheap)."""
-        sizes = list(self.seconds)
-        if rows in self.seconds:
-            return self.seconds[rows]
-        if rows < sizes[0]:
-            return self.seconds[sizes[0]]
-        if rows > sizes[-1]:
-            return self.seconds[sizes[-1]] * rows / sizes[-1]
-        below = max(size for size in sizes if size < rows)
-        above = min(size for size in sizes if size > rows)
-        slope = (self.seconds[above] - self.seconds[below]) / (above - below)
-        return self.seconds[below] + slope * (rows - below)
+        """Seconds for `rows` rows now: measured (and kept current) or interpolated."""
+        return _interpolated(self.seconds, rows)
 
     def padding(self, rows: int) -> int:
         """Rows to add to a step of `rows` so that it runs at the cheapest measured size."""
         return self.padded_rows.get(rows, rows) - rows
 
     def prefill_allowance(self, decode_rows: int, slowdown: float = 2.0) -> int:
-        """The most prefill rows a step of decode_rows may add and cost <= slowdown x without them."""
+        """The most prefill rows a step of decode_rows may add and cost <= slowdown x without them
+        (by the start-up table: ChunkSteering corrects it online)."""
         if decode_rows == 0:
-            return max(self.seconds)
+            return max(self.measured)
         key = (decode_rows, slowdown)
         if key not in self._allowances:
-            budget, extra = slowdown * self.cost(decode_rows), 0
-            while extra < max(self.seconds) and self.cost(decode_rows + extra + 1) <= budget:
+            budget, extra = slowdown * _interpolated(self.measured, decode_rows), 0
+            while extra < max(self.measured) and _interpolated(self.measured, decode_rows + extra + 1) <= budget:
                 extra += 1
             self._allowances[key] = extra
         return self._allowances[key]
 
     def _cheapest_at_least(self, rows: int) -> int:
         best = rows
-        for size, seconds in self.seconds.items():
-            if rows < size <= 2 * rows and seconds < PAD_GAIN * self.seconds[best]:
+        for size, seconds in self.measured.items():
+            if rows < size <= 2 * rows and seconds < PAD_GAIN * self.measured[best]:
                 best = size
         return best
+
+
+def _interpolated(table: dict[int, float], rows: int) -> float:
+    """Seconds for `rows` rows by `table`: its entry or linear between entries; past the largest
+    size, in proportion to it (large steps are compute-bound, and a noisy slope must never make
+    a huge chunk look cheap)."""
+    sizes = list(table)
+    if rows in table:
+        return table[rows]
+    if rows < sizes[0]:
+        return table[sizes[0]]
+    if rows > sizes[-1]:
+        return table[sizes[-1]] * rows / sizes[-1]
+    below = max(size for size in sizes if size < rows)
+    above = min(size for size in sizes if size > rows)
+    slope = (table[above] - table[below]) / (above - below)
+    return table[below] + slope * (rows - below)
 
 
 class ChunkSteering:

@@ -12,6 +12,7 @@ from orchestrator.decoding.loop import LoopConfig
 from orchestrator.decoding.pipelined import pipeline_enabled
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.deployment.options import PoolsOptions
+from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.servicer import Backends
 from orchestrator.frontend.validation import ModelLimits
 from specmesh import models
@@ -75,6 +76,9 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
                  target_info.host, target_info.device, where)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
+    step_reports = StepReports()  # from start-up on; pools keep it current (orchestrator.deployment.serving)
+    step_reports.update("target", target_info)
+    step_reports.update("draft", draft_info)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,
                     model=target_info.model, pipelined=pipelined,
-                    draft_model=draft_info.model if draft_info is not None else "")
+                    draft_model=draft_info.model if draft_info is not None else "", step_reports=step_reports)

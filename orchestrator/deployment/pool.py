@@ -93,6 +93,8 @@ class ReplicaPool:
         self.withheld: set[str] = set()  # serving replicas that get no sessions yet (a rollout checks them first)
         self.failed = False  # set by a supervisor that gave every replica up: nothing will come back
         self.on_restarted: Callable[[str], None] = lambda role: None  # a replica came back at a new address
+        # Every ModelInfo a health check got, with the pool's role (step costs: orchestrator.deployment.step_reports).
+        self.on_info: Callable[[str, common_pb2.ModelInfo], None] = lambda role, info: None
         self._task: asyncio.Task | None = None
 
     # ---- routing
@@ -184,6 +186,7 @@ class ReplicaPool:
                 replica.info = await replica.client.model_info(timeout=CHECK_TIMEOUT_S)
                 replica.open_sessions = replica.info.open_sessions
                 replica.placed_at_report = max(replica.placed_at_report, placed)
+                self.on_info(self.role, replica.info)
             replica.serving = serving and replica.failures == failures
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             code = error.code() if isinstance(error, grpc.aio.AioRpcError) else "timed out"

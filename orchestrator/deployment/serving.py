@@ -245,6 +245,8 @@ async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, 
     if draft is not None and draft.pool.routable():
         draft_info = await draft.model_info(STARTUP_TIMEOUT_S)
     backends = await backends_for(tokenizer, target, draft, draft_info, loop)
+    for pool in pools.pools.values():  # every health check's report keeps the step costs current
+        pool.on_info = backends.step_reports.update
     servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider))
     servicer.pools = pools
     return servicer

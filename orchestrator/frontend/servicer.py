@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.deployment.clients import DraftClient, TargetClient
+from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.detokenizer import IncrementalDetokenizer
 from orchestrator.decoding.policy import AdaptiveDraftLength, AdaptiveSpeculation
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
@@ -34,6 +35,8 @@ class Backends:
     model: str  # the target model's name, for metrics and traces
     pipelined: bool = False  # draft the next round while the target verifies (orchestrator.decoding.pipelined)
     draft_model: str = ""  # the draft's model name at start-up (a pooled draft tells each session's own)
+    # What a forward step costs the target and the draft, as last reported (kept current with pools).
+    step_reports: StepReports = field(default_factory=StepReports)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -1,0 +1,166 @@
+"""Step costs: kept current from decode steps, reported over GetModelInfo and /metrics, and kept
+by the orchestrator per role (at start-up, and from every pool health check)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from harness import load, make_engine, start_model_server
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.deployment.options import PoolsOptions
+from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
+from orchestrator.deployment.serving import Pools, servicer_over_pools
+from orchestrator.deployment.step_reports import StepReports
+from orchestrator.frontend.server import create_servicer
+from specmesh.metrics import ServiceMetrics
+from specmesh.sampling import SamplingParams
+from specmesh.step_costs import MEASURED_ROWS, StepCosts
+from specmesh.v1 import common_pb2
+
+TABLE = {1: 1.0, 2: 2.0, 3: 2.0, 4: 1.05, 8: 1.1, 16: 2.0, 32: 4.0}
+
+
+def test_observe_moves_only_the_entry_of_the_size_the_step_ran_at():
+    costs = StepCosts(TABLE)
+    paddings = [costs.padding(rows) for rows in range(1, 33)]
+    allowance = costs.prefill_allowance(4, slowdown=2.0)
+    before = costs.seconds  # a reader's snapshot (the gRPC thread) while the worker observes
+    costs.observe(4, 2.05)
+    assert costs.seconds[4] == pytest.approx(1.05 + 0.2 * 1.0)
+    assert {rows: s for rows, s in costs.seconds.items() if rows != 4} == {r: s for r, s in TABLE.items() if r != 4}
+    assert before == TABLE  # replaced, never changed in place
+    assert costs.cost(4) == pytest.approx(1.25) and costs.cost(6) == pytest.approx((1.25 + 1.1) / 2)
+    costs.observe(5, 9.0)  # not a measured size: nothing to move (its cost is interpolated)
+    for garbage in (math.nan, math.inf, 0.0, -1.0):
+        costs.observe(1, garbage)
+    assert costs.seconds == {**TABLE, 4: pytest.approx(1.25)}
+    costs.observe(4, 1000.0)  # one stalled step (a GC pause) counts as at most 4x the entry
+    assert costs.seconds[4] == pytest.approx(1.25 + 0.2 * (4 * 1.25 - 1.25))
+    # Planning keeps the start-up table: no step flips padding or the prefill chunk.
+    assert [costs.padding(rows) for rows in range(1, 33)] == paddings
+    assert costs.prefill_allowance(4, slowdown=2.0) == allowance and costs.measured == TABLE
+
+
+def test_from_proto_drops_garbage_and_never_raises():
+    entries = [common_pb2.StepCost(rows=rows, seconds=seconds) for rows, seconds in
+               [(0, 1.0), (1, math.nan), (2, math.inf), (3, -1.0), (4, 0.0), (8, 0.5), (1, 0.25)]]
+    assert StepCosts.from_proto(entries).seconds == {1: 0.25, 8: 0.5}
+    assert StepCosts.from_proto(entries[:5]) is None and StepCosts.from_proto([]) is None
+    assert StepCosts.from_proto(StepCosts(TABLE).to_proto()).seconds == TABLE  # the round trip
+    many = [common_pb2.StepCost(rows=rows, seconds=1.0) for rows in range(1, 10_001)]
+    assert len(StepCosts.from_proto(many).seconds) == 256  # a flood stays cheap: the smallest sizes
+
+
+def test_step_reports_keep_the_last_good_table_per_role():
+    reports = StepReports()
+    reports.update("draft", common_pb2.ModelInfo())  # not measured yet: nothing
+    assert reports.draft is None and reports.updated_at == {}
+    reports.update("draft", common_pb2.ModelInfo(step_costs=StepCosts(TABLE).to_proto()))
+    first = reports.updated_at["draft"]
+    garbage = common_pb2.ModelInfo(step_costs=[common_pb2.StepCost(rows=1, seconds=-1.0)])
+    reports.update("draft", garbage)
+    reports.update("draft", None)
+    assert reports.draft.seconds == TABLE and reports.updated_at == {"draft": first} and reports.target is None
+    with pytest.raises(ValueError):
+        reports.update("verifier", garbage)
+
+
+async def test_a_calibrated_service_reports_costs_it_keeps_current_from_decode_steps(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    metrics = ServiceMetrics.for_engine("target", engine, CollectorRegistry())
+    server, port = await start_model_server("target", engine)
+    try:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
+            client = TargetClient(channel)
+            assert list((await client.model_info(timeout=10)).step_costs) == []  # before calibration
+            assert _scraped(metrics) == {}
+            costs = await engine.run(engine.calibrate)
+            reported = (await client.model_info(timeout=10)).step_costs
+            assert [entry.rows for entry in reported] == list(MEASURED_ROWS)
+            assert all(entry.seconds > 0 for entry in reported)
+            assert _scraped(metrics) == costs.seconds
+            await _prefill_then_decode(engine)
+            ran_at = 1 + costs.padding(1)  # the decode steps' size, padding included
+            assert costs.seconds[ran_at] != costs.measured[ran_at]
+            assert {r: s for r, s in costs.seconds.items() if r != ran_at} == \
+                {r: s for r, s in costs.measured.items() if r != ran_at}  # the prefill moved nothing
+            reported = StepCosts.from_proto((await client.model_info(timeout=10)).step_costs)
+            assert reported.seconds == costs.seconds and _scraped(metrics) == costs.seconds
+    finally:
+        await server.stop(None)
+
+
+async def test_the_orchestrator_has_both_roles_costs_from_start_up(tiny_llama_dir, tiny_llama_perturbed_dir):
+    engines = {"target": make_engine(tiny_llama_dir), "draft": make_engine(tiny_llama_perturbed_dir, role_name="draft")}
+    servers, ports = {}, {}
+    try:
+        for role, engine in engines.items():
+            engine.calibrate()  # as load_engine does, before serving
+            servers[role], ports[role] = await start_model_server(role, engine)
+        options = OrchestratorOptions(f"127.0.0.1:{ports['target']}", f"127.0.0.1:{ports['draft']}", LoopConfig())
+        _, tokenizer = load(str(tiny_llama_dir), "cpu")
+        reports = (await create_servicer(tokenizer, options)).backends.step_reports
+        assert reports.target.seconds == engines["target"].costs.seconds
+        assert reports.draft.seconds == engines["draft"].costs.seconds
+        assert set(reports.updated_at) == {"target", "draft"}
+    finally:
+        for server in servers.values():
+            await server.stop(None)
+
+
+async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(tiny_llama_dir,
+                                                                               tiny_llama_perturbed_dir):
+    engines = {"target": make_engine(tiny_llama_dir), "draft": make_engine(tiny_llama_perturbed_dir, role_name="draft")}
+    servers, pools = {}, None
+    try:
+        replica_pools = {}
+        for role, engine in engines.items():
+            engine.calibrate()
+            servers[role], port = await start_model_server(role, engine)
+            client = TargetClient if role == "target" else DraftClient
+            replica_pools[role] = ReplicaPool(role, fixed_replicas({f"{role}-0": f"127.0.0.1:{port}"}), client,
+                                              check_interval_s=3600)  # checks only when the test refreshes
+        pools = Pools(replica_pools, options=PoolsOptions(start_timeout_s=30))
+        _, tokenizer = load(str(tiny_llama_dir), "cpu")
+        reports = (await servicer_over_pools(tokenizer, pools, LoopConfig())).backends.step_reports
+        assert reports.target.cost(1) == engines["target"].costs.cost(1)
+        engines["target"].costs.observe(1, 3 * engines["target"].costs.cost(1))  # steps got slower
+        checked_before = reports.updated_at["target"]
+        await pools.pools["target"].refresh()
+        assert reports.target.seconds == engines["target"].costs.seconds != engines["target"].costs.measured
+        assert reports.updated_at["target"] > checked_before
+        # A replica that reports garbage (or fails its report) leaves the last good table in place.
+        engines["target"].describe = lambda: common_pb2.ModelInfo(
+            step_costs=[common_pb2.StepCost(rows=1, seconds=math.nan)])
+        kept = reports.target
+        await pools.pools["target"].refresh()
+        assert reports.target is kept and reports.draft.seconds == engines["draft"].costs.seconds
+    finally:
+        if pools is not None:
+            await pools.stop()
+        for server in servers.values():
+            await server.stop(None)
+
+
+async def _prefill_then_decode(engine, decode_steps: int = 3) -> None:
+    """A prompt's prefill (alone: one prefill step) and then one-row decode steps."""
+    session = engine.new_session("costs", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0))
+
+    def job():
+        yield from engine.feed_tail(session, keep_rows=1, chunkable=True)
+        for token in range(decode_steps):
+            session.token_ids.append(11 + token)
+            yield from engine.feed_tail(session, keep_rows=1)
+
+    await engine.submit(session, job())
+    engine.close(session.request_id)
+
+
+def _scraped(metrics: ServiceMetrics) -> dict[int, float]:
+    return {int(sample.labels["rows"]): sample.value for family in metrics.registry.collect()
+            if family.name == "specmesh_step_seconds" for sample in family.samples}
