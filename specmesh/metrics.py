@@ -26,6 +26,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 
 POSITION_BUCKETS = tuple(range(MAX_DRAFT_TOKENS + 1))  # rejection positions within a round
 RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 REQUEST = ("model", "prompt_class")
+# Distinct prompt_class label values an orchestrator exports; later ones are counted as "other", so a
+# client that invents classes cannot grow the series (or the scrape) without bound.
+MAX_PROMPT_CLASS_LABELS = 32
+OTHER_PROMPT_CLASS = "other"
 
 
 class OrchestratorMetrics:
@@ -34,6 +38,7 @@ class OrchestratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry or CollectorRegistry()
         self.registry = r
+        self.prompt_classes: set[str] = set()  # label values given out so far
         self.num_drafts = Counter("specmesh_spec_decode_num_drafts", "Rounds that verified at least one draft "
                                   "token", REQUEST, registry=r)
         self.num_draft_tokens = Counter("specmesh_spec_decode_num_draft_tokens", "Draft tokens proposed", REQUEST,
@@ -97,6 +102,14 @@ class OrchestratorMetrics:
             "specmesh_draft_model_accepted_tokens", "Draft tokens accepted, by the draft model that proposed them "
             "(its acceptance rate: the ratio of the two rates)", ("draft_model",), registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+
+    def prompt_class_label(self, prompt_class: str) -> str:
+        """The label for a request's prompt_class: itself while fewer than MAX_PROMPT_CLASS_LABELS
+        classes have been seen, else "other"."""
+        if prompt_class in self.prompt_classes or len(self.prompt_classes) < MAX_PROMPT_CLASS_LABELS:
+            self.prompt_classes.add(prompt_class)
+            return prompt_class
+        return OTHER_PROMPT_CLASS
 
 
 class ServiceMetrics:
@@ -204,7 +217,7 @@ class RequestRecorder:
                  draft_model: Callable[[], str | None] = lambda: None):
         self.metrics = metrics
         self.model = model
-        self.labels = {"model": model, "prompt_class": prompt_class}
+        self.labels = {"model": model, "prompt_class": metrics.prompt_class_label(prompt_class)}
         self.draft_model = draft_model  # the model that drafted the round just verified; None: unknown
         self.state = "new"
         self.last_stream_at: float | None = None

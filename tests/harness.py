@@ -156,21 +156,27 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       adaptive_k: bool = False, server_tls: TLSConfig | None = None,
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
-                      internal_token: str | None = None, loop_options: dict | None = None) -> Stack:
+                      internal_token: str | None = None, loop_options: dict | None = None,
+                      calibrate: bool = False) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
     target; `client_tls`: the stack's own channel to the orchestrator; `api_key`: required and sent;
     `internal_token`: required by the draft and target, sent by the orchestrator.
     `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs);
-    `loop_options`: more LoopConfig fields."""
+    `loop_options`: more LoopConfig fields; `calibrate`: the services measure their step costs first,
+    as they do when served (then the orchestrator's policy prices rounds from them)."""
     target_engine = make_engine(target_dir, device, "target")
+    if calibrate:
+        target_engine.calibrate()
     target_server, target_port = await start_model_server("target", target_engine, server_tls, internal_token,
                                                           extra=dict(disagreements=disagreements))
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
         draft_engine = make_engine(draft_dir, device, "draft")
+        if calibrate:
+            draft_engine.calibrate()
         servers["draft"], draft_port = await start_model_server("draft", draft_engine, server_tls, internal_token,
                                                                 greedy_proposals=greedy_proposals)
     options = OrchestratorOptions(

@@ -1,87 +1,22 @@
-"""The cost-aware adaptive draft length: its choices, and that it never changes the output."""
+"""The default draft-length policy on real services: it never changes the output, and it follows the draft's cost.
+
+Its choices on constructed costs and acceptance are tests/test_draft_length_policy.py."""
 
 from __future__ import annotations
 
 import asyncio
-import random
+import threading
 import time
 
+import grpc
 import torch
 
 from harness import start_stack
-from orchestrator.decoding.loop import RoundTiming
-from orchestrator.decoding.policy import AdaptiveSpeculation, PolicyConfig, expected_tokens
 from test_greedy_parity import target_greedy
 from test_sampling_parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, total_variation
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import generation_pb2
 from tiny_models import TINY_PROMPTS
-
-K_MAX = 6
-
-
-def run_rounds(policy, rounds: int, draft_per_token_s: float, verify_s, acceptance: float, rng: random.Random):
-    """Feed the policy simulated rounds; return the k it chose in each."""
-    chosen = []
-    for _ in range(rounds):
-        k = policy.choose(K_MAX)
-        accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
-        policy.observe(RoundTiming(draft_s=k * draft_per_token_s, verify_s=verify_s(k + 1)), k, accepted)
-        chosen.append(k)
-    return chosen
-
-
-def cpu_like_verify(rows: int) -> float:
-    """Our 2-core CPUs: 1 row 0.46 s, 2-3 rows one weight pass each, 4-8 rows about two."""
-    return {1: 0.46, 2: 0.97, 3: 1.45}.get(rows, 0.9 + 0.01 * rows)
-
-
-def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
-    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
-
-
-def test_useless_draft_goes_to_zero_and_comes_back_when_useful():
-    policy = AdaptiveSpeculation().for_request("code")
-    rng = random.Random(0)
-    useless = run_rounds(policy, 20, 0.09, cpu_like_verify, acceptance=0.0, rng=rng)
-    assert useless[0] == K_MAX and useless[-8:].count(0) >= 7  # probes aside, target-only
-    useful = run_rounds(policy, 60, 0.09, cpu_like_verify, acceptance=0.9, rng=rng)
-    assert all(k >= 4 for k in useful[-20:]), useful
-
-
-def test_slow_draft_goes_to_zero_and_fast_draft_comes_back():
-    policy = AdaptiveSpeculation().for_request("")
-    rng = random.Random(1)
-    slow = run_rounds(policy, 20, 2.0, cpu_like_verify, acceptance=0.9, rng=rng)
-    assert slow[-8:].count(0) >= 7
-    fast = run_rounds(policy, 60, 0.05, cpu_like_verify, acceptance=0.9, rng=rng)
-    assert all(k > 0 for k in fast[-20:])
-
-
-def test_picks_the_cheap_verification_shape():
-    """Where 3 verified rows cost more than 4 (MKL's shape cliff), k = 2 is never kept."""
-    policy = AdaptiveSpeculation().for_request("")
-    chosen = run_rounds(policy, 80, 0.09, cpu_like_verify, acceptance=0.8, rng=random.Random(2))
-    assert chosen[-30:].count(2) == 0 and min(chosen[-30:]) >= 3
-
-
-def test_hysteresis_does_not_flap_near_break_even():
-    """Costs jitter by 10% around a point where two draft lengths tie: k changes rarely."""
-    policy = AdaptiveSpeculation(config=PolicyConfig()).for_request("")
-    rng = random.Random(3)
-    chosen = [policy.choose(K_MAX)]
-    for _ in range(300):
-        k = chosen[-1]
-        jitter = 1 + rng.uniform(-0.1, 0.1)
-        accepted = next((j for j in range(k) if rng.random() >= 0.7), k)
-        policy.observe(RoundTiming(draft_s=k * 0.05 * jitter, verify_s=(0.5 + 0.05 * (k + 1)) * jitter), k,
-                       accepted)
-        chosen.append(policy.choose(K_MAX))
-    switches = sum(a != b for a, b in zip(chosen, chosen[1:]))
-    assert switches <= 12, (switches, chosen)
-
 
 async def test_useless_draft_serves_target_only_with_identical_output(tiny_llama_dir, tiny_llama_unrelated_dir,
                                                                       device):
@@ -122,7 +57,9 @@ async def test_busy_draft_turns_speculation_off_then_back_on(tiny_llama_dir, dev
 
 
 async def test_greedy_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_perturbed_dir, device):
-    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=5, device=device, adaptive_k=True)
+    """Served as in production: calibrated services, so rounds are priced from their step costs."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=5, device=device, adaptive_k=True,
+                              calibrate=True)
     try:
         results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=48, temperature=0.0)
                                          for p in TINY_PROMPTS))
@@ -130,6 +67,7 @@ async def test_greedy_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_perturbe
         await stack.stop()
     for prompt, (token_ids, _, _) in zip(TINY_PROMPTS, results):
         assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, 48), prompt
+    assert sum(last.stats.draft_tokens for _, _, last in results) > 0  # the policy did draft
 
 
 async def test_sampling_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_perturbed_dir, device):
@@ -151,10 +89,34 @@ async def test_sampling_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_pertur
     assert total_variation(counts, exact) < 2 * expected_sampling_tv(exact, len(tokens))
 
 
-def test_rounds_without_the_draft_leave_k_alone_until_a_draft_round_is_timed():
-    """A request whose draft was away from the start has timed only target-only rounds."""
-    policy = AdaptiveSpeculation().for_request("")
-    assert policy.choose(K_MAX) == K_MAX  # nothing measured yet: the most
-    for _ in range(3):  # the loop ran these target-only (draft unreachable); the policy only observes them
-        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.5), 0, 0)
-    assert policy.choose(K_MAX) == K_MAX  # no draft cost known: nothing to weigh k against yet
+async def test_first_tokens_never_wait_for_the_drafts_prefill(tiny_llama_dir, device):
+    """The draft's worker is held: its session cannot open. Tokens stream target-only meanwhile; once the
+    draft is free, rounds draft again, and the output is the target's own."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True)
+    holding, gate = threading.Event(), threading.Event()
+
+    def hold_the_draft() -> None:
+        holding.set()
+        gate.wait(60)
+
+    held = asyncio.ensure_future(stack.draft_engine.run(hold_the_draft))
+    max_tokens, token_ids, rounds = 64, [], []
+    try:
+        assert await asyncio.to_thread(holding.wait, 30)
+        request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[2], max_tokens=max_tokens, temperature=0.0)
+        responses = stack.stub.Generate(request, timeout=120)
+        while len(rounds) < 6:  # the old loop waited for the draft's session from round 1 on
+            response = await asyncio.wait_for(responses.read(), 20)
+            token_ids.extend(response.token_ids)
+            rounds.append(len(response.token_ids))
+        gate.set()
+        while (response := await responses.read()) is not grpc.aio.EOF:
+            token_ids.extend(response.token_ids)
+            rounds.append(len(response.token_ids))
+    finally:
+        gate.set()
+        await held
+        await stack.stop()
+    assert rounds[:6] == [1] * 6  # target-only while the draft could not open
+    assert max(rounds[6:]) > 1, rounds  # then drafted: the identical draft's rounds commit several tokens
+    assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, TINY_PROMPTS[2], max_tokens)

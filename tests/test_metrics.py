@@ -113,3 +113,13 @@ def test_disagreement_log_is_rate_limited(tmp_path):
     log.close()
     assert written == [True, True, False, False, False, True, True, False]
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 4 and log.dropped == 4
+
+
+def test_prompt_class_labels_are_bounded():
+    """A client inventing classes cannot grow the series without bound: past the limit they are "other"."""
+    from specmesh.metrics import MAX_PROMPT_CLASS_LABELS, OrchestratorMetrics
+    metrics = OrchestratorMetrics()
+    labels = [metrics.prompt_class_label(f"class-{index}") for index in range(MAX_PROMPT_CLASS_LABELS + 8)]
+    assert labels[:MAX_PROMPT_CLASS_LABELS] == [f"class-{index}" for index in range(MAX_PROMPT_CLASS_LABELS)]
+    assert set(labels[MAX_PROMPT_CLASS_LABELS:]) == {"other"}
+    assert metrics.prompt_class_label("class-0") == "class-0"  # one seen before keeps its own label

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.detokenizer import IncrementalDetokenizer
+from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.policy import AdaptiveDraftLength, AdaptiveSpeculation
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
@@ -49,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or OrchestratorMetrics()
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
-        self.adaptive = AdaptiveSpeculation()
+        self.adaptive = AdaptiveSpeculation(costs=RoundCosts(backends.step_reports))
         self.pools = None  # orchestrator.deployment.serving.Pools when serving from replica pools
 
     def encode(self, prompt: str) -> list[int]:
