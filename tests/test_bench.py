@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from harness import load, start_stack
+from orchestrator.bench import sweep
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
+from orchestrator.bench.report import standing_line
 from orchestrator.bench.runner import arrival_times
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
@@ -90,7 +92,7 @@ async def test_bench_draft_length_sweep(tmp_path, capsys, tiny_llama_dir, tiny_l
     assert code == 0
     result = check_result(tmp_path, ["c=1 T=0"], {"on", "off", "k=1", "k=3"}, 2, {"code", "chat"})
     entry = result["configurations"][0]
-    sweep = entry["draft_length_sweep"]
+    figures = entry["draft_length_sweep"]
     for mode, k in (("k=1", 1), ("k=3", 3), ("on", 6)):
         records = [r for r in result["requests"] if r["mode"] == mode]
         assert all(r["draft_tokens"] <= k * r["rounds"] for r in records), (mode, records)
@@ -98,9 +100,9 @@ async def test_bench_draft_length_sweep(tmp_path, capsys, tiny_llama_dir, tiny_l
     assert default["draft_tokens"] > 3 * default["rounds"]  # the server's own k drafts more than k=3 asked
     throughput = {k: entry["modes"][f"k={k}"]["overall"]["output_throughput"] for k in (1, 3)}
     best = max((1, 3), key=lambda k: throughput[k])
-    assert sweep["fixed_ks"] == [1, 3] and sweep["best_fixed_k"] == best
-    assert sweep["default_vs_best_fixed_k"] == pytest.approx(default["output_throughput"] / throughput[best])
-    assert set(sweep["per_kind"]) == {"code", "chat"}
+    assert figures["fixed_ks"] == [1, 3] and figures["best_fixed_k"] == best
+    assert figures["default_vs_best_fixed_k"] == pytest.approx(default["output_throughput"] / throughput[best])
+    assert set(figures["per_kind"]) == {"code", "chat"}
     out = capsys.readouterr().out
     table = out.split("== draft-length sweep, c=1 T=0", 1)[1].split("\n\n", 1)[0].splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in table[3:-1]}
@@ -109,6 +111,19 @@ async def test_bench_draft_length_sweep(tmp_path, capsys, tiny_llama_dir, tiny_l
     assert table[-1].startswith("default policy: ") and f"of the best fixed k (k={best}, " in table[-1]
     assert "== draft-length sweep by prompt kind" in out
     assert (tmp_path / "tokens_by_k.png").stat().st_size > 1000
+
+
+def test_sweep_standing_ties_and_failed_modes():
+    """A tie goes to the smaller k; a fixed k whose requests all failed (no throughput) is never the best;
+    with no fixed k measured the standing line prints dashes instead of failing."""
+    modes = {"on": 4.0, "off": 2.0, "k=2": 5.0, "k=4": 5.0, "k=6": None}
+    standing = sweep.standing(modes.get, [2, 4, 6])
+    assert standing["best_fixed_k"] == 2 and standing["default_vs_best_fixed_k"] == pytest.approx(0.8)
+    assert standing["default_vs_off"] == pytest.approx(2.0) and standing["best_fixed_k_vs_off"] == pytest.approx(2.5)
+    assert standing_line(standing) == ("default policy: 4.00 tok/s = 2.00x off, 80% of the best fixed k "
+                                       "(k=2, 5.00 tok/s)")
+    nothing = sweep.standing({"on": 4.0, "off": 2.0}.get, [6])
+    assert nothing["best_fixed_k"] is None and standing_line(nothing).endswith("- of the best fixed k (-, - tok/s)")
 
 
 @pytest.mark.parametrize("k", ["0", "40", "x"])
