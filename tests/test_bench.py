@@ -84,8 +84,8 @@ async def test_bench_draft_length_sweep(tmp_path, capsys, tiny_llama_dir, tiny_l
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=6)
     try:
         code = await asyncio.to_thread(specmesh_main, [
-            "bench", "--endpoint", f"127.0.0.1:{stack.port}", "--kinds", "code", "chat", "--tokenizer", str(tiny_llama_dir), "--num-prompts", "2",
-            "--max-tokens", "12", "--temperature", "0", "--sweep-k", "3", "1", "--num-warmups", "1",
+            "bench", "--endpoint", f"127.0.0.1:{stack.port}", "--kinds", "code", "chat",
+            "--tokenizer", str(tiny_llama_dir), "--num-prompts", "2", "--max-tokens", "12", "--temperature", "0", "--sweep-k", "3", "1", "--num-warmups", "1",
             "--no-progress", "--result-dir", str(tmp_path)])
     finally:
         await stack.stop()
