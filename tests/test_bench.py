@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from harness import load, start_stack
+from orchestrator.bench import sweep
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
+from orchestrator.bench.report import standing_line
 from orchestrator.bench.runner import arrival_times
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
@@ -73,6 +75,62 @@ def check_result(result_dir: Path, names: list[str], modes: set[str], requests: 
     for plot in PLOTS:
         assert (result_dir / plot).stat().st_size > 1000
     return result
+
+
+async def test_bench_draft_length_sweep(tmp_path, capsys, tiny_llama_dir, tiny_llama_perturbed_dir):
+    """--sweep-k 1 3 against a server whose own k is a fixed 6: a row for k=1, k=3, the default and off, the
+    fixed ks drafted no more than their k per round while the default drafted more (so the k was sent), and
+    the standing line names the best fixed k of the run."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=6)
+    try:
+        code = await asyncio.to_thread(specmesh_main, [
+            "bench", "--endpoint", f"127.0.0.1:{stack.port}", "--kinds", "code", "chat",
+            "--tokenizer", str(tiny_llama_dir), "--num-prompts", "2", "--max-tokens", "12", "--temperature", "0", "--sweep-k", "3", "1", "--num-warmups", "1",
+            "--no-progress", "--result-dir", str(tmp_path)])
+    finally:
+        await stack.stop()
+    assert code == 0
+    result = check_result(tmp_path, ["c=1 T=0"], {"on", "off", "k=1", "k=3"}, 2, {"code", "chat"})
+    entry = result["configurations"][0]
+    figures = entry["draft_length_sweep"]
+    for mode, k in (("k=1", 1), ("k=3", 3), ("on", 6)):
+        records = [r for r in result["requests"] if r["mode"] == mode]
+        assert all(r["draft_tokens"] <= k * r["rounds"] for r in records), (mode, records)
+    default = entry["modes"]["on"]["overall"]
+    assert default["draft_tokens"] > 3 * default["rounds"]  # the server's own k drafts more than k=3 asked
+    throughput = {k: entry["modes"][f"k={k}"]["overall"]["output_throughput"] for k in (1, 3)}
+    best = max((1, 3), key=lambda k: throughput[k])
+    assert figures["fixed_ks"] == [1, 3] and figures["best_fixed_k"] == best
+    assert figures["default_vs_best_fixed_k"] == pytest.approx(default["output_throughput"] / throughput[best])
+    assert set(figures["per_kind"]) == {"code", "chat"}
+    out = capsys.readouterr().out
+    table = out.split("== draft-length sweep, c=1 T=0", 1)[1].split("\n\n", 1)[0].splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in table[3:-1]}
+    assert list(rows) == ["k=1", "k=3", "default", "off"]
+    assert rows["off"][1] == "1.00x" and float(rows["default"][0]) == round(default["output_throughput"], 2)
+    assert table[-1].startswith("default policy: ") and f"of the best fixed k (k={best}, " in table[-1]
+    assert "== draft-length sweep by prompt kind" in out
+    assert (tmp_path / "tokens_by_k.png").stat().st_size > 1000
+
+
+def test_sweep_standing_ties_and_failed_modes():
+    """A tie goes to the smaller k; a fixed k whose requests all failed (no throughput) is never the best;
+    with no fixed k measured the standing line prints dashes instead of failing."""
+    modes = {"on": 4.0, "off": 2.0, "k=2": 5.0, "k=4": 5.0, "k=6": None}
+    standing = sweep.standing(modes.get, [2, 4, 6])
+    assert standing["best_fixed_k"] == 2 and standing["default_vs_best_fixed_k"] == pytest.approx(0.8)
+    assert standing["default_vs_off"] == pytest.approx(2.0) and standing["best_fixed_k_vs_off"] == pytest.approx(2.5)
+    assert standing_line(standing) == ("default policy: 4.00 tok/s = 2.00x off, 80% of the best fixed k "
+                                       "(k=2, 5.00 tok/s)")
+    nothing = sweep.standing({"on": 4.0, "off": 2.0}.get, [6])
+    assert nothing["best_fixed_k"] is None and standing_line(nothing).endswith("- of the best fixed k (-, - tok/s)")
+
+
+@pytest.mark.parametrize("k", ["0", "40", "x"])
+def test_sweep_k_outside_the_draft_limit_is_rejected(capsys, k):
+    with pytest.raises(SystemExit) as exit_info:
+        specmesh_main(["bench", "--sweep-k", "1", k])
+    assert exit_info.value.code == 2 and "argument --sweep-k" in capsys.readouterr().err
 
 
 def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):

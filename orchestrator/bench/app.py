@@ -1,10 +1,12 @@
 """`specmesh bench`: run the sweep, the A/B and the peer, then report.
 
 Order: start the stack (unless --endpoint), warm up, then for every configuration
-(max concurrency x temperature) speculation on and, with --ab, off right after it
-on the same prompts; stop the stack; then the peer (--peer) in this process, one
-request at a time, beside every configuration of max concurrency 1 (it has no
-batching), so the served models and the peer's never compete for the CPU or memory.
+(max concurrency x temperature) speculation on (the server's default policy) and,
+with --ab or --sweep-k, off right after it, then with --sweep-k every fixed k,
+all on the same prompts in the same order; stop the stack; then the peer (--peer)
+in this process, one request at a time, beside every configuration of max
+concurrency 1 (it has no batching), so the served models and the peer's never
+compete for the CPU or memory.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from orchestrator.bench.args import sweep_ks
 from orchestrator.bench.clients import make_client
 from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, speedups
+from orchestrator.bench.modes import DEFAULT, OFF, PEER, served_modes
 from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
 from orchestrator.bench.runner import Configuration, LoadSettings, run_load, warm_up
+from orchestrator.bench.sweep import draft_length_sweep
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
 from orchestrator.decoding.options import loop_config
 from specmesh.security import new_internal_token
@@ -43,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     if max(args.max_concurrency) > args.num_prompts:
         print(f"specmesh bench: warning: {args.num_prompts} prompts never put {max(args.max_concurrency)} requests "
               "in flight; raise --num-prompts", file=sys.stderr)
+    if args.sweep_k is not None and args.seeded_requests:
+        print("specmesh bench: warning: the server keeps seeded requests at its fixed k, so with --seeded-requests "
+              "the sweep's default row is not the adaptive policy", file=sys.stderr)
     load = LoadSettings(args.max_tokens, args.request_rate, args.seed, None, args.timeout, not args.no_progress,
                         args.seeded_requests)
     started_at = datetime.now(timezone.utc)
@@ -105,7 +113,7 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
     try:
         await warm_up(client, prompts, args.num_warmups, load)
         for configuration in configurations:
-            for mode in ("on", "off") if args.ab else ("on",):
+            for mode in served_modes(args.ab, sweep_ks(args)):
                 runs[configuration.name, mode] = await run_load(client, prompts, configuration, load, mode)
     finally:
         await client.close()
@@ -136,7 +144,7 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
     entries, requests = [], []
     for configuration in configurations:
         modes = {}
-        for mode in ("on", "off", "peer"):
+        for mode in (*served_modes(args.ab, sweep_ks(args)), PEER):
             if (configuration.name, mode) not in runs:
                 continue
             records, duration = runs[configuration.name, mode]
@@ -144,9 +152,12 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
             requests += [{"configuration": configuration.name, **r.to_json()} for r in records]
         entry = {"name": configuration.name, "max_concurrency": configuration.max_concurrency,
                  "temperature": configuration.temperature, "modes": modes}
-        for other in ("off", "peer"):
+        for other in (OFF, PEER):
             if other in modes:
-                entry[f"speedup_on_vs_{other}"] = speedups(modes["on"]["overall"], modes[other]["overall"])
+                entry[f"speedup_on_vs_{other}"] = speedups(modes[DEFAULT]["overall"], modes[other]["overall"])
+        sweep = draft_length_sweep(modes)
+        if sweep is not None:
+            entry["draft_length_sweep"] = sweep
         entries.append(entry)
     return {
         "command": "specmesh " + shlex.join(sys.argv[1:]),

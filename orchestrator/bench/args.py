@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import math
 
+from orchestrator.bench.modes import DEFAULT_SWEEP
 from orchestrator.bench.prompts import KINDS
 from orchestrator.deployment.launch import add_model_arguments
+from specmesh.roles import MAX_DRAFT_TOKENS
 
 EPILOG = """examples:
   specmesh bench --ab                                  # start the embedded pair, speculation on vs off
   specmesh bench --ab --max-concurrency 1 2 4 8 16     # the batching sweep: tokens/s and ITL by concurrency
+  specmesh bench --sweep-k --max-tokens 96 --temperature 0   # the default policy against fixed k = 1..8 and off
   specmesh bench --ab --peer --max-concurrency 1 4 --temperature 0 1 --num-prompts 8 --max-tokens 48
   specmesh bench --endpoint 127.0.0.1:8000 --protocol http --prompt-file prompts.jsonl
 """
@@ -35,6 +38,20 @@ def _temperature(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError("must be >= 0")
     return value
+
+
+def _draft_length(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DRAFT_TOKENS}]")
+    return value
+
+
+def sweep_ks(args: argparse.Namespace) -> list[int]:
+    """The fixed ks of --sweep-k, ascending: none without it, 1..8 when it names none."""
+    if args.sweep_k is None:
+        return []
+    return sorted(set(args.sweep_k or DEFAULT_SWEEP))
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -73,6 +90,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
     modes = bench.add_argument_group("modes")
     modes.add_argument("--ab", action="store_true", help="run every configuration with speculation on and off")
+    modes.add_argument("--sweep-k", type=_draft_length, nargs="*", default=None, metavar="K",
+                       help="the draft-length sweep: also run every configuration with each fixed k "
+                            "(num_speculative_tokens=K on every request; default 1 2 3 4 5 6 7 8) and with "
+                            "speculation off, and show where the server's default policy stands against the "
+                            "best fixed k")
     modes.add_argument("--peer", action="store_true",
                        help="also run transformers' assisted generation in-process on the same pair and prompts")
     output = bench.add_argument_group("output")

@@ -20,7 +20,7 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 @dataclass
 class RequestRecord:
     kind: str
-    mode: str  # "on", "off" or "peer"
+    mode: str  # "on", "off", "k=N" or "peer" (orchestrator.bench.modes)
     index: int  # position in the prompt list, the same across modes
     ok: bool = True
     error: str = ""

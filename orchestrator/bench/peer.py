@@ -18,6 +18,7 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.modes import DEFAULT, PEER
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.runner import Configuration, LoadSettings, request_params
 from specmesh import models
@@ -113,10 +114,10 @@ def run_peer_request(pair: PeerPair, item: BenchPrompt, record: RequestRecord, m
 def run_peer(pair: PeerPair, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
              k: int) -> tuple[list[RequestRecord], float]:
     """Every prompt once, one at a time, with `config`'s temperature; (records, wall seconds)."""
-    records = [RequestRecord(kind=item.kind, mode="peer", index=i) for i, item in enumerate(prompts)]
+    records = [RequestRecord(kind=item.kind, mode=PEER, index=i) for i, item in enumerate(prompts)]
     start = time.perf_counter()
     for i, item in enumerate(tqdm(prompts, desc=f"{config.name} peer", unit="req",
                                   disable=not load.progress, leave=False)):
-        params = request_params(item, i, config, load, speculation=True)
+        params = request_params(item, i, config, load, DEFAULT)  # its lengths, temperature and seed
         run_peer_request(pair, item, records[i], params.max_tokens, params.temperature, params.seed, k, start)
     return records, time.perf_counter() - start

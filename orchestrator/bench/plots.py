@@ -10,7 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from orchestrator.bench.metrics import LATENCIES, lookup  # noqa: E402
-from orchestrator.bench.report import LATENCY_TITLES, MODE_TITLES  # noqa: E402
+from orchestrator.bench.modes import DEFAULT, MODE_TITLES, OFF, fixed_k  # noqa: E402
+from orchestrator.bench.report import LATENCY_TITLES  # noqa: E402
 
 COLOURS = {"on": "tab:blue", "off": "tab:orange", "peer": "tab:green"}
 
@@ -20,6 +21,8 @@ def write_plots(result: dict, directory: Path) -> list[Path]:
              throughput_by_concurrency(result, directory / "throughput_by_concurrency.png"),
              itl_by_concurrency(result, directory / "itl_by_concurrency.png"),
              acceptance_by_kind(result, directory / "acceptance_by_kind.png")]
+    if any("draft_length_sweep" in entry for entry in result["configurations"]):
+        paths.append(tokens_by_k(result, directory / "tokens_by_k.png"))
     plt.close("all")
     return paths
 
@@ -81,6 +84,8 @@ def _by_concurrency(axis, result: dict, metric: str, unit: str) -> None:
     for entry in result["configurations"]:
         temperature = entry["name"].split(" ", 1)[1]
         for mode, figures in entry["modes"].items():
+            if mode not in COLOURS:  # the fixed ks of a sweep: tokens_by_k.png
+                continue
             value = lookup(figures["overall"], metric)
             if value is not None:
                 series.setdefault((mode, temperature), []).append((entry["max_concurrency"], value))
@@ -119,6 +124,29 @@ def acceptance_by_kind(result: dict, path: Path) -> Path:
         axis.grid(axis="y", alpha=0.3)
     axes[0].set_ylim(0, 1)
     axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def tokens_by_k(result: dict, path: Path) -> Path:
+    """Output tokens/s against the fixed k, a line per configuration; the default policy (dashed) and
+    speculation off (dotted) as horizontal lines in the configuration's colour."""
+    figure, axis = plt.subplots(figsize=(6, 4))
+    swept = [entry for entry in result["configurations"] if "draft_length_sweep" in entry]
+    for i, entry in enumerate(swept):
+        colour, ks = f"C{i % 10}", entry["draft_length_sweep"]["fixed_ks"]
+        figures = {mode: entry["modes"][mode]["overall"]["output_throughput"] or 0.0
+                   for mode in (*map(fixed_k, ks), DEFAULT, OFF)}
+        axis.plot(ks, [figures[fixed_k(k)] for k in ks], marker="o", color=colour, label=f"{entry['name']}: fixed k")
+        axis.axhline(figures[DEFAULT], color=colour, linestyle="--", label=f"{entry['name']}: default policy")
+        axis.axhline(figures[OFF], color=colour, linestyle=":", label=f"{entry['name']}: speculation off")
+    axis.set_xlabel("fixed k (draft tokens per round)")
+    axis.set_ylabel("output tokens/s")
+    axis.set_ylim(bottom=0)
+    axis.set_title("Draft-length sweep")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     return path

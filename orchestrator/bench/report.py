@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from orchestrator.bench.metrics import LATENCIES, lookup
+from orchestrator.bench.modes import DEFAULT, MODE_TITLES, OFF, fixed_k
 
-MODE_TITLES = {"on": "spec on", "off": "spec off", "peer": "HF assisted"}
 LATENCY_TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
 
 
@@ -126,10 +126,10 @@ def concurrency_table(result: dict) -> str:
     lines = ["== by concurrency (ms; /c1: ratio to the lowest concurrency) ==", header, "-" * len(header)]
     lowest: dict[tuple, dict] = {}  # (temperature, mode) -> figures at the lowest concurrency
     for entry in sorted(result["configurations"], key=lambda e: e["max_concurrency"]):
-        for mode, figures in entry["modes"].items():
+        for mode, figures in _ab_modes(entry):
             lowest.setdefault((entry["temperature"], mode), figures["overall"])
     for entry in result["configurations"]:
-        for mode, figures in entry["modes"].items():
+        for mode, figures in _ab_modes(entry):
             overall, base = figures["overall"], lowest[entry["temperature"], mode]
             lines.append(f"{entry['name']:<18}{MODE_TITLES[mode]:<13}{_cell(overall['output_throughput']):>9}"
                          f"{_cell(overall['itl_ms']['p50'], 1):>9}{_cell(overall['itl_ms']['p99'], 1):>9}"
@@ -138,6 +138,52 @@ def concurrency_table(result: dict) -> str:
                          f"{_ratio(_divide(overall['output_throughput'], base['output_throughput'])):>10}"
                          f"{_ratio(_divide(overall['itl_ms']['p99'], base['itl_ms']['p99'])):>11}"
                          f"{str(overall['completed']) + ' / ' + str(overall['failed']):>13}")
+    return "\n".join(lines)
+
+
+def _ab_modes(entry: dict) -> list[tuple[str, dict]]:
+    """On, off and the peer: the fixed ks of a sweep have their own table."""
+    return [(mode, figures) for mode, figures in entry["modes"].items() if mode in MODE_TITLES]
+
+
+def sweep_table(entry: dict) -> str:
+    """One row per fixed k, the default policy and off; then where the default stands."""
+    sweep = entry["draft_length_sweep"]
+    header = (f"{'mode':<10}{'tok/s':>9}{'vs off':>8}{'TTFT p50':>10}{'ITL p50':>9}{'accept':>8}"
+              f"{'acc.len':>9}")
+    lines = [f"== draft-length sweep, {entry['name']} (ms; vs off: output tokens/s over speculation off's) ==",
+             header, "-" * len(header)]
+    for mode in [*map(fixed_k, sweep["fixed_ks"]), DEFAULT, OFF]:
+        overall = entry["modes"][mode]["overall"]
+        lines.append(f"{'default' if mode == DEFAULT else mode:<10}{_cell(overall['output_throughput']):>9}"
+                     f"{_ratio(sweep['output_throughput_vs_off'].get(mode)):>8}"
+                     f"{_cell(overall['ttft_ms']['p50'], 1):>10}{_cell(overall['itl_ms']['p50'], 1):>9}"
+                     f"{_cell(overall['acceptance_rate'], 3):>8}{_cell(overall['mean_acceptance_length']):>9}")
+    return "\n".join(lines + [standing_line(sweep)])
+
+
+def standing_line(standing: dict) -> str:
+    """default policy: 3.10 tok/s = 1.43x off, 96% of the best fixed k (k=6, 3.23 tok/s)"""
+    share = standing["default_vs_best_fixed_k"]
+    best = "-" if standing["best_fixed_k"] is None else f"k={standing['best_fixed_k']}"
+    return (f"default policy: {_cell(standing['default_output_throughput'])} tok/s = "
+            f"{_ratio(standing['default_vs_off'])} off, {'-' if share is None else f'{share:.0%}'} of the best "
+            f"fixed k ({best}, {_cell(standing['best_fixed_k_output_throughput'])} tok/s)")
+
+
+def sweep_kind_table(result: dict) -> str:
+    """Per configuration and prompt kind: the default policy against that kind's best fixed k and off."""
+    header = (f"{'configuration':<18}{'kind':<10}{'default':>9}{'best k':>8}{'tok/s k':>9}{'off':>8}"
+              f"{'default/off':>13}{'default/best':>14}")
+    lines = ["== draft-length sweep by prompt kind (tokens/s over each kind's own request time) ==", header,
+             "-" * len(header)]
+    for entry in result["configurations"]:
+        for kind, standing in entry.get("draft_length_sweep", {}).get("per_kind", {}).items():
+            best = "-" if standing["best_fixed_k"] is None else f"k={standing['best_fixed_k']}"
+            lines.append(f"{entry['name']:<18}{kind:<10}{_cell(standing['default_output_throughput']):>9}"
+                         f"{best:>8}{_cell(standing['best_fixed_k_output_throughput']):>9}"
+                         f"{_cell(standing['off_output_throughput']):>8}{_ratio(standing['default_vs_off']):>13}"
+                         f"{_ratio(standing['default_vs_best_fixed_k']):>14}")
     return "\n".join(lines)
 
 
@@ -155,3 +201,8 @@ def print_report(result: dict, out=None) -> None:
     if any("peer" in e["modes"] for e in result["configurations"]):
         print("\nHF assisted: transformers' assisted generation in-process, one request at a time; its acceptance "
               "rate assumes k drafted tokens per round.", file=out)
+    swept = [entry for entry in result["configurations"] if "draft_length_sweep" in entry]
+    for entry in swept:
+        print("\n" + sweep_table(entry), file=out)
+    if swept:
+        print("\n" + sweep_kind_table(result), file=out)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from orchestrator.bench.clients import RequestParams
 from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.modes import DEFAULT, OFF, request_speculation
 from orchestrator.bench.prompts import BenchPrompt
 
 
@@ -41,20 +42,20 @@ class LoadSettings:
     max_tokens: int | None  # None: each prompt's own, else this
     request_rate: float
     seed: int
-    num_speculative_tokens: int | None
+    num_speculative_tokens: int | None  # what the default mode ("on") sends; None: the server's policy
     timeout_s: float
     progress: bool = True
     seeded_requests: bool = False  # send seed + i; the server then keeps k fixed so the seed reproduces
 
 
 def request_params(item: BenchPrompt, index: int, config: Configuration, load: LoadSettings,
-                   speculation: bool) -> RequestParams:
+                   mode: str) -> RequestParams:
     """The flags given on the command line win over the prompt's own values."""
     max_tokens = load.max_tokens or item.max_tokens or DEFAULT_MAX_TOKENS
     temperature = config.temperature if config.temperature is not None else item.default_temperature()
     seed = load.seed + index if load.seeded_requests else None
-    return RequestParams(max_tokens, temperature, seed, speculation, load.num_speculative_tokens,
-                         load.timeout_s)
+    speculation, num_speculative_tokens = request_speculation(mode, load.num_speculative_tokens)
+    return RequestParams(max_tokens, temperature, seed, speculation, num_speculative_tokens, load.timeout_s)
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
@@ -70,8 +71,8 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
 
 async def run_load(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
                    mode: str) -> tuple[list[RequestRecord], float]:
-    """Send every prompt once; return the records (in prompt order) and the wall duration in seconds."""
-    speculation = mode == "on"
+    """Send every prompt once in `mode` (see orchestrator.bench.modes); return the records (in prompt order)
+    and the wall duration in seconds."""
     semaphore = asyncio.Semaphore(config.max_concurrency)
     records = [RequestRecord(kind=item.kind, mode=mode, index=i) for i, item in enumerate(prompts)]
     bar = tqdm(total=len(prompts), desc=f"{config.name} spec {mode}", unit="req", disable=not load.progress,
@@ -81,7 +82,7 @@ async def run_load(client, prompts: list[BenchPrompt], config: Configuration, lo
     async def one(i: int, item: BenchPrompt, at: float) -> None:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with semaphore:
-            await client.send(item, request_params(item, i, config, load, speculation), records[i], start)
+            await client.send(item, request_params(item, i, config, load, mode), records[i], start)
         bar.update(1)
 
     times = arrival_times(len(prompts), load.request_rate, load.seed)
@@ -95,5 +96,5 @@ async def run_load(client, prompts: list[BenchPrompt], config: Configuration, lo
 async def warm_up(client, prompts: list[BenchPrompt], count: int, load: LoadSettings) -> None:
     """A few short requests, speculation on and off, that are not counted."""
     quiet = replace(load, max_tokens=min(load.max_tokens or 8, 8), progress=False)
-    for mode in ("on", "off"):
+    for mode in (DEFAULT, OFF):
         await run_load(client, prompts[:count], Configuration(1, None), quiet, mode)
