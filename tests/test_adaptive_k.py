@@ -20,7 +20,8 @@ from tiny_models import TINY_PROMPTS
 
 async def test_useless_draft_serves_target_only_with_identical_output(tiny_llama_dir, tiny_llama_unrelated_dir,
                                                                       device):
-    stack = await start_stack(tiny_llama_dir, tiny_llama_unrelated_dir, k=4, device=device, adaptive_k=True)
+    stack = await start_stack(tiny_llama_dir, tiny_llama_unrelated_dir, k=4, device=device, adaptive_k=True,
+                              calibrate=True)
     try:
         token_ids, _, last = await stack.generate(prompt=TINY_PROMPTS[0], max_tokens=64, temperature=0.0)
     finally:
