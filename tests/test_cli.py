@@ -41,7 +41,9 @@ def start_serve(*args: str, expect_metrics: bool = False,
 
 def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
     process, endpoint, lines = start_serve("--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-                                       "--num-speculative-tokens", "3", "--metrics-port", "-1")
+                                       "--num-speculative-tokens", "3", "--metrics-port", "-1",
+                                       # a draft as large as the target never pays: the default policy would not draft
+                                       "--speculation-policy", "fixed")
     try:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         done = subprocess.run(specmesh("generate", "--endpoint", endpoint, "--max-tokens", "12", "--json",
