@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -30,6 +34,7 @@ from target_service.disagreements import DisagreementLog
 from target_service.server import create_server as create_target_server
 
 log = logging.getLogger(__name__)
+CALIBRATION_LOCK = "specmesh-calibration.lock"  # in the temporary directory: see calibration_turn
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ["auto", *DTYPES]
 
@@ -213,11 +218,28 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
                           max_step_tokens=options.max_step_tokens, prefill_slowdown=options.prefill_slowdown,
                           kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions)
     engine = ModelEngine(model, tokenizer, config)
-    engine.warm_up()
-    costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs
+    with calibration_turn():
+        engine.warm_up()
+        costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs
     log.info("%s step costs (ms by rows): %s", role_name,
              {rows: round(seconds * 1e3, 1) for rows, seconds in costs.seconds.items()})
     return engine
+
+
+@contextlib.contextmanager
+def calibration_turn():
+    """One service at a time measures its step costs on this machine.
+
+    Services started together (the draft and the target of one deployment) would otherwise time
+    their forwards while the other computes on the same cores, and each table would price the
+    other's load: measured so, a 1.5B target's 2-row step cost three times its 8-row one.
+    """
+    with open(Path(tempfile.gettempdir()) / CALIBRATION_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def announce(service: str, host: str, port: int, metrics_port: int | None) -> None:

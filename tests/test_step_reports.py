@@ -164,3 +164,25 @@ async def _prefill_then_decode(engine, decode_steps: int = 3) -> None:
 def _scraped(metrics: ServiceMetrics) -> dict[int, float]:
     return {int(sample.labels["rows"]): sample.value for family in metrics.registry.collect()
             if family.name == "specmesh_step_seconds" for sample in family.samples}
+
+
+def test_services_on_one_machine_take_turns_to_calibrate():
+    """While one service measures its step costs, another on the machine cannot start measuring."""
+    import fcntl
+    import tempfile
+    from pathlib import Path
+
+    from specmesh.service import CALIBRATION_LOCK, calibration_turn
+
+    def try_to_calibrate() -> bool:
+        with open(Path(tempfile.gettempdir()) / CALIBRATION_LOCK, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return True
+
+    with calibration_turn():
+        assert not try_to_calibrate()
+    assert try_to_calibrate()
