@@ -360,11 +360,13 @@ class ModelEngine:
         """Forward the sequence's uncached tail plus `extra`; logits of the last keep_rows positions."""
         return self.forward(session, session.uncached_tail + list(extra), keep_rows)
 
-    def rollback(self, session: Session, position: int, append: Sequence[int] = ()) -> None:
+    def rollback(self, session: Session, position: int, append: Sequence[int] = (), cached: int = 0) -> None:
         """Truncate the sequence to `position` tokens, then append `append`.
 
-        The cache keeps every entry below `position` (those tokens are unchanged) but
-        never covers the newest token, which the next forward must feed.
+        The cache keeps every entry below `position` (those tokens are unchanged), and the
+        first `cached` appended tokens' entries where the caller knows the cache already holds
+        exactly those tokens there (a verification's accepted drafts), but never covers the
+        newest token, which the next forward must feed.
         """
         if not 0 < position <= len(session.token_ids):
             raise PositionMismatch(
@@ -372,7 +374,7 @@ class ModelEngine:
         self.check_token_ids("token_ids", append)
         del session.token_ids[position:]
         session.token_ids.extend(append)
-        keep = min(session.cached_length, position, len(session.token_ids) - 1)
+        keep = min(session.cached_length, position + max(0, cached), len(session.token_ids) - 1)
         surplus = session.cached_length - keep
         if surplus > 0:
             session.cache.crop(-surplus)  # negative = remove that many tokens from the end

@@ -144,7 +144,9 @@ class TargetEngine:
             p = torch.softmax(logits[row], -1) if target_probs is None else target_probs[row]  # [V]
             self._log_rejection(session, position, draft_ids, verdict, p, draft_probs)
         committed = draft_ids[: verdict.accepted_count] + [verdict.next_token_id]
-        self.engine.rollback(session, position, committed)
+        # The forward cached every draft after the sequence: keep the accepted ones' entries (the next
+        # verification then feeds its next token and drafts only), drop the rejected ones'.
+        self.engine.rollback(session, position, committed, cached=verdict.accepted_count)
         return Verification(verdict, len(session.token_ids), forward_ns, self._logprobs(session, logits, committed))
 
     def _log_rejection(self, session: Session, position: int, draft_ids: list[int], verdict: Verdict,

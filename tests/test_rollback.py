@@ -68,6 +68,19 @@ async def test_rollback_to_earlier_position(tiny_llama_dir, device):
                           atol=1e-4)
 
 
+async def test_rollback_keeps_the_accepted_drafts_cached(tiny_llama_dir, device):
+    """A verification cached its drafts 8, 9, 10 after [5, 6, 7]; two were accepted, then 42 recovered:
+    the next forward feeds 42 alone, and its logits are a fresh run's."""
+    engine = make_engine(tiny_llama_dir, device)
+    session = engine.new_session("r", [5, 6, 7, 8, 9, 10], SamplingParams(0.0))
+    engine.feed_uncached(session)
+    engine.rollback(session, 3, [8, 9, 42], cached=2)
+    assert session.token_ids == [5, 6, 7, 8, 9, 42]
+    assert session.cached_length == 5 and session.uncached_tail == [42]
+    assert torch.allclose(engine.feed_uncached(session)[0][-1], next_logits_fresh(engine, [5, 6, 7, 8, 9, 42]),
+                          atol=1e-4)
+
+
 async def test_padded_forward_equals_unpadded(tiny_llama_dir, device):
     padded, plain = make_engine(tiny_llama_dir, device, row_multiple=4), make_engine(tiny_llama_dir, device)
     sessions = [engine.new_session("r", [5, 6, 7], SamplingParams(0.0)) for engine in (padded, plain)]
