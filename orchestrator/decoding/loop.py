@@ -37,8 +37,8 @@ MAX_DRAFT_RETRY_ROUNDS = 32  # longest run of target-only rounds between two tri
 
 @dataclass(frozen=True)
 class LoopConfig:
-    # Server default k. On our 2-core CPUs an 8-row verification costs ~1.5 single-token
-    # passes and acceptance of the embedded pair is ~0.85, so k=7 measured best (README).
+    # The most draft tokens a round asks for; the adaptive policy picks each round's k up to it
+    # (on the embedded pair and our 2-core CPUs it settles near 2: README, "Adaptive draft length").
     num_speculative_tokens: int = 7
     # Adaptive: k per round from observed acceptance and costs, up to the request's k
     # (orchestrator.decoding.policy). Requests that name their k, or sample with a seed, keep it fixed.
