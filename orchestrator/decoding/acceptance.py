@@ -72,10 +72,6 @@ class PositionCounts:
         return [_clamp((accepted + POSITION_WEIGHT * prior) / (reached + POSITION_WEIGHT))
                 for reached, accepted, prior in zip(self.reached, self.accepted, shape)]
 
-    @property
-    def rounds(self) -> float:
-        return self.reached[0]
-
 
 def _clamp(rate: float) -> float:
     return min(CEILING, max(FLOOR, rate))

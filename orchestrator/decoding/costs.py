@@ -86,23 +86,27 @@ class RoundCosts:
     def _table(self, role: str) -> StepCosts | None:
         return getattr(self.reports, role, None) if self.reports is not None else None
 
+    def _tables(self) -> tuple[StepCosts, StepCosts] | None:
+        """(target, draft) tables, or None: a round is priced from both services' tables or from neither."""
+        target, draft = self._table("target"), self._table("draft")
+        return (target, draft) if target is not None and draft is not None else None
+
     @property
     def known(self) -> bool:
         """Whether a round can be priced at all: both tables, or a timed draft round."""
-        tables = self._table("target") is not None and self._table("draft") is not None
-        return tables or self.observed.known
+        return self._tables() is not None or self.observed.known
 
     def verify_s(self, rows: int, other_rows: int = 0) -> float:
-        table = self._table("target")
-        if table is None or self._table("draft") is None:
+        tables = self._tables()
+        if tables is None:
             return self.observed.verify_s(rows)
-        return step_s(table, rows + other_rows) * (self.verify_ratio.value or 1.0)
+        return step_s(tables[0], rows + other_rows) * (self.verify_ratio.value or 1.0)
 
     def draft_s(self, k: int, drafting: int = 1) -> float:
-        table = self._table("draft")
-        if table is None or self._table("target") is None:
+        tables = self._tables()
+        if tables is None:
             return self.observed.draft_s(k)
-        return k * step_s(table, max(1, drafting)) * (self.draft_ratio.value or 1.0)
+        return k * step_s(tables[1], max(1, drafting)) * (self.draft_ratio.value or 1.0)
 
     def round_s(self, k: int, other_rows: int = 0, other_drafting: int = 0) -> float:
         draft = self.draft_s(k, other_drafting + 1) if k else 0.0

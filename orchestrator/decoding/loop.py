@@ -261,15 +261,12 @@ class SpeculativeGeneration:
         """Draft tokens for the next round; 0 means a target-only round."""
         if self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round:
             return 0
-        if self.policy is None:  # a fixed k: the round waits for the draft's session if it must
-            if not self._draft_asked:
-                self._open_draft()
-            return self._k_max()
-        k = self.policy.choose(self._k_max())
-        if k and not self._draft_asked:
+        k = self.policy.choose(self._k_max()) if self.policy is not None else self._k_max()
+        if k and not self._draft_asked:  # the policy's first round that wants draft tokens
             self._open_draft()
-        if k and self._draft_opening is not None and not self._draft_opening.done():
-            return 0  # never wait for the draft's prefill: the target decodes meanwhile
+        opening = self._draft_opening is not None and not self._draft_opening.done()
+        if k and opening and self.policy is not None:
+            return 0  # never wait for the draft's prefill: the target decodes meanwhile (a fixed k waits)
         return k
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
