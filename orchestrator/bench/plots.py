@@ -10,10 +10,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from orchestrator.bench.metrics import LATENCIES, lookup  # noqa: E402
-from orchestrator.bench.modes import DEFAULT, MODE_TITLES, OFF, fixed_k  # noqa: E402
+from orchestrator.bench.modes import DEFAULT, MODE_TITLES, OFF, PEER, fixed_k  # noqa: E402
 from orchestrator.bench.report import LATENCY_TITLES  # noqa: E402
 
-COLOURS = {"on": "tab:blue", "off": "tab:orange", "peer": "tab:green"}
+COLOURS = {DEFAULT: "tab:blue", OFF: "tab:orange", PEER: "tab:green"}
 
 
 def write_plots(result: dict, directory: Path) -> list[Path]:
@@ -84,7 +84,7 @@ def _by_concurrency(axis, result: dict, metric: str, unit: str) -> None:
     for entry in result["configurations"]:
         temperature = entry["name"].split(" ", 1)[1]
         for mode, figures in entry["modes"].items():
-            if mode not in COLOURS:  # the fixed ks of a sweep: tokens_by_k.png
+            if mode not in MODE_TITLES:  # the fixed ks of a sweep: tokens_by_k.png
                 continue
             value = lookup(figures["overall"], metric)
             if value is not None:
