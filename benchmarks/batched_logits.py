@@ -36,11 +36,10 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from specmesh import models  # noqa: E402
 from specmesh.batching import Part  # noqa: E402
 from specmesh.engine import EngineConfig, ModelEngine, Session  # noqa: E402
+from specmesh.precision import DTYPE_CHOICES, load_model_in  # noqa: E402
 from specmesh.sampling import SamplingParams  # noqa: E402
-from specmesh.service import DTYPE_CHOICES, resolve_dtype  # noqa: E402
 
 PREFILL_EVERY = 4  # every 4th session prefills its prompt inside the first batched step
 NOISE_BOUND = 1e-4  # fp32 reordered sums (tests/test_batching.py's MAX_ABS_LOGIT_DELTA)
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as root:
         spec = args.model or tiny_model(Path(root))
-        model, tokenizer = models.load_model(spec, device=args.device, dtype=resolve_dtype(args.dtype, args.device))
+        model, tokenizer = load_model_in(spec, args.device, args.dtype)
         engine = ModelEngine(model, tokenizer, EngineConfig(model_name=spec))
     try:
         return run(engine, args, rng)

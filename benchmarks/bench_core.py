@@ -29,7 +29,8 @@ import torch
 from orchestrator.bench.peer import PeerPair, hf_generate
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
 from orchestrator.decoding.loop import LoopConfig
-from specmesh.service import DTYPE_CHOICES, ServiceOptions, resolve_dtype
+from specmesh.precision import DTYPE_CHOICES
+from specmesh.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPTS = [
@@ -98,8 +99,7 @@ def phase_specmesh(args) -> tuple[Run, list[Run]]:
 
 def phase_transformers(args) -> tuple[Run, Run]:
     draft_device = args.draft_device or args.device
-    pair = PeerPair.load(args.target, args.draft, args.device, draft_device,
-                         resolve_dtype(args.target_dtype, args.device), resolve_dtype(args.draft_dtype, draft_device))
+    pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype)
     target_only = PeerPair(pair.target, None, pair.tokenizer)
     baseline, assisted = Run("transformers target-only"), Run(f"transformers assisted (k={args.assisted_k})")
     generate(target_only, PROMPTS[:1], 8, Run("warm-up"), 0)

@@ -33,7 +33,8 @@ from specmesh.roles import START_TIMEOUT_S
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.decoding.timing import PARTS
-from specmesh.service import DTYPE_CHOICES, ReplicaConfig, ServiceOptions, parse_cpu_list
+from specmesh.precision import DTYPE_CHOICES
+from specmesh.service import ReplicaConfig, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 

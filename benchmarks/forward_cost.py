@@ -16,8 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specmesh import models
-from specmesh.service import DTYPE_CHOICES, resolve_dtype
+from specmesh.precision import DTYPE_CHOICES, load_model_in, resolve_dtype
 
 CONTEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 
@@ -43,8 +42,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
+    model, tokenizer = load_model_in(args.model, args.device, args.dtype)
     dtype = resolve_dtype(args.dtype, args.device)
-    model, tokenizer = models.load_model(args.model, device=args.device, dtype=dtype)
     prompt_ids = tokenizer.encode(CONTEXT)
     one = None
     print(f"{args.model} ({dtype}, {args.device}, {torch.get_num_threads()} threads)")

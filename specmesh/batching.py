@@ -22,7 +22,7 @@ import collections
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
 
 import torch

@@ -13,7 +13,6 @@ runs the pending rows of every session in one forward (specmesh.ragged).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, S
 from specmesh.errors import PositionMismatch, StaleRound
 from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
 from specmesh.penalties import penalize_logits
+from specmesh.precision import output_device, output_rows
 from specmesh.ragged import ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.step_costs import ChunkSteering, StepCosts
@@ -121,8 +121,8 @@ class ModelEngine:
         self.config = config
         self.device = next(model.parameters()).device  # where input ids go (the embedding's device)
         # Sharded over several GPUs (device "auto"), the output projection may sit on another one.
-        self.logits_device = model.get_output_embeddings().weight.device
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.logits_device = output_device(model)
+        self.vocab_size = output_rows(model)
         self.context_window = models.context_window(model)
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)

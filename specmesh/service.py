@@ -19,12 +19,12 @@ import torch
 from draft_service.server import create_server as create_draft_server
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
-from specmesh import models
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
                                 parse_kv_cache_memory)
 from specmesh.metrics import ServiceMetrics, serve_metrics
+from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP, load_model_in
 from specmesh.roles import DRAFT, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
                                internal_token_from_args, server_tls_from_args)
@@ -35,8 +35,6 @@ from target_service.server import create_server as create_target_server
 
 log = logging.getLogger(__name__)
 CALIBRATION_LOCK = "specmesh-calibration.lock"  # in the temporary directory: see calibration_turn
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ["auto", *DTYPES]
 
 
 @dataclass(frozen=True)
@@ -89,8 +87,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
                              "default: three quarters of --max-sessions")
     parser.add_argument("--session-idle-timeout", type=float, default=600.0,
                         help="seconds after which an untouched session is freed")
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
-                        help="auto: bfloat16 where the device computes it natively, else float32")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_batching_arguments(parser)
@@ -187,31 +184,12 @@ def pin_cpus(cpus: tuple[int, ...]) -> None:
     torch.set_num_threads(len(cpus))  # one intra-op thread per core: more would only contend
 
 
-def native_bf16(device: str) -> bool:
-    """Whether `device` computes bf16 natively (then bf16 beats fp32; emulated, it loses)."""
-    if device.startswith("cuda") or device == "auto":  # auto: sharded over GPUs
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as cpuinfo:
-            flags = cpuinfo.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    return DTYPES[name]
-
-
 def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     if options.cpus:
         pin_cpus(options.cpus)
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
-    dtype = resolve_dtype(options.dtype, options.device)
-    model, tokenizer = models.load_model(options.model, device=options.device, dtype=dtype)
+    model, tokenizer = load_model_in(options.model, options.device, options.dtype)
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
                           max_sessions_per_caller=options.max_sessions_per_caller,
                           generator_salt=role(role_name).generator_salt,

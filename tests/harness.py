@@ -15,9 +15,9 @@ from orchestrator.deployment.clients import open_channel
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_server as create_orchestrator_server
-from specmesh import models
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.precision import load_model_in
 from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
 from specmesh.service import ReplicaConfig, ServiceOptions, create_model_server
@@ -76,14 +76,14 @@ class TargetHold:
 
 
 @functools.lru_cache(maxsize=16)
-def load(model_dir: str, device: str):
-    """Models are read-only once loaded, so tests share them across stacks."""
-    return models.load_model(model_dir, device=device)
+def load(model_dir: str, device: str, dtype: str = "float32"):
+    """Models are read-only once loaded, so tests share them across stacks. `dtype`: a --dtype name."""
+    return load_model_in(model_dir, device, dtype)
 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
-                row_multiple: int = 1) -> ModelEngine:
-    model, tokenizer = load(str(model_dir), device)
+                row_multiple: int = 1, dtype: str = "float32") -> ModelEngine:
+    model, tokenizer = load(str(model_dir), device, dtype)
     return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
                                                       generator_salt=role(role_name).generator_salt,
                                                       row_multiple=row_multiple))
@@ -157,7 +157,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
                       internal_token: str | None = None, loop_options: dict | None = None,
-                      calibrate: bool = False) -> Stack:
+                      calibrate: bool = False, draft_dtype: str = "float32") -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -165,7 +165,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     `internal_token`: required by the draft and target, sent by the orchestrator.
     `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs);
     `loop_options`: more LoopConfig fields; `calibrate`: the services measure their step costs first,
-    as they do when served (then the orchestrator's policy prices rounds from them)."""
+    as they do when served (then the orchestrator's policy prices rounds from them); `draft_dtype`: the
+    draft's --dtype name."""
     target_engine = make_engine(target_dir, device, "target")
     if calibrate:
         target_engine.calibrate()
@@ -174,7 +175,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
-        draft_engine = make_engine(draft_dir, device, "draft")
+        draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype)
         if calibrate:
             draft_engine.calibrate()
         servers["draft"], draft_port = await start_model_server("draft", draft_engine, server_tls, internal_token,

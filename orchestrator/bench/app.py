@@ -122,7 +122,6 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
 
 def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration], load: LoadSettings) -> Runs:
     from orchestrator.bench.peer import PeerPair, run_peer
-    from specmesh.service import resolve_dtype
     sequential = [c for c in configurations if c.max_concurrency == 1]
     if not sequential:
         print("specmesh bench: --peer runs beside configurations of --max-concurrency 1; there are none",
@@ -131,8 +130,7 @@ def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configurat
     draft_device = args.draft_device or args.device
     print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
           "generation ...", file=sys.stderr, flush=True)
-    pair = PeerPair.load(args.target, args.draft, args.device, draft_device,
-                         resolve_dtype(args.target_dtype, args.device), resolve_dtype(args.draft_dtype, draft_device))
+    pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype)
     k = args.num_speculative_tokens
     warm = LoadSettings(8, load.request_rate, load.seed, None, load.timeout_s, False)
     run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, k)

@@ -22,6 +22,7 @@ from orchestrator.bench.modes import DEFAULT, PEER
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.runner import Configuration, LoadSettings, request_params
 from specmesh import models
+from specmesh.precision import load_model_in
 
 
 class RoundTimer(BaseStreamer):
@@ -49,10 +50,10 @@ class PeerPair:
 
     @classmethod
     def load(cls, target: str, draft: str | None, device: str, draft_device: str | None,
-             target_dtype: torch.dtype, draft_dtype: torch.dtype) -> "PeerPair":
-        target_model, tokenizer = models.load_model(target, device=device, dtype=target_dtype)
-        draft_model = models.load_model(draft, device=draft_device or device, dtype=draft_dtype)[0] \
-            if draft else None
+             target_dtype: str, draft_dtype: str) -> "PeerPair":
+        """The pair in the precisions the --dtype names give (specmesh.precision), as the services load it."""
+        target_model, tokenizer = load_model_in(target, device, target_dtype)
+        draft_model = load_model_in(draft, draft_device or device, draft_dtype)[0] if draft else None
         return cls(target_model, draft_model, tokenizer)
 
     def encode(self, item: BenchPrompt) -> list[int]:

@@ -38,8 +38,9 @@ from specmesh.models import load_tokenizer
 from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
 from specmesh.security import TLSConfig
 from specmesh.drain import drain_of
+from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP
 from specmesh.server import serve_until_signal
-from specmesh.service import (DTYPE_CHOICES, ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list,
+from specmesh.service import (ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list,
                               run_model_service)
 from specmesh.telemetry import make_tracer_provider
 from target_service.disagreements import disagreement_log_settings
@@ -72,8 +73,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
     parser.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
     parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="auto: bfloat16 where the device computes it natively, else float32; "
-                             "the draft's precision never changes the output, only acceptance and speed")
+                        help=DTYPE_HELP + "; the draft's precision never changes the output, only acceptance and speed")
 
 
 def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
