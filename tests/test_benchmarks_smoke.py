@@ -22,3 +22,12 @@ def test_batched_logits_compares_every_kept_row_of_every_round(tiny_llama_dir, c
     assert summary["rows"] >= 4 * 2  # at least one logit row per session per round
     assert summary["argmax_agrees"] and summary["max_abs_delta"] < batched_logits.NOISE_BOUND
     assert "done-when (max |Δlogit| < 1e-04 and every argmax agrees): met" in capsys.readouterr().out
+
+
+def test_draft_precision_prices_and_scores_every_precision(tiny_llama_dir, tiny_llama_perturbed_dir, capsys):
+    rows = load_script("draft_precision").main(["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                                                "--dtypes", "float32", "int8", "--tokens", "6"])
+    assert set(rows) == {"float32", "int8"}
+    assert all(row["one_row_ms"] > 0 and 0 <= row["agreement"] <= 1 for row in rows.values())
+    assert rows["float32"]["batching_delta"] < 1e-4  # padded rows of a batch are computed as if alone
+    assert "int8" in capsys.readouterr().out

@@ -165,6 +165,46 @@ def test_k_shrinks_under_load_and_turns_off_at_high_load():
     assert warm.best(K_MAX, speculation.batch_load(warm)) == alone
 
 
+def test_a_draft_beside_requests_that_do_not_draft_pays_for_a_step_of_its_own():
+    """Beside seven target-only requests a draft reaches the target late and gets a step of its own,
+    so on a GPU-like table, where its rows would cost nearly nothing in the shared step, it does
+    not pay. Beside seven drafting requests it shares their step, and drafting pays again."""
+    speculation = shared(gpu_target, lambda rows: 0.001)
+    warm = speculation.for_request("code")
+    simulate(warm, 30, 0.95, random.Random(7))
+    assert warm.best(K_MAX) > 0
+    others = [speculation.for_request("code") for _ in range(7)]
+    for other in others:
+        other.k = 0
+        speculation.join(other)
+    batch = speculation.batch_load(warm)
+    assert (batch.rows, batch.drafting, batch.drafting_rows) == (7, 0, 0)
+    two_steps = speculation.costs.round_s(4, batch)
+    assert two_steps == pytest.approx(4 * 0.001 + gpu_target(7) + gpu_target(5))
+    assert warm.best(K_MAX, batch) == 0
+    for other in others:
+        other.k = 3
+    assert warm.best(K_MAX, speculation.batch_load(warm)) > 0
+
+
+def test_no_probes_while_the_load_alone_rules_drafting_out():
+    """At k = 0 under a load where even a draft accepting 90 % would lose, probing finds nothing:
+    none runs (nor opens a draft). When the load falls, the next round may probe again."""
+    speculation = shared(cpu_target, lambda rows: 0.03)
+    rng = random.Random(6)
+    policy = speculation.for_request("creative")
+    others = [speculation.for_request("code") for _ in range(15)]
+    for other in others:
+        other.k = 0
+        speculation.join(other)
+    loaded = simulate(policy, 40, 0.0, rng, batch_rows=15)
+    assert loaded[-30:] == [0] * 30, loaded
+    for other in others:
+        other.close()
+    alone = simulate(policy, 12, 0.0, rng)
+    assert alone[0] == PolicyConfig().probe_k, alone  # the overdue probe, at once
+
+
 def test_does_not_oscillate_near_break_even():
     """Measured costs jitter by 10% around the tables: k changes rarely."""
     speculation = shared(cpu_target, lambda rows: 0.03)

@@ -46,6 +46,21 @@ def test_observe_moves_only_the_entry_of_the_size_the_step_ran_at():
     assert costs.prefill_allowance(4, slowdown=2.0) == allowance and costs.measured == TABLE
 
 
+def test_a_disturbance_at_start_up_inflates_no_size(monkeypatch):
+    """The first three forwards run ten times slower (another service loading beside this one);
+    every size still gets its undisturbed cost, because each repeat is a pass over all sizes."""
+    clock = [0.0]
+    calls = []
+
+    def forward_rows(rows: int) -> None:
+        calls.append(rows)
+        clock[0] += rows * 0.01 * (10 if len(calls) <= 3 else 1)
+    monkeypatch.setattr("specmesh.step_costs.time.perf_counter", lambda: clock[0])
+    costs = StepCosts.measure(forward_rows, sizes=(1, 2, 4, 8), repeats=2)
+    assert costs.measured == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
+    assert calls == [1, 2, 4, 8] * 2
+
+
 def test_from_proto_drops_garbage_and_never_raises():
     entries = [common_pb2.StepCost(rows=rows, seconds=seconds) for rows, seconds in
                [(0, 1.0), (1, math.nan), (2, math.inf), (3, -1.0), (4, 0.0), (8, 0.5), (1, 0.25)]]

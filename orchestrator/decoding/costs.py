@@ -2,13 +2,22 @@
 
 Each service measures its forward step by rows at start-up and keeps the table
 current (specmesh.step_costs; reported in ModelInfo, collected in
-orchestrator.deployment.step_reports). A round of k draft tokens costs
+orchestrator.deployment.step_reports). A round of the batch, this request drafting
+k tokens, costs
 
-    k draft steps over the sessions drafting at the same time  +  one target step over
-    this round's k + 1 rows and the rows the other sessions verify beside it
+    the draft steps of the requests that draft (over all of them at once)
+    +  one target step over the rows of the requests that do not draft
+    +  one target step over the rows of the requests that draft
 
-as the tables price them (padded the way the services pad steps: on a CPU 4 rows
-can cost what 1 does). The tables know nothing of the network, of queueing behind
+as the tables price them. Two target steps, not one: a request that drafts reaches the
+target a draft's worth of time after those that do not, and the target waits for late
+calls only a fraction of a step (specmesh.batching), so a batch that mixes the two runs
+a step for each. Alone, or with every request drafting, that is one step again. (Priced
+as one shared step, a request beside seven target-only ones saw its draft cost little,
+drafted, and split every step in two: speculation on lost 16 % to off at concurrency 8.)
+
+Steps are padded the way the services pad them (on a CPU 4 rows can cost what 1
+does). The tables know nothing of the network, of queueing behind
 other orchestrators' sessions, or of two services sharing cores; the ratio between
 what rounds really took (wall clock, seen here) and what the tables said is kept
 per service and multiplies the tables' figures.
@@ -18,6 +27,8 @@ row count seen so far stands in, as ServiceCosts measures it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from specmesh.step_costs import StepCosts
 
@@ -74,6 +85,24 @@ def step_s(table: StepCosts, rows: int) -> float:
     return table.cost(rows + table.padding(rows))
 
 
+@dataclass(frozen=True)
+class BatchLoad:
+    """What the other requests in flight add to a round: rows verified, tokens committed, and the
+    requests that draft (how many, and their rows)."""
+
+    rows: int = 0
+    tokens: float = 0.0
+    drafting: int = 0
+    drafting_rows: int = 0
+
+    def with_round(self, k: int) -> tuple[int, int, int]:
+        """(rows of requests that do not draft, rows of requests that draft, requests that draft),
+        this request's round at draft length k included."""
+        if k:
+            return self.rows - self.drafting_rows, self.drafting_rows + k + 1, self.drafting + 1
+        return self.rows - self.drafting_rows + 1, self.drafting_rows, self.drafting
+
+
 class RoundCosts:
     """Predicted draft and verification seconds of a round, shared by every request of an orchestrator."""
 
@@ -108,19 +137,27 @@ class RoundCosts:
             return self.observed.draft_s(k)
         return k * step_s(tables[1], max(1, drafting)) * (self.draft_ratio.value or 1.0)
 
-    def round_s(self, k: int, other_rows: int = 0, other_drafting: int = 0) -> float:
-        draft = self.draft_s(k, other_drafting + 1) if k else 0.0
-        return draft + self.verify_s(k + 1, other_rows)
+    def round_s(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
+        """Seconds of one round of the batch, this request drafting k tokens (module docstring)."""
+        steady_rows, drafting_rows, drafting = batch.with_round(k)
+        draft_steps = max(k, (drafting_rows - drafting) / drafting if drafting else 0.0)
+        draft = self.draft_s(1, drafting) * draft_steps if drafting else 0.0
+        return draft + self._verify_steps_s(steady_rows, drafting_rows)
 
-    def observe(self, drafted: int, draft_s: float, verify_s: float, other_rows: int = 0,
-                other_drafting: int = 0, fresh: bool = False) -> None:
+    def _verify_steps_s(self, steady_rows: int, drafting_rows: int) -> float:
+        return sum(self.verify_s(rows) for rows in (steady_rows, drafting_rows) if rows)
+
+    def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad = BatchLoad(),
+                fresh: bool = False) -> None:
         """One round's wall-clock times, with the batch it was planned against."""
         self.observed.observe(drafted, draft_s, verify_s, fresh)
         target, draft = self._table("target"), self._table("draft")
         if target is not None:
-            self.verify_ratio.update(_bounded(verify_s / step_s(target, drafted + 1 + other_rows)))
+            steady_rows, drafting_rows, _ = batch.with_round(drafted)
+            predicted = sum(step_s(target, rows) for rows in (steady_rows, drafting_rows) if rows)
+            self.verify_ratio.update(_bounded(verify_s / predicted))
         if draft is not None and drafted:
-            predicted = drafted * step_s(draft, other_drafting + 1)
+            predicted = drafted * step_s(draft, batch.drafting + 1)
             if fresh:
                 self.draft_ratio.value = None
             self.draft_ratio.update(_bounded(draft_s / predicted))

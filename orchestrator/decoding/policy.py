@@ -4,7 +4,10 @@ Goodput is expected committed tokens per predicted second. For a request whose
 round drafts k tokens beside the other requests of this orchestrator (each at
 the k it chose last):
 
-    goodput(k) = (E(k) + sum of the others' E) / (draft(k) + verify(k + 1 rows + the others' rows))
+    goodput(k) = (E(k) + sum of the others' E) / (seconds of one round of the batch)
+
+where the round's seconds are the drafting requests' draft steps plus a target step for
+the requests that draft and one for those that do not (orchestrator.decoding.costs).
 
 E comes from per-position acceptance (orchestrator.decoding.acceptance: the
 request's own rounds over its prompt class's and the deployment's) and the
@@ -19,7 +22,7 @@ Hysteresis keeps k from flapping: it changes only for a predicted gain of
 `margin` after `dwell_rounds` rounds at the current k, or at once for a gain of
 `urgent_gain` (a guess that proved wrong). At k = 0 nothing is learned about the
 draft, so now and then a cheap probe round drafts `probe_k` tokens, less often
-while probes keep failing.
+while probes keep failing, and not at all while the load alone rules drafting out.
 
 The choice never changes the output: each round's tokens follow the target's
 distribution whatever k is, as long as k is fixed before the round's draft is
@@ -31,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance
-from orchestrator.decoding.costs import RoundCosts
+from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance, expected_tokens
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.loop import RoundTiming
 
 
@@ -44,15 +47,9 @@ class PolicyConfig:
     probe_every: int = 8  # at k = 0, one probe round after this many rounds ...
     max_probe_every: int = 64  # ... the interval doubling, up to this, while probes keep failing
     probe_k: int = 2  # a probe's draft tokens: enough to see acceptance, cheap when it fails
-
-
-@dataclass(frozen=True)
-class BatchLoad:
-    """What the other requests in flight add to a round: rows verified, tokens committed, drafts."""
-
-    rows: int = 0
-    tokens: float = 0.0
-    drafting: int = 0
+    # A probe runs only where a draft accepting this share of its tokens would pay under the current
+    # load: where even a good draft loses to the batch's cost, a probe has nothing to find.
+    probe_if_acceptance: float = 0.9
 
 
 class AdaptiveDraftLength:
@@ -72,7 +69,7 @@ class AdaptiveDraftLength:
 
     def goodput(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
         """Expected committed tokens per second of this request and the others beside it, at draft length k."""
-        seconds = self.costs.round_s(k, batch.rows, batch.drafting)
+        seconds = self.costs.round_s(k, batch)
         return (self.acceptance.expected_tokens(k) + batch.tokens) / max(seconds, 1e-9)
 
     def best(self, k_max: int, batch: BatchLoad = BatchLoad()) -> int:
@@ -89,11 +86,18 @@ class AdaptiveDraftLength:
         self._batch = self.shared.batch_load(self)
         if self.k is None:  # the first round: what costs and acceptance history predict, or the most
             self.k = self.best(k_max, self._batch) if self.costs.known else k_max
-        elif self.k == 0 and (self.probing or self.rounds_since_probe >= self.probe_every):
+        elif self.k == 0 and (self.probing or (self.rounds_since_probe >= self.probe_every
+                                               and self._a_good_draft_would_pay(k_max))):
             return self._probe(k_max)
         elif self.costs.known:  # else no draft round has been timed yet (the draft was away): keep k
             self._maybe_switch(self.best(k_max, self._batch), k_max)
         return min(self.k, k_max)
+
+    def _a_good_draft_would_pay(self, k_max: int) -> bool:
+        good = [self.config.probe_if_acceptance] * k_max
+        seconds = lambda k: self.costs.round_s(k, self._batch)  # noqa: E731
+        return any((expected_tokens(good, k) + self._batch.tokens) / seconds(k)
+                   > (1.0 + self._batch.tokens) / seconds(0) for k in range(1, k_max + 1))
 
     def _probe(self, k_max: int) -> int:
         """Nothing is learned at k = 0: look again now and then, cheaply."""
@@ -114,7 +118,7 @@ class AdaptiveDraftLength:
 
     def observe(self, timing: RoundTiming, drafted: int, accepted: int) -> None:
         fresh = self.probing and drafted > 0  # the draft's old cost is stale after a stretch at k = 0
-        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch.rows, self._batch.drafting, fresh)
+        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, fresh)
         if drafted:
             self.probing = False
         self.acceptance.observe(drafted, accepted)
@@ -151,5 +155,6 @@ class AdaptiveSpeculation:
     def batch_load(self, me: AdaptiveDraftLength) -> BatchLoad:
         """The other requests decoding now, each at the k it chose last."""
         others = [p for key, p in self.active.items() if key != id(me) and p.k is not None]
+        drafting = [p for p in others if p.k > 0]
         return BatchLoad(rows=sum(p.k + 1 for p in others), tokens=sum(p.expected_tokens() for p in others),
-                         drafting=sum(1 for p in others if p.k > 0))
+                         drafting=len(drafting), drafting_rows=sum(p.k + 1 for p in drafting))
