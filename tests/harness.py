@@ -21,6 +21,7 @@ from specmesh.precision import load_model_in
 from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
 from specmesh.service import ReplicaConfig, ServiceOptions, create_model_server
+from specmesh.step_costs import StepCosts
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
 
@@ -157,7 +158,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
                       internal_token: str | None = None, loop_options: dict | None = None,
-                      calibrate: bool = False, draft_dtype: str = "float32") -> Stack:
+                      calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -166,7 +167,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     `pipeline`: LoopConfig.pipeline ("auto" is sequential here: all three share this process's CPUs);
     `loop_options`: more LoopConfig fields; `calibrate`: the services measure their step costs first,
     as they do when served (then the orchestrator's policy prices rounds from them); `draft_dtype`: the
-    draft's --dtype name."""
+    draft's --dtype name; `draft_cost_scale`: the calibrated draft reports its steps this many times their
+    measured cost (a tiny draft the size of its target stands in for a cheaper one)."""
     target_engine = make_engine(target_dir, device, "target")
     if calibrate:
         target_engine.calibrate()
@@ -177,7 +179,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     if draft_dir is not None:
         draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype)
         if calibrate:
-            draft_engine.calibrate()
+            measured = draft_engine.calibrate().measured
+            draft_engine.costs = StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()})
         servers["draft"], draft_port = await start_model_server("draft", draft_engine, server_tls, internal_token,
                                                                 greedy_proposals=greedy_proposals)
     options = OrchestratorOptions(
