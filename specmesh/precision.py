@@ -16,9 +16,12 @@ same draft at 144 ms a step, slower than bfloat16; the kernel below is the one t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT8 = "int8"  # int8 weights, bfloat16 compute (CPU)
@@ -106,7 +109,8 @@ def load_model_in(spec: str, device: str, dtype_name: str):
     precision = resolve_precision(dtype_name, device)
     model, tokenizer = models.load_model(spec, device=device, dtype=precision.dtype)
     if precision.int8_weights:
-        quantize_int8_weights(model)
+        layers = quantize_int8_weights(model)
+        logger.info("%s: int8 weights in %d linear layers, computed in %s", spec, layers, precision.dtype)
     return model, tokenizer
 
 

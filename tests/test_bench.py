@@ -17,7 +17,7 @@ from orchestrator.bench import sweep
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.report import standing_line
-from orchestrator.bench.runner import arrival_times
+from orchestrator.bench.runner import Configuration, LoadSettings, arrival_times, run_modes
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.decoding.loop import LoopConfig
@@ -242,3 +242,33 @@ def test_percentiles_and_arrivals():
     times = arrival_times(2000, 10.0, seed=1)
     assert times == arrival_times(2000, 10.0, seed=1) and times == sorted(times)
     assert 9.0 < len(times) / times[-1] < 11.0  # Poisson at 10 requests/s
+
+
+class RecordingClient:
+    """Answers every request at once and notes the order in which (mode, prompt index) arrived."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, int]] = []
+
+    async def send(self, item, params, record, run_start) -> None:
+        self.sent.append((record.mode, record.index))
+        record.ok, record.output_tokens = True, 1
+
+
+@pytest.mark.parametrize("concurrency, rate, interleaved", [(1, math.inf, True), (2, math.inf, False),
+                                                           (1, 5.0, False)])
+async def test_modes_take_turns_prompt_by_prompt_when_requests_run_one_at_a_time(concurrency, rate, interleaved):
+    """At concurrency 1 with no arrival schedule the modes alternate request by request (a drifting
+    machine then favours no mode); otherwise each mode runs the whole list in one go."""
+    client = RecordingClient()
+    prompts = BUILTIN["code"][:3]
+    load = LoadSettings(max_tokens=4, request_rate=rate, seed=0, num_speculative_tokens=None, timeout_s=5.0,
+                        progress=False)
+    runs = await run_modes(client, prompts, Configuration(concurrency, 0.0), load, ["on", "off", "k=2"])
+    if interleaved:
+        assert client.sent == [(mode, i) for i in range(3) for mode in ("on", "off", "k=2")]
+    else:
+        assert [mode for mode, _ in client.sent] == ["on"] * 3 + ["off"] * 3 + ["k=2"] * 3
+    for mode, (records, seconds) in runs.items():
+        assert [r.index for r in records] == [0, 1, 2] and all(r.mode == mode for r in records)
+        assert seconds >= 0 and [r.start_s for r in records] == sorted(r.start_s for r in records)

@@ -233,3 +233,20 @@ def test_without_reported_costs_it_learns_them_from_rounds():
         chosen.append(policy.choose(K_MAX))
         policy.observe(RoundTiming(draft_s=chosen[-1] * 0.09, verify_s=cpu_target(chosen[-1] + 1)), chosen[-1], 0)
     assert chosen[-30:].count(0) >= 27, chosen
+
+
+def test_one_rejected_round_does_not_set_the_deployments_prior():
+    """A warm-up's single rejected round must not turn the next class's first rounds off (the prior
+    counts for a few rounds), while rejections of the request's own still turn it off at once."""
+    speculation = shared(cpu_target, lambda rows: 0.048)
+    warm_up = speculation.for_request("chat")
+    assert warm_up.choose(K_MAX) >= 2
+    warm_up.observe(RoundTiming(draft_s=0.1, verify_s=0.25), 2, 0)
+    warm_up.close()
+    policy = speculation.for_request("code")
+    chosen = []
+    for _ in range(4):
+        k = policy.choose(K_MAX)
+        policy.observe(RoundTiming(draft_s=0.048 * k, verify_s=0.25), k, 0)
+        chosen.append(k)
+    assert chosen[0] >= 2 and chosen[-1] == 0, chosen

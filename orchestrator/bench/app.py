@@ -25,7 +25,7 @@ from orchestrator.bench.modes import DEFAULT, OFF, PEER, served_modes
 from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
-from orchestrator.bench.runner import Configuration, LoadSettings, run_load, warm_up
+from orchestrator.bench.runner import Configuration, LoadSettings, run_modes, warm_up
 from orchestrator.bench.sweep import draft_length_sweep
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
 from orchestrator.decoding.options import loop_config
@@ -112,9 +112,10 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
     runs: Runs = {}
     try:
         await warm_up(client, prompts, args.num_warmups, load)
+        modes = served_modes(args.ab, sweep_ks(args))
         for configuration in configurations:
-            for mode in served_modes(args.ab, sweep_ks(args)):
-                runs[configuration.name, mode] = await run_load(client, prompts, configuration, load, mode)
+            by_mode = await run_modes(client, prompts, configuration, load, modes)
+            runs.update({(configuration.name, mode): run for mode, run in by_mode.items()})
     finally:
         await client.close()
     return runs

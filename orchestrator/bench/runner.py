@@ -69,12 +69,37 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
     return times
 
 
+async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
+                    modes: list[str]) -> dict[str, tuple[list[RequestRecord], float]]:
+    """Every prompt once in each mode; per mode, the records (in prompt order) and the seconds they took.
+
+    Where requests run one after another anyway (concurrency 1, no arrival schedule), the
+    modes take turns prompt by prompt, so a machine that drifts faster or slower during a
+    long run favours no mode (the 2-core VM's one-row target step went from 228 ms to
+    314 ms within 45 minutes). Otherwise each mode needs the whole list in flight, and runs
+    it in one go.
+    """
+    one_at_a_time = config.max_concurrency == 1 and math.isinf(load.request_rate)
+    passes = [[i] for i in range(len(prompts))] if one_at_a_time else [list(range(len(prompts)))]
+    runs: dict[str, tuple[list[RequestRecord], float]] = {mode: ([], 0.0) for mode in modes}
+    for indices in passes:
+        for mode in modes:
+            records, seconds = await run_load(client, [prompts[i] for i in indices], config, load, mode,
+                                              first_index=indices[0])
+            earlier, elapsed = runs[mode]
+            for record in records:  # seconds since the mode's first request, over its passes
+                record.start_s += elapsed
+            runs[mode] = (earlier + records, elapsed + seconds)
+    return runs
+
+
 async def run_load(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
-                   mode: str) -> tuple[list[RequestRecord], float]:
+                   mode: str, first_index: int = 0) -> tuple[list[RequestRecord], float]:
     """Send every prompt once in `mode` (see orchestrator.bench.modes); return the records (in prompt order)
-    and the wall duration in seconds."""
+    and the wall duration in seconds. The prompts are the list's from `first_index` on (their index
+    numbers the records and, with --seeded-requests, gives their seed)."""
     semaphore = asyncio.Semaphore(config.max_concurrency)
-    records = [RequestRecord(kind=item.kind, mode=mode, index=i) for i, item in enumerate(prompts)]
+    records = [RequestRecord(kind=item.kind, mode=mode, index=first_index + i) for i, item in enumerate(prompts)]
     bar = tqdm(total=len(prompts), desc=f"{config.name} spec {mode}", unit="req", disable=not load.progress,
                leave=False)
     start = time.perf_counter()
@@ -82,7 +107,7 @@ async def run_load(client, prompts: list[BenchPrompt], config: Configuration, lo
     async def one(i: int, item: BenchPrompt, at: float) -> None:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with semaphore:
-            await client.send(item, request_params(item, i, config, load, mode), records[i], start)
+            await client.send(item, request_params(item, first_index + i, config, load, mode), records[i], start)
         bar.update(1)
 
     times = arrival_times(len(prompts), load.request_rate, load.seed)

@@ -8,8 +8,8 @@ Acceptance falls with position (the draft drifts from the target the further it
 runs), so one per-token rate over- or under-prices long drafts; per position it
 does not.
 
-Three levels: the deployment (every request this orchestrator served; its prior a
-weak DEFAULT_ACCEPTANCE), the prompt class, the request. Each has a per-token
+Three levels: the deployment (every request this orchestrator served; its prior
+DEFAULT_ACCEPTANCE, worth a few rounds of evidence), the prompt class, the request. Each has a per-token
 level (accepted tokens against rejections, every round informs it) over the level
 above as its prior. The deployment and each class also learn the shape along the
 positions, each position's evidence over the per-token level (or the deployment's
@@ -30,7 +30,11 @@ from collections import OrderedDict
 
 from specmesh.roles import MAX_DRAFT_TOKENS
 
-DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it
+DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it ...
+# ... a few, not one: the prior counts for this many draft tokens' worth of evidence. At one token's
+# worth, the deployment's first round (a warm-up's draft rejected at its first position) halved
+# the prior, and the next request of every new class began at k = 0 and waited 8 rounds for a probe.
+PRIOR_TOKENS = 8.0
 POSITION_WEIGHT = 4.0  # rounds' worth of evidence a level's prior counts for at each position
 MAX_CLASSES = 64
 FLOOR, CEILING = 0.01, 0.995  # no position is ever certain either way
@@ -110,7 +114,7 @@ class AcceptanceMemory:
 
     def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
         """A class's per-token rate and per-position rates, over the deployment's."""
-        deployment_rate = self.deployment.per_token(DEFAULT_ACCEPTANCE, weight=1.0)
+        deployment_rate = self.deployment.per_token(DEFAULT_ACCEPTANCE, weight=PRIOR_TOKENS)
         deployment_shape = self.deployment.rates([deployment_rate] * len(self.deployment.reached))
         counts = self.for_class(prompt_class)
         class_rate = counts.per_token(deployment_rate, weight=2.0)
