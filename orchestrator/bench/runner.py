@@ -80,12 +80,12 @@ async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, l
     it in one go.
     """
     one_at_a_time = config.max_concurrency == 1 and math.isinf(load.request_rate)
-    passes = [[i] for i in range(len(prompts))] if one_at_a_time else [list(range(len(prompts)))]
+    pass_size = 1 if one_at_a_time else max(1, len(prompts))
     runs: dict[str, tuple[list[RequestRecord], float]] = {mode: ([], 0.0) for mode in modes}
-    for indices in passes:
+    for first in range(0, len(prompts), pass_size):
         for mode in modes:
-            records, seconds = await run_load(client, [prompts[i] for i in indices], config, load, mode,
-                                              first_index=indices[0])
+            records, seconds = await run_load(client, prompts[first:first + pass_size], config, load, mode,
+                                              first_index=first)
             earlier, elapsed = runs[mode]
             for record in records:  # seconds since the mode's first request, over its passes
                 record.start_s += elapsed

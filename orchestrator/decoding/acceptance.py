@@ -9,9 +9,9 @@ runs), so one per-token rate over- or under-prices long drafts; per position it
 does not.
 
 Three levels: the deployment (every request this orchestrator served; its prior
-DEFAULT_ACCEPTANCE, worth a few rounds of evidence), the prompt class, the request. Each has a per-token
-level (accepted tokens against rejections, every round informs it) over the level
-above as its prior. The deployment and each class also learn the shape along the
+DEFAULT_ACCEPTANCE, worth a few rounds of evidence), the prompt class, the request.
+Each has a per-token level (accepted tokens against rejections, every round informs
+it) over the level above as its prior. The deployment and each class also learn the shape along the
 positions, each position's evidence over the per-token level (or the deployment's
 shape scaled to the class's level) as its prior, so a position rarely drafted is
 priced like the others rather than written off. A request uses its class's shape
