@@ -17,6 +17,7 @@ from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_server as create_orchestrator_server
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.cpu_linear import choose_cpu_linear
 from specmesh.precision import load_model_in
 from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
@@ -77,14 +78,17 @@ class TargetHold:
 
 
 @functools.lru_cache(maxsize=16)
-def load(model_dir: str, device: str, dtype: str = "float32"):
-    """Models are read-only once loaded, so tests share them across stacks. `dtype`: a --dtype name."""
-    return load_model_in(model_dir, device, dtype)
+def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = "torch"):
+    """Models are read-only once loaded, so tests share them across stacks. `dtype`: a --dtype name;
+    `cpu_linear`: the kernel of float32 Linear layers (specmesh.cpu_linear; tests pick one, never auto)."""
+    model, tokenizer = load_model_in(model_dir, device, dtype)
+    choose_cpu_linear(model, cpu_linear, device)
+    return model, tokenizer
 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
-                row_multiple: int = 1, dtype: str = "float32") -> ModelEngine:
-    model, tokenizer = load(str(model_dir), device, dtype)
+                row_multiple: int = 1, dtype: str = "float32", cpu_linear: str = "torch") -> ModelEngine:
+    model, tokenizer = load(str(model_dir), device, dtype, cpu_linear)
     return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
                                                       generator_salt=role(role_name).generator_salt,
                                                       row_multiple=row_multiple))
@@ -158,7 +162,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       channel_tls: TLSConfig | None = None, client_tls: TLSConfig | None = None,
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
                       internal_token: str | None = None, loop_options: dict | None = None,
-                      calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0) -> Stack:
+                      calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0,
+                      cpu_linear: str = "torch") -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -168,8 +173,9 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     `loop_options`: more LoopConfig fields; `calibrate`: the services measure their step costs first,
     as they do when served (then the orchestrator's policy prices rounds from them); `draft_dtype`: the
     draft's --dtype name; `draft_cost_scale`: the calibrated draft reports its steps this many times their
-    measured cost (a tiny draft the size of its target stands in for a cheaper one)."""
-    target_engine = make_engine(target_dir, device, "target")
+    measured cost (a tiny draft the size of its target stands in for a cheaper one); `cpu_linear`: both
+    services' float32 Linear kernel."""
+    target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear)
     if calibrate:
         target_engine.calibrate()
     target_server, target_port = await start_model_server("target", target_engine, server_tls, internal_token,
@@ -177,7 +183,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
-        draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype)
+        draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype, cpu_linear=cpu_linear)
         if calibrate:
             measured = draft_engine.calibrate().measured
             draft_engine.costs = StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()})

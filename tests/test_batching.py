@@ -60,10 +60,15 @@ def test_a_ragged_step_equals_each_session_alone(tiny_llama_dir, device, row_mul
         assert (after[0] - next_logits_fresh(engine, whole + [9])).abs().max() < MAX_ABS_LOGIT_DELTA
 
 
-async def test_concurrent_mixed_requests_are_lossless_and_batched(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+@pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])
+async def test_concurrent_mixed_requests_are_lossless_and_batched(tiny_llama_dir, tiny_llama_perturbed_dir, device,
+                                                                  cpu_linear):
     """Greedy requests of mixed prompts, lengths and draft lengths, with seeded sampled ones among
-    them: each greedy output is the target's own generate; each seeded one is what it was alone."""
-    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
+    them: each greedy output is the target's own generate (torch's kernels); each seeded one is what
+    it was alone. On either CPU linear kernel (specmesh.cpu_linear)."""
+    if cpu_linear == "onednn" and device != "cpu":
+        pytest.skip("oneDNN linear is a CPU kernel")
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device, cpu_linear=cpu_linear)
     try:
         def request(i: int) -> dict:
             greedy = i % 4 != 3

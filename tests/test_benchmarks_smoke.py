@@ -31,3 +31,10 @@ def test_draft_precision_prices_and_scores_every_precision(tiny_llama_dir, tiny_
     assert all(row["one_row_ms"] > 0 and 0 <= row["agreement"] <= 1 for row in rows.values())
     assert rows["float32"]["batching_delta"] < 1e-4  # padded rows of a batch are computed as if alone
     assert "int8" in capsys.readouterr().out
+
+
+def test_cpu_linear_prices_both_kernels_and_compares_their_outputs(tiny_llama_dir, capsys):
+    table = load_script("cpu_linear").main(["--model", str(tiny_llama_dir), "--rows", "1", "3", "--tokens", "6"])
+    assert set(table) == {"torch", "onednn"}
+    assert all(ms > 0 for rows in table.values() for ms in rows.values())
+    assert "identical for 3 of 3 prompts" in capsys.readouterr().out

@@ -62,3 +62,24 @@ async def test_greedy_parity(request, device, k, target_name, draft_name, relati
         assert 0 < accepted < drafted and (k > 2 or accepted / drafted > 0.2)
     if relation == "unrelated":
         assert accepted / drafted < 0.3
+
+
+@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("target_name, draft_name, relation", CASES[1:])
+async def test_greedy_parity_on_onednn_kernels(request, device, k, target_name, draft_name, relation):
+    """Both services on oneDNN's linear (specmesh.cpu_linear): still the target's own `generate`
+    (torch's kernels), token for token."""
+    if device != "cpu":
+        pytest.skip("oneDNN linear is a CPU kernel")
+    target_dir = str(request.getfixturevalue(target_name))
+    stack = await start_stack(target_dir, request.getfixturevalue(draft_name), k=k, device=device,
+                              cpu_linear="onednn")
+    try:
+        assert type(stack.target_engine.model.get_output_embeddings()).__name__ == "OneDnnLinear"
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                         for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+    for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt
+        assert last.stats.draft_tokens > 0

@@ -91,9 +91,9 @@ def start_own_stack(group: ProcessGroup, args) -> str:
     token = new_internal_token()  # as under `specmesh serve`: only this orchestrator may call the pair
     options = StackOptions(
         target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, trace_exporter="none",
-                              internal_token=token),
+                              internal_token=token, cpu_linear=args.cpu_linear),
         draft=ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                             trace_exporter="none", internal_token=token),
+                             trace_exporter="none", internal_token=token, cpu_linear=args.cpu_linear),
         loop=loop_config(args),
         address="127.0.0.1:0",
         orchestrator=ServiceOptions(model=args.target, http_port=0 if http else -1, trace_exporter="none"))
@@ -131,7 +131,8 @@ def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configurat
     draft_device = args.draft_device or args.device
     print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
           "generation ...", file=sys.stderr, flush=True)
-    pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype)
+    pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype,
+                         args.cpu_linear)
     k = args.num_speculative_tokens
     warm = LoadSettings(8, load.request_rate, load.seed, None, load.timeout_s, False)
     run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, k)

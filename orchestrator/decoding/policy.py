@@ -18,6 +18,10 @@ draft adds, so k shrinks as load grows, and where extra rows cost more than thei
 accepted tokens bring, k = 0 (target-only) wins by itself; when load falls it
 comes back.
 
+Beyond one request the tables no longer price a round well, so whether rounds draft at
+all is learned per load from the tokens per second rounds delivered with and without
+drafting (orchestrator.decoding.regime); under target-only no round drafts or probes.
+
 Hysteresis keeps k from flapping: it changes only for a predicted gain of
 `margin` after `dwell_rounds` rounds at the current k, or at once for a gain of
 `urgent_gain` (a guess that proved wrong). At k = 0 nothing is learned about the
@@ -32,11 +36,13 @@ make the same seed give different (equally valid) outputs from run to run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance, expected_tokens
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.regime import LoadRegimes, RegimeChoice
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,10 @@ class AdaptiveDraftLength:
         self.rounds_since_probe = 0
         self.probing = False
         self._batch = BatchLoad()  # the others, as they stood when this round's k was chosen
+        self.target_only = False  # this round was planned under the load's target-only regime
+        self._regime: RegimeChoice | None = None  # what this round was planned under ...
+        self._previous_regime: RegimeChoice | None = None  # ... and the round before it
+        self._chosen_at = 0.0
 
     def goodput(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
         """Expected committed tokens per second of this request and the others beside it, at draft length k."""
@@ -77,13 +87,21 @@ class AdaptiveDraftLength:
 
     def wants_draft(self, k_max: int) -> bool:
         """Whether the first round would draft: if not, the draft's session can wait until it does."""
-        return k_max > 0 and (not self.costs.known or self.best(k_max, self.shared.batch_load(self)) > 0)
+        if k_max <= 0 or not self.shared.regimes.choice(self.shared.decoding(self)).drafting:
+            return False
+        return not self.costs.known or self.best(k_max, self.shared.batch_load(self)) > 0
 
     def choose(self, k_max: int) -> int:
+        self._regime = None
         if k_max <= 0:
             return 0
         self.shared.join(self)
         self._batch = self.shared.batch_load(self)
+        self._regime = self.shared.regimes.choice(self.shared.decoding(self))
+        self._chosen_at = time.monotonic()
+        self.target_only = not self._regime.drafting
+        if self.target_only:
+            return 0
         if self.k is None:  # the first round: what costs and acceptance history predict, or the most
             self.k = self.best(k_max, self._batch) if self.costs.known else k_max
         elif self.k == 0 and (self.probing or (self.rounds_since_probe >= self.probe_every
@@ -122,13 +140,22 @@ class AdaptiveDraftLength:
         if drafted:
             self.probing = False
         self.acceptance.observe(drafted, accepted)
+        if self._regime is not None:
+            self.shared.regimes.observe(self._regime, self._previous_regime, accepted + 1,
+                                        time.monotonic() - self._chosen_at, self.shared.decoding(self))
+        self._previous_regime, self._regime = self._regime, None
         self.rounds_at_k += 1
         if self.k == 0:
             self.rounds_since_probe += 1
 
+    @property
+    def round_k(self) -> int:
+        """The draft length of this request's rounds now (0 under the target-only regime)."""
+        return 0 if self.target_only else self.k or 0
+
     def expected_tokens(self) -> float:
         """This request's expected tokens per round at its current k (what it adds to a batch)."""
-        return self.acceptance.expected_tokens(self.k or 0)
+        return self.acceptance.expected_tokens(self.round_k)
 
     def close(self) -> None:
         self.shared.leave(self)
@@ -141,6 +168,7 @@ class AdaptiveSpeculation:
     config: PolicyConfig = PolicyConfig()
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
+    regimes: LoadRegimes = field(default_factory=LoadRegimes)
     active: dict[int, AdaptiveDraftLength] = field(default_factory=dict)
 
     def for_request(self, prompt_class: str) -> AdaptiveDraftLength:
@@ -152,9 +180,13 @@ class AdaptiveSpeculation:
     def leave(self, policy: AdaptiveDraftLength) -> None:
         self.active.pop(id(policy), None)
 
+    def decoding(self, me: AdaptiveDraftLength) -> int:
+        """Requests decoding with `me` among them (the load its round runs under)."""
+        return len(self.active) + (0 if id(me) in self.active else 1)
+
     def batch_load(self, me: AdaptiveDraftLength) -> BatchLoad:
         """The other requests decoding now, each at the k it chose last."""
         others = [p for key, p in self.active.items() if key != id(me) and p.k is not None]
-        drafting = [p for p in others if p.k > 0]
-        return BatchLoad(rows=sum(p.k + 1 for p in others), tokens=sum(p.expected_tokens() for p in others),
-                         drafting=len(drafting), drafting_rows=sum(p.k + 1 for p in drafting))
+        drafting = [p for p in others if p.round_k > 0]
+        return BatchLoad(rows=sum(p.round_k + 1 for p in others), tokens=sum(p.expected_tokens() for p in others),
+                         drafting=len(drafting), drafting_rows=sum(p.round_k + 1 for p in drafting))

@@ -38,6 +38,7 @@ from specmesh.models import load_tokenizer
 from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
 from specmesh.security import TLSConfig
 from specmesh.drain import drain_of
+from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
 from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP
 from specmesh.server import serve_until_signal
 from specmesh.service import (ReplicaConfig, ServiceOptions, load_engine, parse_cpu_list,
@@ -74,6 +75,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
     parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
                         help=DTYPE_HELP + "; the draft's precision never changes the output, only acceptance and speed")
+    parser.add_argument("--cpu-linear", default="auto", choices=KERNEL_CHOICES, help=KERNEL_HELP + " (both models)")
 
 
 def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +110,8 @@ def local_pools_options(args: argparse.Namespace, security, metrics_ports, inter
     # with their start-up arguments (pickled over a pipe), never on a command line or in the environment.
     common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                   tls=security.server_tls, internal_token=internal_token, shutdown_grace_s=args.shutdown_grace,
-                  kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions)
+                  kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions,
+                  cpu_linear=args.cpu_linear)
     draft = None
     if args.draft.lower() != "none":
         draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,

@@ -87,7 +87,8 @@ def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtyp
     service = ServiceOptions(model=model, host=args.host, device=replica_device(device, num_gpus), dtype=dtype,
                              num_threads=max(1, math.floor(num_cpus)), trace_exporter=args.trace_exporter,
                              trace_sample_ratio=args.trace_sample_ratio, tls=tls, internal_token=internal_token,
-                             kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions)
+                             kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions,
+                             cpu_linear=args.cpu_linear)
     replicas = 1 if get("replicas") is None else get("replicas")
     return PoolSpec(ReplicaConfig(role, service, **replica), replicas=replicas, min_replicas=get("min_replicas"),
                     max_replicas=get("max_replicas"), num_cpus=num_cpus, num_gpus=num_gpus,

@@ -1,0 +1,131 @@
+"""Whether drafting pays at the current load, learned from what rounds delivered with and without it.
+
+Alone, a request's round is priced well by the services' start-up tables: they time one
+session's step, which is what a lone request runs. Beside other requests it is not: a step
+of several sessions runs another path (their caches joined, a 4-D mask), and a draft and a
+target on the same cores slow each other's steps. Priced from the tables, speculation on
+ran at 0.80-0.91x off at concurrency 2-16 (README, "Measured under load"). So once more
+than one request decodes, the choice between the two regimes, drafting (each request at
+the k its policy picks) and target-only, is made from measurement:
+
+- requests decoding at once are bucketed by load (2, 3-4, 5-8, 9-16, ...);
+- per bucket and regime, the committed tokens per second of a request's rounds, summed
+  over a window of rounds (a few rounds of every request);
+- the better regime runs; the other is tried again for one window after `retry_every`
+  windows, an interval that doubles while it keeps losing, and takes over only if it does
+  better by `margin`. A regime's first round for a request is not counted: it was planned
+  under the other one.
+
+The regime decides only whether a round may draft, before its draft is sampled, so the
+output is unchanged (orchestrator.decoding.policy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+RATE_WEIGHT = 0.5  # of a window's rate in its regime's estimate: loads shift, follow them
+
+
+@dataclass(frozen=True)
+class RegimeConfig:
+    window_rounds: int = 3  # a window: this many rounds of every request decoding
+    margin: float = 0.03  # a regime takes over only for at least 3 % more tokens per second
+    retry_every: int = 4  # windows in the winning regime before the other is measured again ...
+    max_retry_every: int = 64  # ... the interval doubling, up to this, while it keeps losing
+
+
+def load_bucket(active: int) -> int:
+    """0 for a request alone, then 1 for 2 requests, 2 for 3-4, 3 for 5-8, ..."""
+    return 0 if active <= 1 else math.ceil(math.log2(active))
+
+
+@dataclass
+class LoadRegime:
+    """One load bucket: its current regime and what each regime delivered when last measured."""
+
+    config: RegimeConfig
+    drafting: bool = True
+    epoch: int = 0  # regime switches so far: a round planned in an older epoch is not counted
+    rates: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    tokens: float = 0.0  # of the window in progress
+    seconds: float = 0.0
+    rounds: int = 0
+    windows: int = 0  # completed in the current regime since it was entered
+    trying: bool = False  # the current regime is a challenger on trial for one window
+    retry_every: int = 0
+
+    def __post_init__(self):
+        self.retry_every = self.config.retry_every
+
+    def observe(self, tokens: int, seconds: float, active: int) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.rounds += 1
+        if self.rounds >= self.config.window_rounds * max(active, 1):
+            self._close_window()
+
+    def _close_window(self) -> None:
+        rate = self.tokens / max(self.seconds, 1e-9)
+        previous = self.rates[self.drafting]
+        self.rates[self.drafting] = rate if previous is None else previous + RATE_WEIGHT * (rate - previous)
+        self.tokens = self.seconds = 0.0
+        self.rounds = 0
+        self.windows += 1
+        mine, other = self.rates[self.drafting], self.rates[not self.drafting]
+        ahead = other is not None and mine > other * (1.0 + self.config.margin)
+        if self.trying:  # a challenger's window: it takes over only if clearly ahead
+            self.trying = False
+            if ahead:
+                self.retry_every = self.config.retry_every
+            else:
+                self._switch(trying=False)
+        elif other is None or other > mine * (1.0 + self.config.margin):
+            self._switch(trying=True)  # never measured here, or it did better when last measured
+        elif self.windows >= self.retry_every:  # still ahead: look at the other again, less often
+            self.retry_every = min(2 * self.retry_every, self.config.max_retry_every)
+            self._switch(trying=True)
+
+    def _switch(self, trying: bool) -> None:
+        self.trying = trying
+        self.drafting = not self.drafting
+        self.epoch += 1
+        self.windows = 0
+        self.tokens = self.seconds = 0.0
+        self.rounds = 0
+
+
+@dataclass
+class RegimeChoice:
+    """What a round was planned under: its bucket, regime and epoch."""
+
+    bucket: int
+    drafting: bool
+    epoch: int
+
+
+class LoadRegimes:
+    """The orchestrator-wide regime of each load bucket (a request alone always drafts as its policy says)."""
+
+    def __init__(self, config: RegimeConfig = RegimeConfig()):
+        self.config = config
+        self.buckets: dict[int, LoadRegime] = {}
+
+    def choice(self, active: int) -> RegimeChoice:
+        bucket = load_bucket(active)
+        if bucket == 0:
+            return RegimeChoice(0, True, 0)
+        regime = self.buckets.setdefault(bucket, LoadRegime(self.config))
+        return RegimeChoice(bucket, regime.drafting, regime.epoch)
+
+    def observe(self, choice: RegimeChoice, previous: RegimeChoice | None, tokens: int, seconds: float,
+                active: int) -> None:
+        """A round's committed tokens and seconds, planned under `choice`; `previous`: the request's
+        round before it (a round right after a switch was planned under the other regime's batch)."""
+        regime = self.buckets.get(choice.bucket)
+        if regime is None or choice.epoch != regime.epoch:
+            return
+        if previous is None or previous.bucket != choice.bucket or previous.epoch != choice.epoch:
+            return
+        regime.observe(tokens, seconds, active)

@@ -1,0 +1,121 @@
+"""Which kernel an fp32 Linear layer runs on the CPU: torch's default GEMM or oneDNN's, chosen by timing.
+
+A decode or verification step multiplies a few rows by every weight of the model, so
+its cost is how fast the GEMM streams the weights for small row counts. That depends
+on the host: on one 2-core AMD EPYC VM (2026-11-25; README, "CPU matmul kernels")
+torch's default fp32 GEMM ran the embedded 1.5B target's step in 363 ms for one row
+and 1047 ms for three, where oneDNN's linear, with the weight kept in oneDNN's own
+layout, took 231 and 297 ms. On other hosts the default may win. So `auto` times both
+on the model's own layer shapes at start-up, for the row counts a step feeds, and keeps
+the faster.
+
+Either kernel sums in a different order than the other, and than itself for another row
+count: a logit moves by about 1e-5 (fp32), the same order as batching already moves it
+(README, "Lossless under batching"). Only float32 layers are converted: int8 layers
+(specmesh.precision) and other dtypes keep their own kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "onednn", "torch")
+KERNEL_HELP = ("kernel of float32 Linear layers on a CPU: torch (its default GEMM), onednn (oneDNN's "
+               "linear, weights in oneDNN's layout), or auto: time both on this model's layers at "
+               "start-up and keep the faster")
+TIMED_ROWS = (1, 2, 4, 8)  # what decode and verification steps feed
+REPEATS = 3  # the fastest of these (noise only ever adds time)
+PICK_GAIN = 0.9  # switch to oneDNN only for a total at least 10 % lower: timings are noisy
+
+
+class OneDnnLinear(torch.nn.Module):
+    """A float32 Linear layer computed by oneDNN from a weight kept in oneDNN's layout."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = linear.bias.detach() if linear.bias is not None else torch.zeros(self.out_features)
+        self.register_buffer("weight", linear.weight.detach().to_mkldnn())  # [out, in], oneDNN layout
+        self.register_buffer("bias", bias.float().to_mkldnn())  # [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
+        y = torch._C._nn.mkldnn_linear(rows, self.weight, self.bias).to_dense()
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def onednn_usable(device: str) -> bool:
+    return device == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def _fp32_linears(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, layer) of every float32 Linear layer of `model`."""
+    return [(parent, name, child) for parent in list(model.modules())
+            for name, child in list(parent.named_children())
+            if isinstance(child, torch.nn.Linear) and child.weight.dtype == torch.float32]
+
+
+def use_onednn(model: torch.nn.Module) -> int:
+    """Replace every float32 Linear layer by a OneDnnLinear; returns how many. A tied output
+    projection gets its own copy (the input embedding keeps its weights)."""
+    layers = _fp32_linears(model)
+    for parent, name, linear in layers:
+        setattr(parent, name, OneDnnLinear(linear))
+    return len(layers)
+
+
+def _fastest_seconds(kernels: dict[str, torch.nn.Module], rows: int, width: int) -> dict[str, float]:
+    """The fastest of REPEATS calls of each kernel on `rows` rows, the kernels taking turns call by
+    call, so a disturbance (another process starting beside this one) slows both alike."""
+    x = torch.randn(rows, width)  # [rows, in]
+    best = {name: float("inf") for name in kernels}
+    for name, forward in kernels.items():
+        forward(x)  # the first call pays one-time costs (kernel selection)
+    for _ in range(REPEATS):
+        for name, forward in kernels.items():
+            start = time.perf_counter()
+            forward(x)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def time_kernels(model: torch.nn.Module) -> dict[str, float]:
+    """Seconds of one pass over every float32 Linear layer at each of TIMED_ROWS, per kernel
+    (each distinct shape timed once, counted as often as the model has it)."""
+    shapes = Counter((linear.out_features, linear.in_features) for _, _, linear in _fp32_linears(model))
+    first = {}
+    for _, _, linear in _fp32_linears(model):
+        first.setdefault((linear.out_features, linear.in_features), linear)
+    totals = {"torch": 0.0, "onednn": 0.0}
+    with torch.inference_mode():
+        for shape, count in shapes.items():
+            kernels = {"torch": first[shape], "onednn": OneDnnLinear(first[shape])}
+            for rows in TIMED_ROWS:
+                for name, seconds in _fastest_seconds(kernels, rows, shape[1]).items():
+                    totals[name] += count * seconds
+    return totals
+
+
+def choose_cpu_linear(model: torch.nn.Module, kernels: str, device: str) -> str:
+    """Put `model`'s float32 Linear layers on the kernel `kernels` names (auto: the faster here);
+    returns the kernel they run. ValueError for onednn where oneDNN cannot run."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"cpu linear kernel must be one of {', '.join(KERNEL_CHOICES)}, not {kernels!r}")
+    if kernels == "onednn" and not onednn_usable(device):
+        raise ValueError(f"cpu linear kernel onednn needs a CPU with oneDNN, not device {device!r}")
+    if kernels == "torch" or not onednn_usable(device) or not _fp32_linears(model):
+        return "torch"
+    if kernels == "auto":
+        totals = time_kernels(model)
+        logger.info("float32 linear layers, one pass at rows %s: torch %.1f ms, onednn %.1f ms",
+                    TIMED_ROWS, totals["torch"] * 1e3, totals["onednn"] * 1e3)
+        if totals["onednn"] >= PICK_GAIN * totals["torch"]:
+            return "torch"
+    logger.info("oneDNN linear in %d float32 layers", use_onednn(model))
+    return "onednn"

@@ -1,0 +1,91 @@
+"""specmesh.cpu_linear: oneDNN's linear computes what torch's does, and the kernel choice is the service's."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear, onednn_usable, time_kernels
+from specmesh.precision import load_model_in, quantize_int8_weights
+
+pytestmark = pytest.mark.skipif(not onednn_usable("cpu"), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednn_linear_computes_what_torch_linear_does(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    onednn = OneDnnLinear(linear)
+    for shape in [(1, 48), (5, 48), (2, 3, 48)]:  # one row, a step's rows, [batch, positions, hidden]
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            got, want = onednn(x), linear(x)
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]  # [positions, vocab]
+
+
+def test_onednn_model_keeps_logits_and_greedy_output(tiny_qwen2_dir):
+    reference, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    assert choose_cpu_linear(model, "onednn", "cpu") == "onednn"
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears and isinstance(model.get_output_embeddings(), OneDnnLinear)
+    ids = [3, 17, 5, 42, 8, 9, 11]
+    assert (_logits(model, ids) - _logits(reference, ids)).abs().max().item() < 1e-4
+    with torch.inference_mode():
+        prompt = torch.tensor([ids])
+        want = reference.generate(prompt, max_new_tokens=12, do_sample=False)
+        got = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert got.tolist() == want.tolist()
+
+
+def test_torch_kernel_leaves_the_model_alone(tiny_qwen2_dir):
+    model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    before = [type(m) for m in model.modules()]
+    assert choose_cpu_linear(model, "torch", "cpu") == "torch"
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_only_float32_linear_layers_change(tiny_qwen2_dir):
+    """int8 layers (and other dtypes) keep their own kernels: there is nothing for oneDNN to take."""
+    model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    quantize_int8_weights(model)
+    assert choose_cpu_linear(model, "onednn", "cpu") == "torch"
+    assert not any(isinstance(m, OneDnnLinear) for m in model.modules())
+
+
+def test_auto_times_both_kernels_and_keeps_a_working_model(tiny_qwen2_dir, caplog):
+    model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    reference, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    totals = time_kernels(model)
+    assert set(totals) == {"torch", "onednn"} and all(seconds > 0 for seconds in totals.values())
+    with caplog.at_level(logging.INFO, logger="specmesh.cpu_linear"):
+        chosen = choose_cpu_linear(model, "auto", "cpu")
+    assert "one pass at rows" in caplog.text
+    assert chosen == ("onednn" if isinstance(model.get_output_embeddings(), OneDnnLinear) else "torch")
+    ids = [1, 2, 3, 4]
+    assert (_logits(model, ids) - _logits(reference, ids)).abs().max().item() < 1e-4
+
+
+def test_bad_kernel_names_and_devices_are_refused(tiny_qwen2_dir):
+    model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
+    with pytest.raises(ValueError, match="one of auto, onednn, torch"):
+        choose_cpu_linear(model, "mkl", "cpu")
+    with pytest.raises(ValueError, match="needs a CPU"):
+        choose_cpu_linear(model, "onednn", "cuda")
+    assert choose_cpu_linear(model, "auto", "cuda") == "torch"  # auto off the CPU: nothing to choose
+
+
+def test_a_service_loads_its_model_on_the_kernel_its_options_name(tiny_qwen2_dir):
+    from specmesh.service import ServiceOptions, load_engine
+
+    engine = load_engine(ServiceOptions(model=str(tiny_qwen2_dir), cpu_linear="onednn"), "target")
+    assert isinstance(engine.model.get_output_embeddings(), OneDnnLinear)
+    assert engine.costs is not None  # and it measured its step costs on that kernel

@@ -1,0 +1,129 @@
+"""Drafting or target-only under load, learned from what rounds delivered (orchestrator.decoding.regime).
+
+Rounds are fed with constructed tokens and seconds (no timing): the regime must try both,
+keep the better, look at the loser again less and less often, follow a change in which one
+wins, and never count a round planned under the other regime. The policy must obey it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from orchestrator.decoding.costs import RoundCosts
+from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.policy import AdaptiveSpeculation
+from orchestrator.decoding.regime import LoadRegimes, RegimeConfig, load_bucket
+from specmesh.step_costs import StepCosts
+
+ACTIVE = 4  # requests decoding at once in these tests
+
+
+def run_rounds(regimes: LoadRegimes, rounds: int, rate: dict[bool, float], active: int = ACTIVE) -> list[bool]:
+    """`rounds` rounds of each of `active` requests; a round under regime r commits 2 tokens in
+    2 / rate[r] seconds. Returns the regime of each batch round."""
+    previous: list = [None] * active
+    seen = []
+    for _ in range(rounds):
+        choices = [regimes.choice(active) for _ in range(active)]
+        seen.append(choices[0].drafting)
+        for request, choice in enumerate(choices):
+            regimes.observe(choice, previous[request], 2, 2 / rate[choice.drafting], active)
+            previous[request] = choice
+    return seen
+
+
+def switches(seen: list[bool]) -> int:
+    return sum(a != b for a, b in zip(seen, seen[1:]))
+
+
+def trial_gaps(seen: list[bool], loser: bool) -> list[int]:
+    """Batch rounds between the starts of the loser's trials, after the first."""
+    starts = [i for i in range(1, len(seen)) if seen[i] == loser and seen[i - 1] != loser]
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def test_load_buckets():
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_a_request_alone_always_drafts_as_its_policy_says():
+    regimes = LoadRegimes()
+    choice = regimes.choice(1)
+    assert choice.drafting
+    regimes.observe(choice, choice, 1, 100.0, 1)  # a dreadful round changes nothing alone
+    assert regimes.choice(1).drafting and not regimes.buckets
+
+
+def test_target_only_wins_where_it_delivers_more_and_drafting_is_retried_less_and_less():
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4, max_retry_every=64))
+    seen = run_rounds(regimes, 600, {True: 8.0, False: 10.0})
+    assert seen[0] is True  # it starts drafting, as the policy would
+    assert seen.count(False) > 0.85 * len(seen)
+    gaps = trial_gaps(seen, loser=True)
+    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # every 4, 8, 16, ... windows
+    regime = regimes.buckets[load_bucket(ACTIVE)]
+    assert regime.rates[False] > regime.rates[True]
+
+
+def test_drafting_keeps_the_load_where_it_pays():
+    regimes = LoadRegimes()
+    seen = run_rounds(regimes, 600, {True: 12.0, False: 10.0})
+    assert seen.count(True) > 0.85 * len(seen) and seen[-100:].count(True) > 90
+
+
+def test_a_change_in_which_regime_pays_is_followed():
+    regimes = LoadRegimes()
+    run_rounds(regimes, 300, {True: 12.0, False: 10.0})
+    seen = run_rounds(regimes, 400, {True: 6.0, False: 10.0})
+    assert seen[:30].count(False) > 15  # within a few windows, not after the long retry interval
+    assert seen[-100:].count(False) > 85
+
+
+def test_a_small_difference_does_not_flip_the_regime_back_and_forth():
+    """Within the margin a trial never takes over: the first regime to win stays, tried against
+    the other ever more rarely."""
+    regimes = LoadRegimes()
+    seen = run_rounds(regimes, 600, {True: 10.0, False: 10.1})
+    regime = regimes.buckets[load_bucket(ACTIVE)]
+    held = regime.drafting != regime.trying  # the established regime (not a trial in progress)
+    assert seen[100:].count(held) > 0.9 * len(seen[100:])
+    gaps = trial_gaps(seen, loser=not held)
+    assert gaps == sorted(gaps)
+
+
+def test_rounds_planned_under_the_other_regime_are_not_counted():
+    regimes = LoadRegimes(RegimeConfig(window_rounds=1))
+    first = regimes.choice(2)
+    regimes.observe(first, None, 1, 1.0, 2)  # a request's first round: nothing before it to compare
+    regime = regimes.buckets[load_bucket(2)]
+    assert regime.rounds == 0
+    regimes.observe(first, first, 1, 1.0, 2)
+    regimes.observe(first, first, 1, 1.0, 2)  # the window closes: target-only is tried next
+    assert not regime.drafting and regime.epoch == 1
+    regimes.observe(first, first, 1, 1.0, 2)  # planned before the switch
+    after = regimes.choice(2)
+    regimes.observe(after, first, 1, 1.0, 2)  # the first round after it: the batch was still drafting
+    assert regime.rounds == 0 and regime.rates[False] is None
+
+
+def flat(seconds: float) -> StepCosts:
+    return StepCosts({rows: seconds for rows in (1, 2, 4, 8, 16)})
+
+
+def test_the_policy_obeys_the_target_only_regime():
+    """Under target-only no round drafts, the others count as target-only, and no draft opens."""
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.1), draft=flat(0.001))))
+    policies = [shared.for_request("code") for _ in range(2)]
+    drafting = [p.choose(8) for p in policies]
+    assert all(k > 0 for k in drafting)  # a nearly free draft: long drafts, as priced
+    regime = shared.regimes.buckets[load_bucket(2)]
+    regime.drafting = False
+    shared.regimes.choice(3)
+    shared.regimes.buckets[load_bucket(3)].drafting = False
+    assert [p.choose(8) for p in policies] == [0, 0]
+    assert all(p.round_k == 0 for p in policies) and shared.batch_load(policies[0]).drafting == 0
+    assert not shared.for_request("code").wants_draft(8)  # a third request would start target-only too
+    for p in policies:
+        p.observe(RoundTiming(draft_s=0.0, verify_s=0.1), 0, 0)
+    regime.drafting = True
+    assert [p.choose(8) for p in policies] == drafting  # back to each request's own k
