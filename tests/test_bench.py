@@ -17,7 +17,8 @@ from orchestrator.bench import sweep
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.report import standing_line
-from orchestrator.bench.runner import Configuration, LoadSettings, arrival_times, run_modes
+from orchestrator.bench.modes import DEFAULT, OFF
+from orchestrator.bench.runner import Configuration, LoadSettings, arrival_times, run_modes, warm_up
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.decoding.loop import LoopConfig
@@ -272,3 +273,27 @@ async def test_modes_take_turns_prompt_by_prompt_when_requests_run_one_at_a_time
     for mode, (records, seconds) in runs.items():
         assert [r.index for r in records] == [0, 1, 2] and all(r.mode == mode for r in records)
         assert seconds >= 0 and [r.start_s for r in records] == sorted(r.start_s for r in records)
+
+
+class ConcurrencyClient(RecordingClient):
+    """Records how many requests were in flight at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_flight = self.most_in_flight = 0
+
+    async def send(self, item, params, record, run_start) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0)  # a yield, not a wait: the other slots start before this one ends
+        await super().send(item, params, record, run_start)
+        self.in_flight -= 1
+
+
+async def test_a_warm_up_before_a_higher_concurrency_fills_every_slot_in_both_modes():
+    client = ConcurrencyClient()
+    load = LoadSettings(max_tokens=32, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
+                        progress=False)
+    await warm_up(client, BUILTIN["code"][:3], 2, load, concurrency=5)
+    assert [mode for mode, _ in client.sent] == [DEFAULT] * 5 + [OFF] * 5  # prompts reused to fill the slots
+    assert client.most_in_flight == 5

@@ -57,7 +57,8 @@ def test_a_request_alone_always_drafts_as_its_policy_says():
 def test_target_only_wins_where_it_delivers_more_and_drafting_is_retried_less_and_less():
     regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4, max_retry_every=64))
     seen = run_rounds(regimes, 600, {True: 8.0, False: 10.0})
-    assert seen[0] is True  # it starts drafting, as the policy would
+    assert seen[0] is False  # a load met for the first time starts target-only ...
+    assert any(seen[:8])  # ... and tries drafting after one window
     assert seen.count(False) > 0.85 * len(seen)
     gaps = trial_gaps(seen, loser=True)
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]  # every 4, 8, 16, ... windows
@@ -98,12 +99,12 @@ def test_rounds_planned_under_the_other_regime_are_not_counted():
     regime = regimes.buckets[load_bucket(2)]
     assert regime.rounds == 0
     regimes.observe(first, first, 1, 1.0, 2)
-    regimes.observe(first, first, 1, 1.0, 2)  # the window closes: target-only is tried next
-    assert not regime.drafting and regime.epoch == 1
+    regimes.observe(first, first, 1, 1.0, 2)  # the window closes: drafting is tried next
+    assert regime.drafting and regime.epoch == 1
     regimes.observe(first, first, 1, 1.0, 2)  # planned before the switch
     after = regimes.choice(2)
-    regimes.observe(after, first, 1, 1.0, 2)  # the first round after it: the batch was still drafting
-    assert regime.rounds == 0 and regime.rates[False] is None
+    regimes.observe(after, first, 1, 1.0, 2)  # the first round after it: the batch was still target-only
+    assert regime.rounds == 0 and regime.rates[True] is None
 
 
 def flat(seconds: float) -> StepCosts:
@@ -114,9 +115,11 @@ def test_the_policy_obeys_the_target_only_regime():
     """Under target-only no round drafts, the others count as target-only, and no draft opens."""
     shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.1), draft=flat(0.001))))
     policies = [shared.for_request("code") for _ in range(2)]
+    shared.regimes.choice(2)
+    regime = shared.regimes.buckets[load_bucket(2)]
+    regime.drafting = True
     drafting = [p.choose(8) for p in policies]
     assert all(k > 0 for k in drafting)  # a nearly free draft: long drafts, as priced
-    regime = shared.regimes.buckets[load_bucket(2)]
     regime.drafting = False
     shared.regimes.choice(3)
     shared.regimes.buckets[load_bucket(3)].drafting = False
@@ -127,3 +130,57 @@ def test_the_policy_obeys_the_target_only_regime():
         p.observe(RoundTiming(draft_s=0.0, verify_s=0.1), 0, 0)
     regime.drafting = True
     assert [p.choose(8) for p in policies] == drafting  # back to each request's own k
+
+
+def settle(regimes: LoadRegimes, active: int, rate: dict[bool, float]) -> None:
+    """Enough rounds at `active` for both regimes to be measured there."""
+    run_rounds(regimes, 60, rate, active)
+    assert regimes.buckets[load_bucket(active)].winner is not None
+
+
+def test_a_heavier_load_starts_target_only_where_a_lighter_one_found_drafting_loses():
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    settle(regimes, 4, {True: 8.0, False: 10.0})
+    seen = run_rounds(regimes, 3 * 4 + 3, {True: 8.0, False: 10.0}, active=8)  # four windows and a bit
+    assert not any(seen[:12])  # no opening window of drafting: it waits its turn ...
+    assert any(seen[12:])  # ... and is measured after retry_every windows
+
+
+def test_a_lighter_load_starts_drafting_where_a_heavier_one_found_it_pays():
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    settle(regimes, 8, {True: 12.0, False: 10.0})
+    seen = run_rounds(regimes, 12, {True: 12.0, False: 10.0}, active=2)
+    assert all(seen)  # target-only is not tried after the first window
+
+
+def test_without_a_neighbour_that_says_so_a_bucket_measures_both_at_once():
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    settle(regimes, 8, {True: 8.0, False: 10.0})  # drafting lost under a heavier load: says nothing here
+    seen = run_rounds(regimes, 6, {True: 8.0, False: 10.0}, active=2)
+    assert seen[:3] == [False] * 3 and all(seen[4:])  # target-only first, drafting right after
+
+
+def test_a_request_counts_towards_the_load_from_its_arrival():
+    """A burst's first request to get its first token must not open a draft as if it were alone."""
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.1), draft=flat(0.001))))
+    shared.regimes.choice(8)
+    shared.regimes.buckets[load_bucket(8)].drafting = False
+    burst = [shared.for_request("code") for _ in range(8)]
+    assert burst[0].wants_draft(8)  # before they arrive, it would be alone
+    for policy in burst:
+        policy.arrive()
+    assert not burst[0].wants_draft(8)
+    for policy in burst[1:]:
+        policy.close()
+    assert burst[0].wants_draft(8)  # alone again
+
+
+def test_a_draft_opened_late_must_win_back_its_prefill():
+    """Drafting that comes back near a request's end must not prefill its whole sequence for a few tokens."""
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.1), draft=flat(0.05))))
+    policy = shared.for_request("code")
+    assert policy.worth_opening(2, catch_up=160, tokens_left=400)
+    assert not policy.worth_opening(2, catch_up=160, tokens_left=3)
+    assert not policy.worth_opening(0, catch_up=1, tokens_left=400)  # a target-only round needs no draft
+    unpriced = AdaptiveSpeculation(costs=RoundCosts()).for_request("code")
+    assert unpriced.worth_opening(2, catch_up=160, tokens_left=3)  # no table: it cannot tell, so it drafts

@@ -114,6 +114,8 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
         await warm_up(client, prompts, args.num_warmups, load)
         modes = served_modes(args.ab, sweep_ks(args))
         for configuration in configurations:
+            if args.num_warmups and configuration.max_concurrency > 1:
+                await warm_up(client, prompts, args.num_warmups, load, configuration.max_concurrency)
             by_mode = await run_modes(client, prompts, configuration, load, modes)
             runs.update({(configuration.name, mode): run for mode, run in by_mode.items()})
     finally:

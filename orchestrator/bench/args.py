@@ -86,7 +86,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--seeded-requests", action="store_true",
                       help="also send request i the sampling seed --seed + i (reproducible sampling; the "
                            "server keeps such requests at a fixed k instead of the adaptive policy)")
-    load.add_argument("--num-warmups", type=int, default=2, help="uncounted warm-up requests per mode")
+    load.add_argument("--num-warmups", type=int, default=2,
+                      help="uncounted warm-up requests per mode at concurrency 1 (and, if not 0, one per slot "
+                           "before each higher concurrency)")
     load.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
     modes = bench.add_argument_group("modes")
     modes.add_argument("--ab", action="store_true", help="run every configuration with speculation on and off")

@@ -137,6 +137,12 @@ class RoundCosts:
             return self.observed.draft_s(k)
         return k * step_s(tables[1], max(1, drafting)) * (self.draft_ratio.value or 1.0)
 
+    def draft_prefill_s(self, tokens: int) -> float | None:
+        """Seconds for the draft to feed `tokens` tokens at once (a prefill or a long catch-up), or
+        None without its table."""
+        tables = self._tables()
+        return None if tables is None else step_s(tables[1], tokens) * (self.draft_ratio.value or 1.0)
+
     def round_s(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
         """Seconds of one round of the batch, this request drafting k tokens (module docstring)."""
         steady_rows, drafting_rows, drafting = batch.with_round(k)

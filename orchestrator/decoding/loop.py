@@ -76,9 +76,13 @@ class GenerationRequest:
 
 
 class DraftLengthPolicy(Protocol):
+    def arrive(self) -> None: ...
+
     def wants_draft(self, k_max: int) -> bool: ...
 
     def choose(self, k_max: int) -> int: ...
+
+    def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
 
     def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
 
@@ -140,6 +144,8 @@ class SpeculativeGeneration:
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         try:
+            if self.policy is not None:
+                self.policy.arrive()  # from now on it is part of the load the others decode under
             batch = await self._open()
             while True:
                 batch = self._cut_at_eos(batch)
@@ -263,6 +269,9 @@ class SpeculativeGeneration:
             return 0
         k = self.policy.choose(self._k_max()) if self.policy is not None else self._k_max()
         if k and not self._draft_asked:  # the policy's first round that wants draft tokens
+            if self.policy is not None and not self.policy.worth_opening(k, len(self.sequence),
+                                                                         self.request.max_tokens - self.generated):
+                return 0
             self._open_draft()
         opening = self._draft_opening is not None and not self._draft_opening.done()
         if k and opening and self.policy is not None:

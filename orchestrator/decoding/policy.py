@@ -85,11 +85,27 @@ class AdaptiveDraftLength:
     def best(self, k_max: int, batch: BatchLoad = BatchLoad()) -> int:
         return max(range(0, k_max + 1), key=lambda k: self.goodput(k, batch))
 
+    def arrive(self) -> None:
+        """The request is in flight: it counts towards the load from its prefill on, so that the
+        first requests of a burst do not each open a draft as if alone."""
+        self.shared.join(self)
+
     def wants_draft(self, k_max: int) -> bool:
         """Whether the first round would draft: if not, the draft's session can wait until it does."""
         if k_max <= 0 or not self.shared.regimes.choice(self.shared.decoding(self)).drafting:
             return False
         return not self.costs.known or self.best(k_max, self.shared.batch_load(self)) > 0
+
+    def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool:
+        """Whether opening the draft's session now pays for its prefill of `catch_up` tokens: rounds
+        at k must save more than that over the `tokens_left` the request may still make. Late in a
+        request (the load fell and drafting came back) a prefill of its whole sequence would cost
+        more than its last few tokens can win back."""
+        prefill_s = self.costs.draft_prefill_s(catch_up)
+        if k <= 0 or prefill_s is None:
+            return k > 0
+        per_token = lambda k: self.costs.round_s(k, self._batch) / self.acceptance.expected_tokens(k)  # noqa: E731
+        return tokens_left * (per_token(0) - per_token(k)) > prefill_s
 
     def choose(self, k_max: int) -> int:
         self._regime = None

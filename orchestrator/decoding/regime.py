@@ -8,13 +8,21 @@ ran at 0.80-0.91x off at concurrency 2-16 (README, "Measured under load"). So on
 than one request decodes, the choice between the two regimes, drafting (each request at
 the k its policy picks) and target-only, is made from measurement:
 
-- requests decoding at once are bucketed by load (2, 3-4, 5-8, 9-16, ...);
+- requests in flight (from arrival, their prefill included) are bucketed by load (2, 3-4,
+  5-8, 9-16, ...);
 - per bucket and regime, the committed tokens per second of a request's rounds, summed
   over a window of rounds (a few rounds of every request);
 - the better regime runs; the other is tried again for one window after `retry_every`
   windows, an interval that doubles while it keeps losing, and takes over only if it does
   better by `margin`. A regime's first round for a request is not counted: it was planned
-  under the other one.
+  under the other one;
+- a bucket met for the first time starts from its neighbours: past a lighter load where
+  target-only won, or below a heavier one where drafting won, it starts in that regime and
+  measures the other only after `retry_every` windows (more load only makes drafting pay
+  less). Without such a neighbour it starts target-only and tries drafting after one window:
+  a load met for the first time is often a burst of arrivals whose prefills the draft's own
+  prefills would slow (speculation on ran its first tokens 35 % later than off at
+  concurrency 16 when a new load started drafting).
 
 The regime decides only whether a round may draft, before its draft is sampled, so the
 output is unchanged (orchestrator.decoding.policy).
@@ -46,7 +54,7 @@ class LoadRegime:
     """One load bucket: its current regime and what each regime delivered when last measured."""
 
     config: RegimeConfig
-    drafting: bool = True
+    drafting: bool = False
     epoch: int = 0  # regime switches so far: a round planned in an older epoch is not counted
     rates: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     tokens: float = 0.0  # of the window in progress
@@ -55,6 +63,7 @@ class LoadRegime:
     windows: int = 0  # completed in the current regime since it was entered
     trying: bool = False  # the current regime is a challenger on trial for one window
     retry_every: int = 0
+    inherited: bool = False  # started in a neighbour's winning regime: the other waits its turn
 
     def __post_init__(self):
         self.retry_every = self.config.retry_every
@@ -75,17 +84,25 @@ class LoadRegime:
         self.windows += 1
         mine, other = self.rates[self.drafting], self.rates[not self.drafting]
         ahead = other is not None and mine > other * (1.0 + self.config.margin)
+        behind = other is not None and other > mine * (1.0 + self.config.margin)
         if self.trying:  # a challenger's window: it takes over only if clearly ahead
             self.trying = False
             if ahead:
                 self.retry_every = self.config.retry_every
             else:
                 self._switch(trying=False)
-        elif other is None or other > mine * (1.0 + self.config.margin):
+        elif behind or (other is None and not self.inherited):
             self._switch(trying=True)  # never measured here, or it did better when last measured
         elif self.windows >= self.retry_every:  # still ahead: look at the other again, less often
             self.retry_every = min(2 * self.retry_every, self.config.max_retry_every)
             self._switch(trying=True)
+
+    @property
+    def winner(self) -> bool | None:
+        """The regime that delivered more here, once both were measured."""
+        if self.rates[True] is None or self.rates[False] is None:
+            return None
+        return self.rates[True] > self.rates[False]
 
     def _switch(self, trying: bool) -> None:
         self.trying = trying
@@ -116,8 +133,18 @@ class LoadRegimes:
         bucket = load_bucket(active)
         if bucket == 0:
             return RegimeChoice(0, True, 0)
-        regime = self.buckets.setdefault(bucket, LoadRegime(self.config))
+        regime = self.buckets.get(bucket) or self._first_met(bucket)
         return RegimeChoice(bucket, regime.drafting, regime.epoch)
+
+    def _first_met(self, bucket: int) -> LoadRegime:
+        regime = self.buckets[bucket] = LoadRegime(self.config)
+        lighter = [b for b in self.buckets if b < bucket and self.buckets[b].winner is not None]
+        heavier = [b for b in self.buckets if b > bucket and self.buckets[b].winner is not None]
+        if lighter and self.buckets[max(lighter)].winner is False:
+            regime.inherited = True
+        elif heavier and self.buckets[min(heavier)].winner is True:
+            regime.drafting, regime.inherited = True, True
+        return regime
 
     def observe(self, choice: RegimeChoice, previous: RegimeChoice | None, tokens: int, seconds: float,
                 active: int) -> None:
