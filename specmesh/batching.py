@@ -23,7 +23,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 import torch
 
@@ -82,7 +82,8 @@ class StepPlanner:
         self.prefill_allowance = prefill_allowance
         self.min_prefill_chunk = min_prefill_chunk
 
-    def plan(self, active: Sequence[_Work]) -> list[tuple[_Work, Part]]:
+    def plan(self, active: Sequence[_Work], prefill: bool = True) -> list[tuple[_Work, Part]]:
+        """The step's parts; prefill False: decode rows only (unless nothing else is waiting)."""
         planned, rows = [], 0
         for work in active:
             if work.feed is None or work.feed.chunkable:
@@ -92,7 +93,7 @@ class StepPlanner:
             planned.append((work, Part(work.feed.session, work.feed.token_ids, work.feed.keep_rows)))
             rows += work.rows_left
         prefills = sum(1 for work in active if work.feed is not None and work.feed.chunkable)
-        if not prefills:
+        if not prefills or (planned and not prefill):
             return planned
         allowance = max(self.min_prefill_chunk, min(self.prefill_allowance(rows, prefills), self.max_step_tokens - rows))
         for work in active:
@@ -110,12 +111,16 @@ class StepScheduler:
     """The worker thread that batches jobs into steps; `run_step(parts)` does the forward."""
 
     def __init__(self, run_step: Callable[[list[Part]], tuple[list[torch.Tensor | None], int]],
-                 planner: StepPlanner, name: str = "model", expected_sessions: Callable[[], int] = lambda: 0,
-                 gather_fraction: float = 0.1, max_gather_s: float = 0.02):
+                 planner: StepPlanner, name: str = "model", expected_sessions: Callable[[], Iterable[str]] = tuple,
+                 gather_fraction: float = 0.1, max_gather_s: float = 0.02, max_prefill_gather_s: float = 0.1,
+                 max_prefill_skips: int = 2):
         self.run_step = run_step
         self.planner = planner
-        self.expected_sessions = expected_sessions  # sessions that will send work soon (open, not idle)
+        self.expected_sessions = expected_sessions  # keys of sessions that will send work soon (open, not idle)
         self.gather_fraction, self.max_gather_s = gather_fraction, max_gather_s
+        self.max_prefill_gather_s = max_prefill_gather_s  # the wait before a step that would carry a chunk
+        self.max_prefill_skips = max_prefill_skips  # steps in a row a chunk may wait for a late stream
+        self._prefill_skips = 0
         self.last_step_s = 0.0
         self._inbox: collections.deque[_Work] = collections.deque()
         self._wakeup = threading.Condition()
@@ -166,8 +171,8 @@ class StepScheduler:
                     return
             self._admit_arrived()
             if self._active:
-                self._gather()
-                self._step()
+                aboard = self._gather()
+                self._step(prefill=aboard or self._prefill_skips >= self.max_prefill_skips)
 
     def _admit_arrived(self) -> None:
         with self._wakeup:
@@ -176,23 +181,35 @@ class StepScheduler:
         for work in arrived:
             self._admit(work)
 
-    def _gather(self) -> None:
-        """Wait a moment for the other sessions' next calls before stepping.
+    def _gather(self) -> bool:
+        """Wait a moment for the other sessions' next calls before stepping; whether all are here.
 
         Each session's next Verify or Propose arrives a round trip after the step that
         answered its last one; stepping at the first arrival would split the sessions
         into a step of one and a step of the rest. The wait is bounded by a fraction of
         the last step's time, and skipped when every expected session is already here.
+        Before a step that would carry a prefill chunk the wait may be longer: such a
+        step costs up to the prefill slowdown times a decode step, and a stream that
+        misses it waits for it and then for its own.
         """
-        deadline = time.monotonic() + min(self.max_gather_s, self.gather_fraction * self.last_step_s)
-        while len({work.key for work in self._active}) < self.expected_sessions():
+        limit = self.max_prefill_gather_s if self._prefill_pending() else self.max_gather_s
+        deadline = time.monotonic() + min(limit, self.gather_fraction * self.last_step_s)
+        while not (aboard := self._all_aboard()):
             with self._wakeup:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopping:
-                    return
+                    return False
                 if not self._inbox:
                     self._wakeup.wait(remaining)
             self._admit_arrived()
+        return aboard
+
+    def _all_aboard(self) -> bool:
+        here = {work.key for work in self._active}
+        return all(key in here for key in self.expected_sessions())
+
+    def _prefill_pending(self) -> bool:
+        return any(work.feed is not None and work.feed.chunkable for work in self._active)
 
     def _admit(self, work: _Work) -> None:
         if work.key is not None and work.key in self._busy:
@@ -241,8 +258,13 @@ class StepScheduler:
             self._busy.discard(work.key)
             self._parked.pop(work.key, None)
 
-    def _step(self) -> None:
-        planned = self.planner.plan(self._active)
+    def _step(self, prefill: bool = True) -> None:
+        """One step. prefill False: a stream expected soon is not here yet, so a chunk waits for it
+        (a step that carried one would make it wait for the chunk and then for its own step),
+        unless chunks have waited max_prefill_skips steps in a row already."""
+        planned = self.planner.plan(self._active, prefill)
+        skipped = self._prefill_pending() and not any(part.prefill for _, part in planned)
+        self._prefill_skips = self._prefill_skips + 1 if skipped else 0
         try:
             logits, step_ns = self.run_step([part for _, part in planned])
         except BaseException as error:  # noqa: BLE001 - every job of the step gets the error

@@ -32,7 +32,7 @@ from specmesh.errors import PositionMismatch, StaleRound
 from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
 from specmesh.penalties import penalize_logits
 from specmesh.precision import output_device, output_rows
-from specmesh.ragged import ragged_forward, supports_ragged
+from specmesh.ragged import install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.step_costs import ChunkSteering, StepCosts
 from specmesh.v1 import common_pb2
@@ -130,6 +130,8 @@ class ModelEngine:
         self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
         self.costs: StepCosts | None = None  # measured by calibrate(); None: row_multiple padding
         self.ragged = supports_ragged(model)
+        if self.ragged:
+            install_segmented_attention(model)
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
                                        expected_sessions=self._recently_active)
@@ -233,7 +235,7 @@ class ModelEngine:
         session = Session("warm-up", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
         self.forward(session, [0] * rows, 1)
         self.forward(session, [0], 1)
-        if self.ragged:  # and the masked path that batched steps take
+        if self.ragged:  # and the segmented path that batched steps take
             other = Session("warm-up-2", [0] * 3, DynamicCache(), SamplingParams(), torch.Generator())
             self._run_step([Part(session, [0], 1), Part(other, [0, 0], 1)])
 
@@ -245,10 +247,11 @@ class ModelEngine:
         self.costs = StepCosts.measure(forward_rows)
         return self.costs
 
-    def _recently_active(self) -> int:
-        """Sessions fed within the last few steps: their next call is likely on its way."""
+    def _recently_active(self) -> list[str]:
+        """Sessions fed within the last few steps: their next call is likely on its way. (A session
+        whose prompt is still going in, chunk by chunk, was last fed when it opened: it is here.)"""
         horizon = time.monotonic() - max(0.5, 4 * self.scheduler.last_step_s)
-        return sum(1 for session in list(self.sessions.values()) if session.last_used >= horizon)
+        return [session.request_id for session in list(self.sessions.values()) if session.last_used >= horizon]
 
     def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:
         """Prefill rows the next step may add to its decode_rows.

@@ -1,52 +1,111 @@
-"""One forward for several sessions: their new rows concatenated, padding-free.
+"""One forward for several sessions: their new rows in one padding-free sequence, attention per session.
 
-Each session keeps its own KV cache (a DynamicCache, so rollback stays a crop). For a
-step, every layer's cached keys and values are concatenated along the sequence into
-one batch-1 cache of P positions, the parts' new tokens into one sequence of T rows,
-and a [T, P + T] mask lets each row see its own session's cache and the rows of its
-own part before it, nothing else. Position ids are each session's own, so RoPE puts
-every row where a solo forward would. After the forward, each part's new keys and
-values (the last T positions of the batch cache, sliced per part) are appended to
-its session's cache; padding rows are dropped.
+The weight passes (every Linear layer, the bulk of a step) run once over the rows of all
+the parts concatenated into one batch-1 sequence of T rows, each row at its own session's
+position (RoPE puts every row where a solo forward would). Attention is the only place
+where sessions must not mix, so it runs per session: the model's attention is routed to
+`segmented_attention`, which, for each part, appends the part's new keys and values to
+its session's own cache (a DynamicCache, so rollback stays a crop) and attends its rows
+over that cache alone, with a causal mask among its own new rows. Padding rows attend
+only to each other and are cached nowhere.
 
-Attention over other sessions' masked positions costs T x P per layer, small next to
-the weight passes that batching shares; the copies in and out are the price of
-keeping one cache per session.
+Chosen by measurement over one attention across the concatenated caches with a block mask
+(the previous design): that copied every session's cache into a batch cache and back each
+step, repeated the key/value heads for grouped-query attention over all of them, and made
+each row attend over every other session's masked positions. For the 1.5B target it cost
+1175 ms for 8 one-row sessions over 600 cached tokens, against 696 ms per session
+(README, "Continuous batching"; `benchmarks/batch_layouts.py`).
+
+Grouped-query attention is packed, not repeated: a session's query heads that share a
+key/value head are laid out as rows of one attention over that head, so no key or value
+is ever copied per query head.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 from specmesh.batching import Part
 
-RAGGED_ATTENTION = ("sdpa", "eager")  # those that take a custom 4D mask
+ATTENTION = "specmesh_segmented"  # the model's attention once install_segmented_attention ran
+# A ready 4-D mask makes transformers skip building one (the segmented attention makes its own).
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class Segment:
+    cache: object | None  # the session's DynamicCache; None: padding rows, cached nowhere
+    start: int  # its first row in the step
+    rows: int
+    mask: torch.Tensor | None  # [groups * rows, cached + rows] bool, or None for one row
 
 
 def supports_ragged(model: PreTrainedModel) -> bool:
+    """Whether steps of several sessions can run as one forward (else one forward per session)."""
     layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    return model.config._attn_implementation in RAGGED_ATTENTION and layer_types == {"full_attention"}
+    return model.config._attn_implementation in ("sdpa", ATTENTION) and layer_types == {"full_attention"}
+
+
+def install_segmented_attention(model: PreTrainedModel) -> None:
+    """Route the model's attention through segmented_attention; a forward without segments (one
+    session's, or transformers' own generate) still runs exactly the sdpa attention it ran before."""
+    if model.config._attn_implementation != ATTENTION:
+        model.set_attn_implementation(ATTENTION)
+
+
+def segmented_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: float | None = None, segments: Sequence[Segment] | None = None, **kwargs):
+    """query [1, H, T, D], key and value [1, KVH, T, D] (the step's new rows) -> ([1, T, H, D], None)."""
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    _, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    outputs = []
+    for segment in segments:
+        rows = slice(segment.start, segment.start + segment.rows)
+        new_keys, new_values = key[:, :, rows], value[:, :, rows]
+        if segment.cache is not None:  # appended to the session's cache: [1, KVH, cached + rows, D]
+            new_keys, new_values = segment.cache.update(new_keys, new_values, module.layer_idx)
+        packed = query[:, :, rows].reshape(1, kv_heads, groups * segment.rows, dim)  # a KV head's query heads as rows
+        out = F.scaled_dot_product_attention(packed, new_keys, new_values, attn_mask=segment.mask, scale=scaling)
+        outputs.append(out.reshape(1, heads, segment.rows, dim))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, segmented_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # forwards without segments mask as sdpa does
 
 
 @torch.inference_mode()
 def ragged_forward(model: PreTrainedModel, parts: Sequence[Part], padding: int,
                    device: torch.device, logits_device: torch.device) -> list[torch.Tensor | None]:
     """Logits [keep_rows, V] float32 on the CPU per part (None where keep_rows is 0)."""
+    install_segmented_attention(model)  # the engine did, unless a caller passes its own model
     past_lengths = [part.session.cache.get_seq_length() for part in parts]
-    rows = [len(part.token_ids) for part in parts]
-    past, total_past = _batch_cache(model, parts), sum(past_lengths)
-    mask, position_ids, input_ids = _layout(parts, past_lengths, padding, device)
-    if model.config._attn_implementation == "eager":  # additive, in the model's dtype
-        mask = torch.zeros(mask.shape, dtype=model.dtype, device=device).masked_fill(~mask, torch.finfo(model.dtype).min)
-    keep = _kept_rows(parts, rows, logits_device)
+    heads = model.config.num_attention_heads
+    groups = heads // (getattr(model.config, "num_key_value_heads", None) or heads)  # query heads per KV head
+    segments = _segments(parts, past_lengths, padding, groups, device)
+    position_ids, input_ids = _layout(parts, past_lengths, padding, device)
+    keep = _kept_rows(parts, logits_device)
     if keep.numel() == 0:  # only prefill chunks that are not the last: project one row, read none
         keep = torch.tensor([0], dtype=torch.long, device=logits_device)
-    output = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                   past_key_values=past, use_cache=True, logits_to_keep=keep)
-    _scatter_new_kv(past, parts, rows, total_past)
+    try:
+        output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=_NO_MASK.to(device),
+                       use_cache=False, logits_to_keep=keep, segments=segments)
+    except BaseException:
+        for part, past in zip(parts, past_lengths):
+            _crop_layers(part.session.cache, past)
+        raise
     logits = output.logits[0].float().cpu()  # [kept rows, V]
     results, start = [], 0
     for part in parts:
@@ -55,55 +114,54 @@ def ragged_forward(model: PreTrainedModel, parts: Sequence[Part], padding: int,
     return results
 
 
-def _batch_cache(model: PreTrainedModel, parts: Sequence[Part]) -> DynamicCache:
-    """The parts' caches, layer by layer, concatenated along the sequence ([1, H, P, D])."""
-    batch = DynamicCache()
-    cached = [part.session.cache for part in parts if part.session.cache.get_seq_length() > 0]
-    if not cached:
-        return batch
-    for layer in range(len(cached[0].layers)):
-        keys = torch.cat([cache.layers[layer].keys for cache in cached], dim=-2)
-        values = torch.cat([cache.layers[layer].values for cache in cached], dim=-2)
-        batch.update(keys, values, layer)
-    return batch
+def _crop_layers(cache, length: int) -> None:
+    """Every layer back to `length` tokens: a forward that failed had appended this step's rows to the
+    layers before the failure only, so the layers' lengths differ (and cache.crop crops them all alike)."""
+    for layer in cache.layers:
+        surplus = layer.get_seq_length() - length
+        if surplus > 0:
+            layer.crop(-surplus)
+
+
+def _segments(parts: Sequence[Part], past_lengths: list[int], padding: int, groups: int,
+              device: torch.device) -> list[Segment]:
+    segments, start = [], 0
+    for part, past in zip(parts, past_lengths):
+        rows = len(part.token_ids)
+        segments.append(Segment(part.session.cache, start, rows, _causal_mask(rows, past, groups, device)))
+        start += rows
+    if padding:
+        segments.append(Segment(None, start, padding, _causal_mask(padding, 0, groups, device)))
+    return segments
+
+
+def _causal_mask(rows: int, past: int, groups: int, device: torch.device) -> torch.Tensor | None:
+    """[groups * rows, past + rows]: every row sees the cache and its own earlier new rows (None for one row)."""
+    if rows == 1:
+        return None
+    mask = torch.ones(rows, past + rows, dtype=torch.bool)
+    mask[:, past:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    return mask.repeat(groups, 1).to(device)  # packed rows are ordered by query head within the group, then row
 
 
 def _layout(parts: Sequence[Part], past_lengths: list[int], padding: int,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mask [1, 1, T, P + T] bool, position ids [1, T], input ids [1, T]), T counting the padding."""
-    total_past = sum(past_lengths)
-    total_rows = sum(len(part.token_ids) for part in parts) + padding
-    mask = torch.zeros(total_rows, total_past + total_rows, dtype=torch.bool)
-    positions, token_ids, past_start, row = [], [], 0, 0
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position ids [1, T], input ids [1, T]), T counting the padding."""
+    positions, token_ids = [], []
     for part, past in zip(parts, past_lengths):
-        n = len(part.token_ids)
-        mask[row: row + n, past_start: past_start + past] = True  # the session's own cache
-        mask[row: row + n, total_past + row: total_past + row + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        positions += range(past, past + n)
+        positions += range(past, past + len(part.token_ids))
         token_ids += part.token_ids
-        past_start, row = past_start + past, row + n
-    for pad in range(row, total_rows):  # padding rows see only themselves
-        mask[pad, total_past + pad] = True
     positions += [0] * padding
     token_ids += [token_ids[-1]] * padding
-    return (mask[None, None].to(device), torch.tensor([positions], device=device),
+    return (torch.tensor([positions], device=device),
             torch.tensor([token_ids], dtype=torch.long, device=device))
 
 
-def _kept_rows(parts: Sequence[Part], rows: list[int], logits_device: torch.device) -> torch.Tensor:
+def _kept_rows(parts: Sequence[Part], logits_device: torch.device) -> torch.Tensor:
     """Indices of the rows whose logits someone reads: each part's last keep_rows."""
     kept, start = [], 0
-    for part, n in zip(parts, rows):
+    for part in parts:
+        n = len(part.token_ids)
         kept += range(start + n - part.keep_rows, start + n)
         start += n
     return torch.tensor(kept, dtype=torch.long, device=logits_device)
-
-
-def _scatter_new_kv(batch: DynamicCache, parts: Sequence[Part], rows: list[int], total_past: int) -> None:
-    """Append each part's new keys and values, sliced from the batch cache, to its session's cache."""
-    for layer_index, layer in enumerate(batch.layers):
-        start = total_past
-        for part, n in zip(parts, rows):
-            part.session.cache.update(layer.keys[:, :, start: start + n], layer.values[:, :, start: start + n],
-                                      layer_index)
-            start += n

@@ -30,6 +30,7 @@ from specmesh.roles import DRAFT, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
                                internal_token_from_args, server_tls_from_args)
 from specmesh.server import serve_until_signal, stop_server
+from specmesh.step_log import StepLog
 from specmesh.telemetry import make_tracer_provider
 from target_service.disagreements import DisagreementLog
 from target_service.server import create_server as create_target_server
@@ -204,6 +205,9 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
         engine = ModelEngine(model, tokenizer, config)
         engine.warm_up()
         costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs
+    step_log = StepLog.from_environment(role_name)
+    if step_log is not None:
+        engine.scheduler.observers.append(step_log.observe)
     log.info("%s step costs (ms by rows): %s", role_name,
              {rows: round(seconds * 1e3, 1) for rows, seconds in costs.seconds.items()})
     return engine

@@ -139,10 +139,13 @@ class ChunkSteering:
     The start-up costs are for fresh caches; a long prompt's later chunks also attend
     over everything before them, and a batched step copies its sessions' caches, so a
     chunk the table calls cheap can cost several decode steps. After each step with both
-    decode rows and a chunk, the chunk shrinks in proportion when the step took more than
-    `slowdown` x a decode-only step (their running mean), and grows by a quarter when it
-    took less.
+    decode rows and a chunk, the chunk is rescaled from the rows that step fed when it
+    took more than `slowdown` x a decode-only step (their running mean), and grows by an
+    eighth, up to the table's chunk, when it took clearly less (below HEADROOM of the
+    limit): grown faster, it overshot the limit by a quarter before each correction.
     """
+
+    HEADROOM = 0.9
 
     def __init__(self, slowdown: float, minimum: int = 8, maximum: int = 2048, weight: float = 0.3):
         self.slowdown, self.minimum, self.maximum, self.weight = slowdown, minimum, maximum, weight
@@ -157,10 +160,10 @@ class ChunkSteering:
         if decode_rows and not prefill_rows:
             self.decode_s = seconds if self.decode_s is None else self.decode_s + self.weight * (seconds - self.decode_s)
         elif decode_rows and prefill_rows and self.decode_s:
-            rows = self.rows if self.rows is not None else planned
             ratio = seconds / self.decode_s
-            if ratio > self.slowdown:
-                rows = int(rows * self.slowdown / ratio)
-            else:
-                rows += max(1, rows // 4)
+            rows = self.allowance(planned)
+            if ratio > self.slowdown:  # from what this step fed (a prompt's last chunk may be short)
+                rows = int(prefill_rows * self.slowdown / ratio)
+            elif ratio < self.HEADROOM * self.slowdown:
+                rows = min(planned, rows + max(1, rows // 8))
             self.rows = max(self.minimum, min(self.maximum, rows))

@@ -32,9 +32,12 @@ def session_over(engine, token_ids: list[int], cached: int) -> Session:
     return session
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 @pytest.mark.parametrize("row_multiple", [1, 4], ids=["unpadded", "rows-padded-to-4"])
-def test_a_ragged_step_equals_each_session_alone(tiny_llama_dir, device, row_multiple):
-    engine = make_engine(tiny_llama_dir, device, row_multiple=row_multiple)
+def test_a_ragged_step_equals_each_session_alone(request, model_fixture, device, row_multiple):
+    """Both tiny models have grouped-query attention (4 query heads over 2 key/value heads), which
+    the segmented attention packs rather than repeats."""
+    engine = make_engine(request.getfixturevalue(model_fixture), device, row_multiple=row_multiple)
     assert engine.ragged
     sequences = [list(range(5, 30)), list(range(40, 47)), list(range(60, 61)), list(range(70, 110))]
     sessions = [session_over(engine, seq, cached) for seq, cached in zip(sequences, (20, 6, 0, 33))]
@@ -58,6 +61,28 @@ def test_a_ragged_step_equals_each_session_alone(tiny_llama_dir, device, row_mul
         assert session.cached_length == len(whole)
         after, _ = engine.forward(session, [9], 1)  # [1, V]
         assert (after[0] - next_logits_fresh(engine, whole + [9])).abs().max() < MAX_ABS_LOGIT_DELTA
+
+
+def test_a_step_that_fails_midway_leaves_every_cache_as_it_was(tiny_llama_dir, device):
+    """Attention appends each layer's new keys and values to the sessions' caches as the forward
+    goes; a failure in a later layer must not leave the earlier layers a step ahead."""
+    engine = make_engine(tiny_llama_dir, device)
+    sequences = [list(range(5, 30)), list(range(40, 47))]
+    sessions = [session_over(engine, seq, len(seq) - 1) for seq in sequences]
+    before = [s.cached_length for s in sessions]
+
+    def fail(*_):
+        raise RuntimeError("layer 1 failed")
+    hook = engine.model.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="layer 1 failed"):
+            engine._run_step([Part(s, s.uncached_tail + [7], 2) for s in sessions])
+    finally:
+        hook.remove()
+    for session, seq, cached in zip(sessions, sequences, before):
+        assert [layer.keys.shape[-2] for layer in session.cache.layers] == [cached] * len(session.cache.layers)
+        after, _ = engine.forward(session, session.uncached_tail + [7], 1)  # the same step, now whole
+        assert (after[0] - next_logits_fresh(engine, seq + [7])).abs().max() < MAX_ABS_LOGIT_DELTA
 
 
 @pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])

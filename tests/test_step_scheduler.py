@@ -109,6 +109,63 @@ async def test_a_prefill_is_chunked_beside_decode_rows_and_its_logits_come_with_
     worker.stop()
 
 
+def prefill_job(s, prompt):
+    logits, _ = yield Feed(s, prompt, keep_rows=1, chunkable=True)
+    return int(logits[0])
+
+
+async def steps_of(worker: StepScheduler, jobs: dict) -> list:
+    """Run jobs {key: job} from one start (the worker held until all are queued); their results."""
+    gate = threading.Event()
+    held = asyncio.ensure_future(worker.call(gate.wait, 10))
+    running = [asyncio.ensure_future(worker.submit(key, job)) for key, job in jobs.items()]
+    await asyncio.sleep(0)  # one pass of the event loop: every submit has queued its job
+    gate.set()
+    await held
+    return await asyncio.gather(*running)
+
+
+def chunk_steps(steps: Steps, prefill_key: str = "p") -> list[bool]:
+    return [any(name == prefill_key for name, _ in step) for step in steps.log]
+
+
+async def test_a_chunk_waits_for_a_late_stream_for_at_most_max_prefill_skips_steps():
+    """A stream expected soon that is not here yet: a step that carried a chunk would make it wait for
+    that step and then for its own, so chunks wait, but never more than two steps in a row."""
+    steps = Steps()
+    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 4, min_prefill_chunk=1),
+                           expected_sessions=lambda: ["a", "late", "p"], max_prefill_skips=2)
+    prompt = list(range(100, 112))  # 12 rows: three chunks of 4
+    decoded, first = await steps_of(worker, {"a": decode(session("a"), 9), "p": prefill_job(session("p"), prompt)})
+    assert first == 111 and decoded == list(range(9))
+    assert chunk_steps(steps) == [False, False, True] * 3
+    worker.stop()
+
+
+async def test_a_chunk_rides_every_step_while_every_expected_stream_is_aboard():
+    steps = Steps()
+    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 4, min_prefill_chunk=1),
+                           expected_sessions=lambda: ["a", "b", "p"])
+    prompt = list(range(100, 112))
+    await steps_of(worker, {"a": decode(session("a"), 4), "b": decode(session("b"), 4),
+                            "p": prefill_job(session("p"), prompt)})
+    assert chunk_steps(steps)[:3] == [True, True, True]
+    assert all(len(step) == 3 for step in steps.log[:3])  # both streams in every step that carried a chunk
+    worker.stop()
+
+
+def test_planner_leaves_the_chunk_out_when_asked_unless_nothing_else_would_run():
+    planner = StepPlanner(max_step_tokens=64, prefill_allowance=lambda rows, prefills: 4, min_prefill_chunk=1)
+
+    def work(name, rows, chunkable):
+        item = SimpleNamespace(feed=Feed(session(name), list(range(rows)), 1, chunkable), fed=0)
+        item.rows_left = rows
+        return item
+    prefill, stream = work("p", 12, True), work("d", 1, False)
+    assert [part.session.name for _, part in planner.plan([prefill, stream], prefill=False)] == ["d"]
+    assert [part.session.name for _, part in planner.plan([prefill], prefill=False)] == ["p"]
+
+
 def test_planner_puts_decode_rows_first_then_prefill_within_the_allowance():
     planner = StepPlanner(max_step_tokens=10, prefill_allowance=lambda rows, prefills: 3)
     works = []
@@ -137,8 +194,32 @@ def test_chunk_steering_shrinks_a_chunk_whose_steps_cost_too_much_and_grows_it_b
     steering.observe(decode_rows=8, prefill_rows=0, seconds=0.5, planned=64)  # a decode-only step: 0.5 s
     steering.observe(decode_rows=8, prefill_rows=64, seconds=4.0, planned=64)  # 8x, not 2x: a long context's chunk
     assert steering.allowance(64) == 16  # 64 * 2 / 8
-    steering.observe(decode_rows=8, prefill_rows=16, seconds=0.9, planned=64)  # within 2x: grow by a quarter
-    assert steering.allowance(64) == 20 and steering.allowance(12) == 12  # never past the table's chunk
+    steering.observe(decode_rows=8, prefill_rows=16, seconds=0.95, planned=64)  # near 2x: hold
+    assert steering.allowance(64) == 16
+    steering.observe(decode_rows=8, prefill_rows=16, seconds=0.7, planned=64)  # clearly within 2x: grow by an eighth
+    assert steering.allowance(64) == 18 and steering.allowance(12) == 12  # never past the table's chunk
+    steering.observe(decode_rows=8, prefill_rows=5, seconds=2.0, planned=64)  # a short last chunk, 4x: rescaled from
+    assert steering.allowance(64) == 8  # the 5 rows it fed (2), not from the 18 it might have
     for _ in range(3):
         steering.observe(decode_rows=8, prefill_rows=20, seconds=50.0, planned=64)
     assert steering.allowance(64) == 8  # never below the minimum: the prompt always moves
+
+
+async def test_the_step_log_writes_one_line_per_step_in_order(tmp_path, monkeypatch):
+    import json
+    from specmesh.step_log import ENV, StepLog
+    monkeypatch.setenv(ENV, str(tmp_path / "steps-{role}.jsonl"))
+    log = StepLog.from_environment("target")
+    steps = Steps()
+    worker = scheduler(steps, chunk=4)
+    worker.observers.append(log.observe)
+    await steps_of(worker, {"d": decode(SimpleNamespace(name="d", request_id="req-1/abcdef012345"), 3),
+                            "p": prefill_job(SimpleNamespace(name="p", request_id="req-2/0123456789ab"),
+                                             list(range(100, 106)))})
+    worker.stop()
+    lines = [json.loads(line) for line in (tmp_path / "steps-target.jsonl").read_text().splitlines()]
+    assert len(lines) == len(steps.log) == 3
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
+    assert lines[0]["parts"] == [["ef012345", 1, 0], ["456789ab", 4, 1]]  # a stream's row, then a chunk
+    monkeypatch.delenv(ENV)
+    assert StepLog.from_environment("draft") is None
