@@ -27,6 +27,8 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 
 import torch
 
+from specmesh.step_costs import MIN_PREFILL_CHUNK
+
 Logits = tuple[torch.Tensor, int]  # ([keep_rows, V] float32 on the CPU, the step's ns)
 
 
@@ -77,7 +79,7 @@ class StepPlanner:
     """
 
     def __init__(self, max_step_tokens: int, prefill_allowance: Callable[[int, int], int],
-                 min_prefill_chunk: int = 8):
+                 min_prefill_chunk: int = MIN_PREFILL_CHUNK):
         self.max_step_tokens = max_step_tokens
         self.prefill_allowance = prefill_allowance
         self.min_prefill_chunk = min_prefill_chunk

@@ -34,7 +34,7 @@ from specmesh.penalties import penalize_logits
 from specmesh.precision import output_device, output_rows
 from specmesh.ragged import install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
-from specmesh.step_costs import ChunkSteering, StepCosts
+from specmesh.step_costs import ChunkSteering, PrefillThroughput, StepCosts
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class Session:
     ahead: object | None = None  # a service's own state that lives and dies with the session
     caller: str = ""  # who opened it (specmesh.security.caller_of), for the per-caller limit
     output_start: int = 0  # position of the first generated token (penalties count from here)
+    # Whether its next call follows its last by a bare round trip, so a step is worth a moment's wait
+    # for it (specmesh.batching). A target session whose round drafted comes back after a draft round.
+    back_soon: bool = True
 
     @property
     def cached_length(self) -> int:
@@ -135,7 +138,8 @@ class ModelEngine:
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
                                        expected_sessions=self._recently_active)
-        self.chunks = ChunkSteering(config.prefill_slowdown, maximum=config.max_step_tokens)
+        self.chunks = ChunkSteering()
+        self.prefill_rate = PrefillThroughput()
         self.scheduler.observers.append(self._steer_chunks)
         self.scheduler.observers.append(self._track_step_costs)
 
@@ -248,10 +252,10 @@ class ModelEngine:
         return self.costs
 
     def _recently_active(self) -> list[str]:
-        """Sessions fed within the last few steps: their next call is likely on its way. (A session
-        whose prompt is still going in, chunk by chunk, was last fed when it opened: it is here.)"""
+        """Sessions fed within the last few steps whose next call is likely on its way."""
         horizon = time.monotonic() - max(0.5, 4 * self.scheduler.last_step_s)
-        return [session.request_id for session in list(self.sessions.values()) if session.last_used >= horizon]
+        return [session.request_id for session in list(self.sessions.values())
+                if session.back_soon and session.last_used >= horizon]
 
     def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:
         """Prefill rows the next step may add to its decode_rows.
@@ -263,17 +267,26 @@ class ModelEngine:
         decoding = max(decode_rows, len(self.sessions) - prefills)
         if decoding <= 0:
             return self.config.max_step_tokens
-        return self.chunks.allowance(self._planned_chunk(decoding))
+        if self.costs is None:
+            return self.config.prefill_chunk
+        return self.costs.prefill_allowance(decoding, self.config.prefill_slowdown, self.chunks.correction)
 
-    def _planned_chunk(self, decoding: int) -> int:
-        if self.costs is not None:
-            return self.costs.prefill_allowance(decoding, self.config.prefill_slowdown)
-        return self.config.prefill_chunk
+    def queued_prefill_rows(self) -> int:
+        """Prompt rows the open sessions still have to feed (a decoding session's newest token aside)."""
+        return sum(max(0, len(session.token_ids) - session.cached_length - 1)
+                   for session in list(self.sessions.values()))
+
+    def prefill_seconds(self, rows: int) -> float | None:
+        """About how long `rows` more prompt rows take to feed here, at the rate seen (None: unknown)."""
+        return self.prefill_rate.seconds_for(rows, self.costs)
 
     def _steer_chunks(self, parts: list[Part], step_ns: int) -> None:
         prefill = sum(len(part.token_ids) for part in parts if part.prefill)
-        decode = sum(len(part.token_ids) for part in parts) - prefill
-        self.chunks.observe(decode, prefill, step_ns / 1e9, self._planned_chunk(max(decode, 1)))
+        self.prefill_rate.observe(prefill, step_ns / 1e9)
+        if self.costs is None:
+            return
+        rows = sum(len(part.token_ids) for part in parts)
+        self.chunks.observe(rows - prefill, prefill, step_ns / 1e9, self.costs.planned_cost(rows + self._padding(rows)))
 
     def _track_step_costs(self, parts: list[Part], step_ns: int) -> None:
         """Keep the cost table current from decode-only steps (a prefill chunk over a long prompt

@@ -6,7 +6,8 @@ Reservations are counted in tokens against a budget (`--kv-cache-memory`) divide
 the bytes one token's keys and values take in every layer. A session that does not
 fit waits, first in first out, until closes free enough room or its RPC's deadline
 nears; one that could never fit, or that would join a queue already
-`--max-waiting-sessions` long, is refused at once with RESOURCE_EXHAUSTED.
+`--max-waiting-sessions` long, is refused at once with RESOURCE_EXHAUSTED, and so is one whose
+prefill, behind the prompt rows already queued, would end past its call's deadline.
 
 Reservations are an upper bound, not an allocation: a session's cache grows as it
 decodes, and may stop early (EOS), but the sum of all caches never exceeds the budget.
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -229,11 +231,29 @@ def wait_limit(deadline_s: float | None) -> float | None:
 
 async def admit_session(engine: ModelEngine, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                         caller: str = "", max_new_tokens: int = 0, timeout_s: float | None = None) -> Session:
-    """engine.new_session once the session's KV reservation is granted; a bad request fails before it waits."""
+    """engine.new_session once the session's KV reservation is granted; a bad request fails before it waits.
+
+    Then admission by expected wait: a prompt whose prefill, behind every prompt row already
+    queued, would end past its call's deadline is refused at once (RESOURCE_EXHAUSTED, HTTP 429:
+    come back later or elsewhere) rather than prefilled in part and timed out, which would
+    only slow every request queued behind it."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     engine.check_new_session(request_id, prompt, sampling, caller)
     await engine.kv.reserve(request_id, reservation(engine, len(prompt), max_new_tokens), wait_limit(timeout_s))
     try:
+        _check_expected_wait(engine, len(prompt), deadline)
         return engine.new_session(request_id, prompt, sampling, caller)
     except BaseException:
         engine.kv.release(request_id)
         raise
+
+
+def _check_expected_wait(engine: ModelEngine, prompt_rows: int, deadline: float | None) -> None:
+    if deadline is None:
+        return
+    ahead = engine.queued_prefill_rows()
+    expected = engine.prefill_seconds(ahead + prompt_rows)
+    left = wait_limit(deadline - time.monotonic())
+    if expected is not None and expected > left:
+        raise CapacityExhausted(f"{ahead} prompt tokens are queued ahead: this prefill would end in about "
+                                f"{expected:.0f} s, past this call's deadline ({left:.0f} s left)")

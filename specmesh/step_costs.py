@@ -4,10 +4,11 @@ Two decisions hang on it. Row padding: on a CPU, MKL's fp32 GEMM can cost a full
 pass per row for 2, 3 or 5-7 rows but one for 4 or 8 (README, "Figures"), so a step of
 T rows is padded up to the cheapest T' >= T. Prefill chunking: while streams decode, a
 step may add prefill rows only as long as it costs at most `slowdown` times the decode
-rows alone, so a long prompt never holds their next tokens back by more than that.
+rows alone, so a long prompt never holds their next tokens back by more than that
+(ChunkSteering corrects the table's view of that online).
 
 Both decisions keep the start-up table (`measured`): one slow step must not flip
-padding, and ChunkSteering already steers chunks by what steps really take. What the
+padding, and ChunkSteering corrects chunks by what steps really take. What the
 table says a step costs *now* (`seconds`, `cost`) follows decode-only steps online
 (`observe`), and services report it (ModelInfo.step_costs) to the orchestrator's
 draft-length policy.
@@ -27,6 +28,8 @@ MEASURED_ROWS = tuple(range(1, 9)) + (12, 16, 24, 32, 48, 64)
 PAD_GAIN = 0.9  # pad only to a size at least 10 % cheaper: measurements are noisy
 OBSERVED_WEIGHT = 0.2  # of each new step in its size's entry: about the last five steps count
 MAX_REPORTED_SIZES = 256  # of a reported table (from_proto): a bad report stays cheap to read
+MIN_PREFILL_CHUNK = 8  # rows a prefill moves in a step at the least, whatever the budget
+EFFICIENT_CHUNK = 1.15  # a chunk that must pass the budget anyway may cost this much more than the smallest
 OUTLIER_FACTOR = 4.0  # one step counts as at most this many times its entry (a GC pause is not the new cost)
 
 
@@ -95,17 +98,34 @@ class StepCosts:
         """Rows to add to a step of `rows` so that it runs at the cheapest measured size."""
         return self.padded_rows.get(rows, rows) - rows
 
-    def prefill_allowance(self, decode_rows: int, slowdown: float = 2.0) -> int:
-        """The most prefill rows a step of decode_rows may add and cost <= slowdown x without them
-        (by the start-up table: ChunkSteering corrects it online)."""
+    def planned_cost(self, rows: int) -> float:
+        """Seconds for `rows` rows by the start-up table (what planning decisions use)."""
+        return _interpolated(self.measured, rows)
+
+    def prefill_allowance(self, decode_rows: int, slowdown: float = 2.0, correction: float = 1.0) -> int:
+        """The most prefill rows a step of decode_rows may add, by the start-up table.
+
+        The step may cost `slowdown` x the decode rows alone, `correction` (ChunkSteering:
+        how much dearer steps with a chunk really run than decode-only ones, relative to the
+        table) scaling that. Where even MIN_PREFILL_CHUNK rows would pass it (on a CPU whose
+        GEMM costs 1.7x more for 4 rows than for 3, any chunk beside 3 decode rows does), the
+        chunk takes every row that costs at most EFFICIENT_CHUNK x what those would: a step
+        that must pass the budget to move the prompt at all had best move it far, or the
+        prompt takes many such steps (8 rows a step, a 40-token prompt held 5 steps of 2.5x
+        where one of 2.8x would do)."""
         if decode_rows == 0:
             return max(self.measured)
-        key = (decode_rows, slowdown)
+        key = (decode_rows, round(slowdown, 2), round(correction, 2))
         if key not in self._allowances:
-            budget, extra = slowdown * _interpolated(self.measured, decode_rows), 0
-            while extra < max(self.measured) and _interpolated(self.measured, decode_rows + extra + 1) <= budget:
-                extra += 1
-            self._allowances[key] = extra
+            if len(self._allowances) > 4096:  # the corrections wander: keep the memo bounded
+                self._allowances.clear()
+            alone = self.planned_cost(decode_rows)
+            budget = slowdown * correction * alone
+            smallest = self.planned_cost(decode_rows + MIN_PREFILL_CHUNK)
+            if smallest > budget:
+                budget = max(budget, EFFICIENT_CHUNK * smallest * min(1.0, correction))
+            self._allowances[key] = max((extra for extra in range(max(self.measured) + 1)
+                                         if self.planned_cost(decode_rows + extra) <= budget), default=0)
         return self._allowances[key]
 
     def _cheapest_at_least(self, rows: int) -> int:
@@ -134,36 +154,69 @@ def _interpolated(table: dict[int, float], rows: int) -> float:
 
 
 class ChunkSteering:
-    """Prefill rows per step beside decode rows, steered by what steps really take.
+    """How much dearer steps with a prefill chunk really run than decode-only ones, next to the table.
 
-    The start-up costs are for fresh caches; a long prompt's later chunks also attend
-    over everything before them, and a batched step copies its sessions' caches, so a
-    chunk the table calls cheap can cost several decode steps. After each step with both
-    decode rows and a chunk, the chunk is rescaled from the rows that step fed when it
-    took more than `slowdown` x a decode-only step (their running mean), and grows by an
-    eighth, up to the table's chunk, when it took clearly less (below HEADROOM of the
-    limit): grown faster, it overshot the limit by a quarter before each correction.
+    The start-up table times one session over a fresh cache. Real steps run dearer: a step
+    of several sessions attends over each one's cache, and a long prompt's later chunks
+    attend over everything before them, which a fresh cache never shows. Each step's time
+    over what the table says for its rows is followed (EWMA) for decode-only steps and for
+    steps with both decode rows and a chunk; `correction` is their quotient (at most
+    MAX_CORRECTION), by which the planner scales the slowdown it allows a chunk
+    (StepCosts.prefill_allowance): when chunks run dearer than the table says, relative to
+    decode steps, they shrink, and when that passes, they grow back.
     """
 
-    HEADROOM = 0.9
+    MAX_CORRECTION = 1.5
 
-    def __init__(self, slowdown: float, minimum: int = 8, maximum: int = 2048, weight: float = 0.3):
-        self.slowdown, self.minimum, self.maximum, self.weight = slowdown, minimum, maximum, weight
-        self.decode_s: float | None = None
-        self.rows: int | None = None  # the steered chunk; None until a step with both ran
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.decode_ratio: float | None = None
+        self.chunk_ratio: float | None = None
 
-    def allowance(self, planned: int) -> int:
-        """The chunk for the next step, `planned` being what the cost table allows."""
-        return planned if self.rows is None else min(planned, self.rows)
+    def observe(self, decode_rows: int, prefill_rows: int, seconds: float, table_seconds: float) -> None:
+        if not decode_rows or not table_seconds > 0 or not seconds > 0:
+            return
+        ratio = seconds / table_seconds
+        if prefill_rows:
+            self.chunk_ratio = self._moved(self.chunk_ratio, ratio)
+        else:
+            self.decode_ratio = self._moved(self.decode_ratio, ratio)
 
-    def observe(self, decode_rows: int, prefill_rows: int, seconds: float, planned: int) -> None:
-        if decode_rows and not prefill_rows:
-            self.decode_s = seconds if self.decode_s is None else self.decode_s + self.weight * (seconds - self.decode_s)
-        elif decode_rows and prefill_rows and self.decode_s:
-            ratio = seconds / self.decode_s
-            rows = self.allowance(planned)
-            if ratio > self.slowdown:  # from what this step fed (a prompt's last chunk may be short)
-                rows = int(prefill_rows * self.slowdown / ratio)
-            elif ratio < self.HEADROOM * self.slowdown:
-                rows = min(planned, rows + max(1, rows // 8))
-            self.rows = max(self.minimum, min(self.maximum, rows))
+    def _moved(self, current: float | None, ratio: float) -> float:
+        return ratio if current is None else current + self.weight * (ratio - current)
+
+    @property
+    def correction(self) -> float:
+        if self.decode_ratio is None or self.chunk_ratio is None:
+            return 1.0
+        return min(self.MAX_CORRECTION, self.decode_ratio / self.chunk_ratio)
+
+
+class PrefillThroughput:
+    """Prompt rows a service feeds per second of steps that carry them, for admission by expected wait.
+
+    Decayed sums of the prefill rows and the seconds of every step that fed some: beside
+    decoding streams a chunk gets only part of each step, on an idle service whole prompts go
+    in, and the rate follows whichever the service is doing. Before any such step, the table's
+    largest measured step stands in (a lone prefill at full speed: the optimistic end).
+    """
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.rows = 0.0
+        self.seconds = 0.0
+
+    def observe(self, prefill_rows: int, seconds: float) -> None:
+        if prefill_rows <= 0 or not seconds > 0:
+            return
+        self.rows = self.decay * self.rows + prefill_rows
+        self.seconds = self.decay * self.seconds + seconds
+
+    def seconds_for(self, rows: int, table: StepCosts | None) -> float | None:
+        """Seconds to feed `rows` prompt rows at the rate seen (None: no way to tell)."""
+        if self.rows > 0:
+            return rows * self.seconds / self.rows
+        if table is None:
+            return None
+        largest = max(table.measured)
+        return rows * table.planned_cost(largest) / largest

@@ -108,6 +108,9 @@ class TargetEngine:
         session = self.engine.get(request_id)
         self._check_draft(session, position, draft_token_ids, draft_distributions)
         session.enter_round(round_number)
+        # A round that drafted will most likely draft again: its next Verify follows a draft round, and
+        # steps (a prefill chunk above all) should not wait for it (specmesh.batching).
+        session.back_soon = not draft_token_ids
         return await self.engine.submit(session, self._verify(session, list(draft_token_ids), draft_distributions))
 
     def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],

@@ -85,6 +85,20 @@ def test_a_step_that_fails_midway_leaves_every_cache_as_it_was(tiny_llama_dir, d
         assert (after[0] - next_logits_fresh(engine, seq + [7])).abs().max() < MAX_ABS_LOGIT_DELTA
 
 
+async def test_steps_wait_only_for_sessions_that_come_back_at_once(tiny_llama_dir, device):
+    """A target session whose round drafted comes back after a draft round: a step (one with a prefill
+    chunk above all) does not wait for it; one that decoded target-only comes back a round trip later."""
+    from target_service.engine import TargetEngine
+    target = TargetEngine(make_engine(tiny_llama_dir, device))
+    await target.open("s", [5, 6, 7], SamplingParams(0.0))
+    session, expected = target.engine.get("s"), target.engine._recently_active
+    assert "s" in expected()
+    await target.verify("s", 1, len(session.token_ids), [9, 10], [])  # drafted
+    assert "s" not in expected()
+    await target.verify("s", 2, len(session.token_ids), [], [])  # target-only
+    assert "s" in expected()
+
+
 @pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])
 async def test_concurrent_mixed_requests_are_lossless_and_batched(tiny_llama_dir, tiny_llama_perturbed_dir, device,
                                                                   cpu_linear):

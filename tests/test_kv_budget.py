@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -345,3 +346,34 @@ async def test_a_burst_stays_within_the_budget_and_every_output_is_the_targets(t
     for prompt, (token_ids, _, _) in zip(prompts, outputs):
         assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens)
     assert 0 < held[0] <= room and held[1] <= room and waited[0] > 0, (held, waited, room)
+
+
+async def test_a_prefill_that_would_end_past_its_deadline_is_refused_at_once(tiny_llama_dir, device):
+    """Admission by expected wait: behind the prompt rows already queued, at the rate prefills have
+    been going in, this one would end past its call's deadline, so it is refused now (and holds no
+    room) rather than prefilled in part and timed out; with time enough, the next one is admitted."""
+    engine = budget_engine(tiny_llama_dir, device, tokens=1000)
+    server, port = await start_model_server("target", engine)
+    gate = threading.Event()
+    held = asyncio.ensure_future(engine.run(gate.wait, 30))  # the worker is busy: prefills queue up
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            queued = asyncio.ensure_future(stub.OpenSession(target_pb2.TargetOpenRequest(
+                request_id="long", prompt_token_ids=list(range(5, 125)), max_new_tokens=8), timeout=60))
+            await eventually(lambda: engine.queued_prefill_rows(), 119)
+            engine.prefill_rate.observe(prefill_rows=10, seconds=1.0)  # as measured: 10 prompt rows a second
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.OpenSession(target_pb2.TargetOpenRequest(
+                    request_id="late", prompt_token_ids=PROMPT, max_new_tokens=8), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "119 prompt tokens are queued ahead" in refused.value.details()
+            assert "late" not in engine.kv.reserved and "late" not in engine.sessions
+            admitted = asyncio.ensure_future(stub.OpenSession(target_pb2.TargetOpenRequest(
+                request_id="patient", prompt_token_ids=PROMPT, max_new_tokens=8), timeout=60))
+            gate.set()
+            assert (await queued).committed_length == 121 and (await admitted).committed_length == len(PROMPT) + 1
+    finally:
+        gate.set()
+        await held
+        await server.stop(None)

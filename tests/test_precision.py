@@ -77,8 +77,9 @@ def test_a_ragged_step_of_an_int8_model_gives_each_session_its_solo_logits(tiny_
     batched, _ = engine._run_step([Part(s, rows, len(rows)) for s, rows in zip(sessions, new_rows)])
     for alone, rows, logits in zip(solo, new_rows, batched):
         expected = engine.forward(alone, rows, len(rows))[0]  # [rows, V]
-        # bf16 attention over the concatenated caches rounds a little differently (an unquantized
-        # bf16 model differs by one unit in the last place here too); the int8 weights add nothing
+        # bf16 attention in a batched step (query heads packed per key/value head) rounds a little
+        # differently (an unquantized bf16 model differs by one unit in the last place here too);
+        # the int8 weights add nothing
         assert (logits - expected).abs().max() <= 2 * bf16_ulp(expected.abs().max())
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 

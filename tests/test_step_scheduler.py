@@ -188,21 +188,33 @@ def test_step_costs_pad_to_cheaper_sizes_and_bound_prefill_chunks():
     assert costs.prefill_allowance(0) == 32  # an idle engine takes the largest measured step
 
 
-def test_chunk_steering_shrinks_a_chunk_whose_steps_cost_too_much_and_grows_it_back():
-    steering = ChunkSteering(slowdown=2.0, minimum=8)
-    assert steering.allowance(64) == 64  # nothing measured yet: the cost table's chunk
-    steering.observe(decode_rows=8, prefill_rows=0, seconds=0.5, planned=64)  # a decode-only step: 0.5 s
-    steering.observe(decode_rows=8, prefill_rows=64, seconds=4.0, planned=64)  # 8x, not 2x: a long context's chunk
-    assert steering.allowance(64) == 16  # 64 * 2 / 8
-    steering.observe(decode_rows=8, prefill_rows=16, seconds=0.95, planned=64)  # near 2x: hold
-    assert steering.allowance(64) == 16
-    steering.observe(decode_rows=8, prefill_rows=16, seconds=0.7, planned=64)  # clearly within 2x: grow by an eighth
-    assert steering.allowance(64) == 18 and steering.allowance(12) == 12  # never past the table's chunk
-    steering.observe(decode_rows=8, prefill_rows=5, seconds=2.0, planned=64)  # a short last chunk, 4x: rescaled from
-    assert steering.allowance(64) == 8  # the 5 rows it fed (2), not from the 18 it might have
-    for _ in range(3):
-        steering.observe(decode_rows=8, prefill_rows=20, seconds=50.0, planned=64)
-    assert steering.allowance(64) == 8  # never below the minimum: the prompt always moves
+# A CPU whose GEMM costs a step function of the rows (today's host, torch's GEMM, in seconds).
+STEPPED = {1: 0.25, 2: 0.26, 3: 0.26, 4: 0.45, 8: 0.58, 16: 0.65, 32: 0.74, 64: 0.98}
+
+
+def test_a_chunk_that_must_pass_the_budget_takes_the_rows_that_cost_about_the_same():
+    costs = StepCosts(STEPPED)
+    # Beside 8 decode rows (0.58 s) a step may cost 1.16 s: 72 rows do (past 64 in proportion: 1.10 s).
+    assert costs.prefill_allowance(8, slowdown=2.0) == 64
+    # Beside 3 (0.26 s) the budget is 0.52 s, but the smallest chunk (8 rows: 11, 0.61 s) passes it:
+    # then every row that costs at most 1.15x those 11 goes in (24 rows, 0.695 s), not just 8.
+    assert costs.prefill_allowance(3, slowdown=2.0) == 21
+    assert costs.planned_cost(3 + 21) <= 1.15 * costs.planned_cost(3 + 8) < costs.planned_cost(3 + 22)
+
+
+def test_chunk_steering_shrinks_chunks_that_run_dearer_than_the_table_says_and_grows_them_back():
+    costs, steering = StepCosts(STEPPED), ChunkSteering(weight=1.0)  # weight 1: each step replaces the estimate
+    assert steering.correction == 1.0  # nothing measured yet: the table as it is
+    steering.observe(decode_rows=8, prefill_rows=0, seconds=0.70, table_seconds=0.58)  # 1.2x the table
+    steering.observe(decode_rows=8, prefill_rows=56, seconds=2.40, table_seconds=0.98)  # 2.45x: a long context
+    assert steering.correction == pytest.approx((0.70 / 0.58) / (2.40 / 0.98))
+    assert costs.prefill_allowance(8, 2.0, steering.correction) == 0  # the planner's minimum chunk, no more
+    steering.observe(decode_rows=8, prefill_rows=8, seconds=0.84, table_seconds=0.65)  # chunks cheap again
+    assert costs.prefill_allowance(8, 2.0, steering.correction) == 62  # 70 rows: 2 x 0.58 x 0.93 s
+    steering.observe(decode_rows=8, prefill_rows=0, seconds=5.0, table_seconds=0.58)  # decode steps crawl:
+    assert steering.correction == ChunkSteering.MAX_CORRECTION  # chunks grow, but only so far
+    steering.observe(decode_rows=0, prefill_rows=64, seconds=9.0, table_seconds=0.98)  # a lone prefill: no say
+    assert steering.correction == ChunkSteering.MAX_CORRECTION
 
 
 async def test_the_step_log_writes_one_line_per_step_in_order(tmp_path, monkeypatch):
