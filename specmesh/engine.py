@@ -137,7 +137,7 @@ class ModelEngine:
             install_segmented_attention(model)
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
-                                       expected_sessions=self._recently_active)
+                                       expected_sessions=self._recently_active, stragglers=self._away_drafting)
         self.chunks = ChunkSteering()
         self.prefill_rate = PrefillThroughput()
         self.scheduler.observers.append(self._steer_chunks)
@@ -253,9 +253,16 @@ class ModelEngine:
 
     def _recently_active(self) -> list[str]:
         """Sessions fed within the last few steps whose next call is likely on its way."""
+        return self._recent(back_soon=True)
+
+    def _away_drafting(self) -> list[str]:
+        """Sessions fed within the last few steps that went to draft before their next call."""
+        return self._recent(back_soon=False)
+
+    def _recent(self, back_soon: bool) -> list[str]:
         horizon = time.monotonic() - max(0.5, 4 * self.scheduler.last_step_s)
         return [session.request_id for session in list(self.sessions.values())
-                if session.back_soon and session.last_used >= horizon]
+                if session.back_soon == back_soon and session.last_used >= horizon]
 
     def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:
         """Prefill rows the next step may add to its decode_rows.

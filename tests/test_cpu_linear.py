@@ -18,12 +18,16 @@ def test_onednn_linear_computes_what_torch_linear_does(bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 80, bias=bias)
     onednn = OneDnnLinear(linear)
-    for shape in [(1, 48), (5, 48), (2, 3, 48)]:  # one row, a step's rows, [batch, positions, hidden]
+    # one row, a step's rows, [batch, positions, hidden], more rows than the weight is packed for
+    for shape in [(1, 48), (5, 48), (2, 3, 48), (40, 48)]:
         x = torch.randn(*shape)
         with torch.inference_mode():
             got, want = onednn(x), linear(x)
         assert got.shape == want.shape and got.dtype == torch.float32
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    strided = torch.randn(48, 6).t()  # [6, 48], not contiguous (a slice of a wider hidden state)
+    with torch.inference_mode():
+        assert torch.allclose(onednn(strided), linear(strided), atol=1e-5, rtol=1e-5)
 
 
 def _logits(model, ids):

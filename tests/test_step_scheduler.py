@@ -154,6 +154,35 @@ async def test_a_chunk_rides_every_step_while_every_expected_stream_is_aboard():
     worker.stop()
 
 
+async def test_prompts_that_reach_an_idle_engine_a_few_ms_apart_share_its_first_step():
+    """Requests sent together reach the engine one by one; stepping at the first would prefill it alone
+    and feed the rest as chunks beside its decoding."""
+    steps = Steps()
+    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 64, min_prefill_chunk=1),
+                           burst_quiet_s=0.2, max_burst_gather_s=5.0)
+    running = []
+    for i in range(4):
+        running.append(asyncio.ensure_future(worker.submit(f"p{i}", prefill_job(session(f"p{i}"), [10 * i, 10 * i + 1]))))
+        await asyncio.sleep(0.002)  # arrivals a few ms apart, as through the orchestrator and the servicer
+    assert await asyncio.gather(*running) == [1, 11, 21, 31]
+    assert sorted(name for name, _ in steps.log[0]) == ["p0", "p1", "p2", "p3"] and len(steps.log) == 1
+    worker.stop()
+
+
+async def test_a_step_waits_a_moment_for_sessions_away_drafting():
+    """Drafts stepped together come back to the target a few ms apart: a session away drafting is worth
+    that short wait (and only that: it is not expected back at once like a target-only stream)."""
+    steps = Steps()
+    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 4, min_prefill_chunk=1),
+                           stragglers=lambda: ["a", "b"], straggler_quiet_s=0.2)
+    first = asyncio.ensure_future(worker.submit("a", decode(session("a"), 1, 1)))
+    await asyncio.sleep(0.002)  # b's call a few ms behind a's
+    second = asyncio.ensure_future(worker.submit("b", decode(session("b"), 1, 2)))
+    assert await asyncio.gather(first, second) == [[1], [2]]
+    assert [len(step) for step in steps.log] == [2]  # without the wait: [1, 1]
+    worker.stop()
+
+
 def test_planner_leaves_the_chunk_out_when_asked_unless_nothing_else_would_run():
     planner = StepPlanner(max_step_tokens=64, prefill_allowance=lambda rows, prefills: 4, min_prefill_chunk=1)
 

@@ -84,6 +84,8 @@ class DraftLengthPolicy(Protocol):
 
     def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
 
+    async def align(self, k: int) -> int: ...
+
     def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
 
     def close(self) -> None: ...
@@ -107,6 +109,10 @@ class LoopStats:
 
 class SpeculativeGeneration:
     """Yields committed tokens, a list per round, until max_tokens or an EOS token."""
+
+    # Drafting rounds wait for the other requests' (the policy's align): with draft and target on
+    # the same cores, rounds in phase batch in both services instead of contending.
+    aligns_rounds = True
 
     def __init__(self, request: GenerationRequest, target: TargetClient, draft: DraftClient | None,
                  eos_token_ids: set[int], config: LoopConfig,
@@ -245,6 +251,8 @@ class SpeculativeGeneration:
         """This round's draft tokens, or None for a target-only round."""
         if k <= 0:
             return None
+        if self.policy is not None and self.aligns_rounds:
+            k = await self.policy.align(k)
         started = time.monotonic()
         proposal = await self._propose(k)
         self._clock.draft_call(time.monotonic() - started, proposal.forward_ns / 1e9 if proposal else 0.0)

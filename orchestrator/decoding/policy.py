@@ -39,10 +39,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.decoding.alignment import RoundAlignment
 from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance, expected_tokens
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.loop import RoundTiming
 from orchestrator.decoding.regime import LoadRegimes, RegimeChoice
+
+
+DEFAULT_ALIGN_WAIT_S = 0.5  # the most a round waits for the others' before any round was priced
 
 
 @dataclass(frozen=True)
@@ -110,12 +114,19 @@ class AdaptiveDraftLength:
     def choose(self, k_max: int) -> int:
         self._regime = None
         if k_max <= 0:
+            self.shared.alignment.leave(id(self))
             return 0
         self.shared.join(self)
         self._batch = self.shared.batch_load(self)
         self._regime = self.shared.regimes.choice(self.shared.decoding(self))
         self._chosen_at = time.monotonic()
         self.target_only = not self._regime.drafting
+        k = self._choose_under_drafting(k_max)
+        if k == 0:
+            self.shared.alignment.leave(id(self))
+        return k
+
+    def _choose_under_drafting(self, k_max: int) -> int:
         if self.target_only:
             return 0
         if self.k is None:  # the first round: what costs and acceptance history predict, or the most
@@ -126,6 +137,12 @@ class AdaptiveDraftLength:
         elif self.costs.known:  # else no draft round has been timed yet (the draft was away): keep k
             self._maybe_switch(self.best(k_max, self._batch), k_max)
         return min(self.k, k_max)
+
+    async def align(self, k: int) -> int:
+        """Wait for the requests that drafted beside this one to draft again, together (at most
+        about one round); the k all of them draft (orchestrator.decoding.alignment)."""
+        wait_s = self.costs.round_s(k, self._batch) if self.costs.known else DEFAULT_ALIGN_WAIT_S
+        return await self.shared.alignment.align(id(self), k, wait_s)
 
     def _a_good_draft_would_pay(self, k_max: int) -> bool:
         good = [self.config.probe_if_acceptance] * k_max
@@ -174,6 +191,7 @@ class AdaptiveDraftLength:
         return self.acceptance.expected_tokens(self.round_k)
 
     def close(self) -> None:
+        self.shared.alignment.leave(id(self))
         self.shared.leave(self)
 
 
@@ -185,6 +203,7 @@ class AdaptiveSpeculation:
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
     regimes: LoadRegimes = field(default_factory=LoadRegimes)
+    alignment: RoundAlignment = field(default_factory=RoundAlignment)
     active: dict[int, AdaptiveDraftLength] = field(default_factory=dict)
 
     def for_request(self, prompt_class: str) -> AdaptiveDraftLength:
