@@ -235,10 +235,8 @@ class StepScheduler:
     def _wait_for_stragglers(self) -> None:
         """Sessions away drafting come back when their drafts are done, and drafts stepped together
         (orchestrator.decoding.alignment) come back a few ms apart: wait that long for them."""
-        def all_here() -> bool:
-            here = {work.key for work in self._active}
-            return all(key in here for key in self.stragglers())
-        self._admit_while_arriving(self.straggler_quiet_s, self.max_gather_s, all_here)
+        self._admit_while_arriving(self.straggler_quiet_s, self.max_gather_s,
+                                   lambda: self._all_here(self.stragglers()))
 
     def _admit_while_arriving(self, quiet_s: float, max_s: float, done: Callable[[], bool]) -> None:
         """Admit arrivals while they come within quiet_s of each other, for at most max_s or until done()."""
@@ -253,8 +251,11 @@ class StepScheduler:
             self._admit_arrived()
 
     def _all_aboard(self) -> bool:
+        return self._all_here(self.expected_sessions())
+
+    def _all_here(self, keys: Iterable[str]) -> bool:
         here = {work.key for work in self._active}
-        return all(key in here for key in self.expected_sessions())
+        return all(key in here for key in keys)
 
     def _prefill_pending(self) -> bool:
         return any(work.feed is not None and work.feed.chunkable for work in self._active)

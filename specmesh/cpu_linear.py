@@ -6,8 +6,8 @@ on the host: on one 2-core AMD EPYC VM (2026-11-25; README, "CPU matmul kernels"
 torch's default fp32 GEMM ran the embedded 1.5B target's step in 363 ms for one row
 and 1047 ms for three, where oneDNN's linear, with the weight kept in oneDNN's own
 layout, took 231 and 297 ms; on an Intel Xeon that afternoon torch's GEMM won for one to
-three rows (267-294 ms) and oneDNN, with the weight packed for batches, from four on (8 rows:
-376 ms against 696). On other hosts the default may win. So `auto` times both
+three rows and oneDNN, with the weight packed for batches, from four on (OneDnnLinear).
+On other hosts the default may win. So `auto` times both
 on the model's own layer shapes at start-up, for the row counts a step feeds, and keeps
 the faster.
 

@@ -27,7 +27,6 @@ class RoundAlignment:
     def __init__(self):
         self.members: set[Hashable] = set()  # requests that drafted together last time
         self._waiting: dict[Hashable, tuple[asyncio.Future, int]] = {}  # at the gate: (release, k chosen)
-        self.released = 0  # groups released (for tests and the curious)
 
     async def align(self, key: Hashable, k: int, max_wait_s: float) -> int:
         """Wait for the other members' drafting rounds (at most max_wait_s); the group's k."""
@@ -64,4 +63,3 @@ class RoundAlignment:
             if not release.done():
                 release.set_result(k)
         self._waiting.clear()
-        self.released += 1

@@ -112,21 +112,20 @@ class AdaptiveDraftLength:
         return tokens_left * (per_token(0) - per_token(k)) > prefill_s
 
     def choose(self, k_max: int) -> int:
+        k = self._choose(k_max)
+        if k == 0:  # nobody should wait for this request's next drafting round
+            self.shared.alignment.leave(id(self))
+        return k
+
+    def _choose(self, k_max: int) -> int:
         self._regime = None
         if k_max <= 0:
-            self.shared.alignment.leave(id(self))
             return 0
         self.shared.join(self)
         self._batch = self.shared.batch_load(self)
         self._regime = self.shared.regimes.choice(self.shared.decoding(self))
         self._chosen_at = time.monotonic()
         self.target_only = not self._regime.drafting
-        k = self._choose_under_drafting(k_max)
-        if k == 0:
-            self.shared.alignment.leave(id(self))
-        return k
-
-    def _choose_under_drafting(self, k_max: int) -> int:
         if self.target_only:
             return 0
         if self.k is None:  # the first round: what costs and acceptance history predict, or the most
