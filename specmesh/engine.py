@@ -39,6 +39,10 @@ from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A session away at the other service comes back within a round: on the embedded pair a draft
+# session proposes again 0.6-1.2 s after its last Propose arrived (k draft steps, then a target
+# step). Last seen longer ago, it is not waited for (specmesh.batching, stragglers).
+AWAY_HORIZON_S = 2.0
 
 
 @dataclass
@@ -137,7 +141,7 @@ class ModelEngine:
             install_segmented_attention(model)
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
-                                       expected_sessions=self._recently_active, stragglers=self._away_drafting)
+                                       expected_sessions=self._recently_active, stragglers=self._away)
         self.chunks = ChunkSteering()
         self.prefill_rate = PrefillThroughput()
         self.scheduler.observers.append(self._steer_chunks)
@@ -255,12 +259,13 @@ class ModelEngine:
         """Sessions fed within the last few steps whose next call is likely on its way."""
         return self._recent(back_soon=True)
 
-    def _away_drafting(self) -> list[str]:
-        """Sessions fed within the last few steps that went to draft before their next call."""
-        return self._recent(back_soon=False)
+    def _away(self) -> list[str]:
+        """Sessions whose next call follows a round at the other service (a target's drafting
+        request, any draft request verifying), last seen within about a round."""
+        return self._recent(back_soon=False, horizon_s=AWAY_HORIZON_S)
 
-    def _recent(self, back_soon: bool) -> list[str]:
-        horizon = time.monotonic() - max(0.5, 4 * self.scheduler.last_step_s)
+    def _recent(self, back_soon: bool, horizon_s: float = 0.5) -> list[str]:
+        horizon = time.monotonic() - max(horizon_s, 4 * self.scheduler.last_step_s)
         return [session.request_id for session in list(self.sessions.values())
                 if session.back_soon == back_soon and session.last_used >= horizon]
 

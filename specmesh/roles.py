@@ -17,10 +17,17 @@ class Role:
     # Seeds the role's sampling generators apart from the other role's under the same request seed.
     generator_salt: int
     default_model: str  # embedded alias used when no model is named
+    # While streams decode, a step with a prefill chunk may cost at most this many times the
+    # decode rows alone (--prefill-slowdown). The target's step is most of a stream's round, so
+    # a chunk there shows in every stream's inter-token time at nearly its full cost. A draft
+    # step is a small part of a round (on the embedded pair 51 ms beside a 300 ms target step):
+    # at 2x, a catch-up of 60 tokens went in as 8 chunks of 8 rows, 1.5 s where 2 chunks take
+    # 0.4, while the request it was for waited; at 6x a chunk adds about one target step.
+    prefill_slowdown: float
 
 
-TARGET = Role("target", generator_salt=0, default_model="qwen2.5-coder-1.5b")
-DRAFT = Role("draft", generator_salt=1, default_model="qwen2.5-coder-0.5b")
+TARGET = Role("target", generator_salt=0, default_model="qwen2.5-coder-1.5b", prefill_slowdown=2.0)
+DRAFT = Role("draft", generator_salt=1, default_model="qwen2.5-coder-0.5b", prefill_slowdown=6.0)
 ROLES = {role.name: role for role in (TARGET, DRAFT)}
 
 

@@ -26,7 +26,7 @@ from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HE
 from specmesh.metrics import ServiceMetrics, serve_metrics
 from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP, choose_cpu_linear
 from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP, load_model_in
-from specmesh.roles import DRAFT, role
+from specmesh.roles import DRAFT, TARGET, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
                                internal_token_from_args, server_tls_from_args)
 from specmesh.server import serve_until_signal, stop_server
@@ -63,7 +63,7 @@ class ServiceOptions:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
     max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
     max_step_tokens: int = EngineConfig.max_step_tokens  # rows one batched step may feed
-    prefill_slowdown: float = EngineConfig.prefill_slowdown  # a prefill chunk's step costs <= this x decode alone
+    prefill_slowdown: float | None = None  # a prefill chunk's step costs <= this x decode alone; None: the role's
     kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
 
@@ -107,9 +107,10 @@ def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
     batching.add_argument("--max-step-tokens", type=positive_int, default=EngineConfig.max_step_tokens,
                           metavar="ROWS", help="token rows one batched forward step may feed (decode rows of every "
                                                "session first, then prefill chunks)")
-    batching.add_argument("--prefill-slowdown", type=float, default=EngineConfig.prefill_slowdown, metavar="X",
+    batching.add_argument("--prefill-slowdown", type=float, default=None, metavar="X",
                           help="while streams decode, a step with a prefill chunk may cost at most X times the "
-                               "decode rows alone (from costs measured at start-up)")
+                               "decode rows alone (from costs measured at start-up; default: "
+                               f"{TARGET.prefill_slowdown:g} on a target, {DRAFT.prefill_slowdown:g} on a draft)")
 
 
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,7 +197,8 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     config = EngineConfig(model_name=options.model, max_sessions=options.max_sessions,
                           max_sessions_per_caller=options.max_sessions_per_caller,
                           generator_salt=role(role_name).generator_salt,
-                          max_step_tokens=options.max_step_tokens, prefill_slowdown=options.prefill_slowdown,
+                          max_step_tokens=options.max_step_tokens,
+                          prefill_slowdown=options.prefill_slowdown or role(role_name).prefill_slowdown,
                           kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions)
     with calibration_turn():  # loading too: converting a draft to int8 takes seconds of both cores
         model, tokenizer = load_model_in(options.model, options.device, options.dtype)

@@ -99,6 +99,17 @@ async def test_steps_wait_only_for_sessions_that_come_back_at_once(tiny_llama_di
     assert "s" in expected()
 
 
+async def test_a_draft_session_is_away_while_its_round_verifies(tiny_llama_dir, device):
+    """After a Propose the request goes to the target: the draft's steps do not wait for it as for a call
+    on its way, only a moment as a straggler (drafts released together arrive a few ms apart)."""
+    from draft_service.engine import DraftEngine
+    draft = DraftEngine(make_engine(tiny_llama_dir, device))
+    await draft.open("s", [5, 6, 7], SamplingParams(0.0))
+    session = draft.engine.get("s")
+    await draft.propose("s", 1, None, len(session.token_ids), 2)
+    assert "s" not in draft.engine._recently_active() and "s" in draft.engine._away()
+
+
 @pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])
 async def test_concurrent_mixed_requests_are_lossless_and_batched(tiny_llama_dir, tiny_llama_perturbed_dir, device,
                                                                   cpu_linear):

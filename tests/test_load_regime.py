@@ -124,12 +124,63 @@ def test_the_policy_obeys_the_target_only_regime():
     shared.regimes.choice(3)
     shared.regimes.buckets[load_bucket(3)].drafting = False
     assert [p.choose(8) for p in policies] == [0, 0]
-    assert all(p.round_k == 0 for p in policies) and shared.batch_load(policies[0]).drafting == 0
+    assert all(p._batch.drafting == 0 for p in policies)  # each priced the other as target-only
     assert not shared.for_request("code").wants_draft(8)  # a third request would start target-only too
     for p in policies:
         p.observe(RoundTiming(draft_s=0.0, verify_s=0.1), 0, 0)
     regime.drafting = True
     assert [p.choose(8) for p in policies] == drafting  # back to each request's own k
+
+
+def test_back_in_the_drafting_regime_the_others_are_priced_at_their_own_k():
+    """A target whose step costs the same for any rows (a GPU's, or a CPU's at small batches): a
+    draft beside requests that do not draft costs a target step of its own and does not pay, one
+    beside requests that draft shares their step and does. Under target-only every request ran
+    k = 0; when the load's regime turns to drafting again, each must price the others at the k
+    they draft at, not at the k = 0 of their last round, or none of them ever drafts again."""
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.3), draft=flat(0.05))))
+    history = shared.for_request("code")
+    for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
+        history.acceptance.observe(4, 2)
+        history.acceptance.observe(4, 3)
+    policies = [shared.for_request("code") for _ in range(2)]
+    shared.regimes.choice(2)
+    regime = shared.regimes.buckets[load_bucket(2)]
+    regime.drafting = True
+    drafting = [p.choose(8) for p in policies]
+    assert all(k > 0 for k in drafting)
+    regime.drafting = False
+    for _ in range(3):  # a stretch of target-only rounds
+        assert [p.choose(8) for p in policies] == [0, 0]
+        for p in policies:
+            p.observe(RoundTiming(draft_s=0.0, verify_s=0.3), 0, 0)
+    regime.drafting = True
+    assert [p.choose(8) for p in policies] == drafting
+    assert [p._batch.drafting for p in policies] == [1, 1]  # each priced the other drafting beside it
+
+
+def test_requests_that_chose_no_k_yet_are_priced_drafting_beside_this_one():
+    """A target step flat up to 16 rows and compute-bound past them (this CPU's, a GPU's at a larger
+    size). When the load's regime turns to drafting, no request has chosen a k yet: priced as if
+    alone, each opened a draft and drafted, at 16 requests every verification doubled its rows. Each
+    must count the undecided others as drafting at its own k: at 16 requests nobody drafts (nor opens
+    a draft), at 2 both do."""
+    target = StepCosts({rows: 0.3 if rows <= 16 else 0.3 * rows / 16 for rows in (1, 2, 4, 8, 16, 32, 64)})
+    draft = StepCosts({rows: 0.04 + 0.005 * rows for rows in (1, 2, 4, 8, 16, 32, 64)})
+    for active, drafts in ((16, False), (2, True)):
+        shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=target, draft=draft)))
+        history = shared.for_request("code")
+        for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
+            history.acceptance.observe(4, 2)
+            history.acceptance.observe(4, 3)
+        policies = [shared.for_request("code") for _ in range(active)]
+        for p in policies:
+            p.arrive()
+        shared.regimes.choice(active)
+        shared.regimes.buckets[load_bucket(active)].drafting = True
+        assert policies[0].wants_draft(8) is drafts
+        assert (policies[0].choose(8) > 0) is drafts
+        assert policies[0]._batch.undecided == active - 1
 
 
 def settle(regimes: LoadRegimes, active: int, rate: dict[bool, float]) -> None:

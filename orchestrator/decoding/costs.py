@@ -94,13 +94,24 @@ class BatchLoad:
     tokens: float = 0.0
     drafting: int = 0
     drafting_rows: int = 0
+    # Requests that have chosen no k yet (just arrived, or back from the target-only regime): they
+    # run the same policy under the same regime and draft in phase with this one, so each is priced
+    # as this request's round at the same k. Left out, a trial of drafting at 16 requests priced
+    # every request's first round as if alone, all 16 opened drafts (catch-up prefills of their
+    # whole sequences beside the target, 2.2 s gaps) and speculation on ran at 0.86x off.
+    undecided: int = 0
 
     def with_round(self, k: int) -> tuple[int, int, int]:
         """(rows of requests that do not draft, rows of requests that draft, requests that draft),
-        this request's round at draft length k included."""
+        this request's round at draft length k and the undecided requests' included."""
+        rounds = 1 + self.undecided
         if k:
-            return self.rows - self.drafting_rows, self.drafting_rows + k + 1, self.drafting + 1
-        return self.rows - self.drafting_rows + 1, self.drafting_rows, self.drafting
+            return self.rows - self.drafting_rows, self.drafting_rows + rounds * (k + 1), self.drafting + rounds
+        return self.rows - self.drafting_rows + rounds, self.drafting_rows, self.drafting
+
+    def tokens_with(self, expected: float) -> float:
+        """Tokens of a round of the batch where this request (and each undecided one) commits `expected`."""
+        return self.tokens + (1 + self.undecided) * expected
 
 
 class RoundCosts:

@@ -76,15 +76,15 @@ class AdaptiveDraftLength:
         self.rounds_since_probe = 0
         self.probing = False
         self._batch = BatchLoad()  # the others, as they stood when this round's k was chosen
-        self.target_only = False  # this round was planned under the load's target-only regime
         self._regime: RegimeChoice | None = None  # what this round was planned under ...
         self._previous_regime: RegimeChoice | None = None  # ... and the round before it
         self._chosen_at = 0.0
+        self._last_round_s = 0.0  # wall clock of this request's last round, from its choice of k
 
     def goodput(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
         """Expected committed tokens per second of this request and the others beside it, at draft length k."""
         seconds = self.costs.round_s(k, batch)
-        return (self.acceptance.expected_tokens(k) + batch.tokens) / max(seconds, 1e-9)
+        return batch.tokens_with(self.acceptance.expected_tokens(k)) / max(seconds, 1e-9)
 
     def best(self, k_max: int, batch: BatchLoad = BatchLoad()) -> int:
         return max(range(0, k_max + 1), key=lambda k: self.goodput(k, batch))
@@ -122,11 +122,10 @@ class AdaptiveDraftLength:
         if k_max <= 0:
             return 0
         self.shared.join(self)
-        self._batch = self.shared.batch_load(self)
         self._regime = self.shared.regimes.choice(self.shared.decoding(self))
+        self._batch = self.shared.batch_load(self, self._regime.drafting)
         self._chosen_at = time.monotonic()
-        self.target_only = not self._regime.drafting
-        if self.target_only:
+        if not self._regime.drafting:
             return 0
         if self.k is None:  # the first round: what costs and acceptance history predict, or the most
             self.k = self.best(k_max, self._batch) if self.costs.known else k_max
@@ -141,13 +140,15 @@ class AdaptiveDraftLength:
         """Wait for the requests that drafted beside this one to draft again, together (at most
         about one round); the k all of them draft (orchestrator.decoding.alignment)."""
         wait_s = self.costs.round_s(k, self._batch) if self.costs.known else DEFAULT_ALIGN_WAIT_S
-        return await self.shared.alignment.align(id(self), k, wait_s)
+        # Out of phase, the others come back up to a whole round of this request's apart: a wait of
+        # a predicted (in-phase) round would time out before they came, every round, on each side.
+        return await self.shared.alignment.align(id(self), k, max(wait_s, self._last_round_s))
 
     def _a_good_draft_would_pay(self, k_max: int) -> bool:
         good = [self.config.probe_if_acceptance] * k_max
         seconds = lambda k: self.costs.round_s(k, self._batch)  # noqa: E731
-        return any((expected_tokens(good, k) + self._batch.tokens) / seconds(k)
-                   > (1.0 + self._batch.tokens) / seconds(0) for k in range(1, k_max + 1))
+        return any(self._batch.tokens_with(expected_tokens(good, k)) / seconds(k)
+                   > self._batch.tokens_with(1.0) / seconds(0) for k in range(1, k_max + 1))
 
     def _probe(self, k_max: int) -> int:
         """Nothing is learned at k = 0: look again now and then, cheaply."""
@@ -172,22 +173,14 @@ class AdaptiveDraftLength:
         if drafted:
             self.probing = False
         self.acceptance.observe(drafted, accepted)
+        self._last_round_s = time.monotonic() - self._chosen_at
         if self._regime is not None:
             self.shared.regimes.observe(self._regime, self._previous_regime, accepted + 1,
-                                        time.monotonic() - self._chosen_at, self.shared.decoding(self))
+                                        self._last_round_s, self.shared.decoding(self))
         self._previous_regime, self._regime = self._regime, None
         self.rounds_at_k += 1
         if self.k == 0:
             self.rounds_since_probe += 1
-
-    @property
-    def round_k(self) -> int:
-        """The draft length of this request's rounds now (0 under the target-only regime)."""
-        return 0 if self.target_only else self.k or 0
-
-    def expected_tokens(self) -> float:
-        """This request's expected tokens per round at its current k (what it adds to a batch)."""
-        return self.acceptance.expected_tokens(self.round_k)
 
     def close(self) -> None:
         self.shared.alignment.leave(id(self))
@@ -218,9 +211,16 @@ class AdaptiveSpeculation:
         """Requests decoding with `me` among them (the load its round runs under)."""
         return len(self.active) + (0 if id(me) in self.active else 1)
 
-    def batch_load(self, me: AdaptiveDraftLength) -> BatchLoad:
-        """The other requests decoding now, each at the k it chose last."""
-        others = [p for key, p in self.active.items() if key != id(me) and p.k is not None]
-        drafting = [p for p in others if p.round_k > 0]
-        return BatchLoad(rows=sum(p.round_k + 1 for p in others), tokens=sum(p.expected_tokens() for p in others),
-                         drafting=len(drafting), drafting_rows=sum(p.round_k + 1 for p in drafting))
+    def batch_load(self, me: AdaptiveDraftLength, drafting: bool = True) -> BatchLoad:
+        """The other requests decoding now: under the drafting regime each at the k it chose last,
+        under target-only none drafting. The regime is the load's, so the others go where this
+        round goes: priced at the k = 0 they ran under target-only, a drafting round beside them
+        would pay for a target step of its own, and when drafting was tried again no request
+        drafted (at concurrency 2 the trials measured target-only rounds and lost). Under drafting,
+        those that chose no k yet are undecided (BatchLoad.undecided)."""
+        others = [p for key, p in self.active.items() if key != id(me)]
+        ks = [(p.k if drafting else 0, p) for p in others if p.k is not None or not drafting]
+        drafting_ks = [k for k, _ in ks if k > 0]
+        return BatchLoad(rows=sum(k + 1 for k, _ in ks), tokens=sum(p.acceptance.expected_tokens(k) for k, p in ks),
+                         drafting=len(drafting_ks), drafting_rows=sum(k + 1 for k in drafting_ks),
+                         undecided=len(others) - len(ks))

@@ -38,7 +38,7 @@ RATE_WEIGHT = 0.5  # of a window's rate in its regime's estimate: loads shift, f
 
 @dataclass(frozen=True)
 class RegimeConfig:
-    window_rounds: int = 3  # a window: this many rounds of every request decoding
+    window_rounds: int = 5  # a window: this many rounds of every request decoding
     margin: float = 0.03  # a regime takes over only for at least 3 % more tokens per second
     retry_every: int = 4  # windows in the winning regime before the other is measured again ...
     max_retry_every: int = 64  # ... the interval doubling, up to this, while it keeps losing
