@@ -125,7 +125,8 @@ def test_the_policy_obeys_the_target_only_regime():
     shared.regimes.buckets[load_bucket(3)].drafting = False
     assert [p.choose(8) for p in policies] == [0, 0]
     assert all(p._batch.drafting == 0 for p in policies)  # each priced the other as target-only
-    assert not shared.for_request("code").wants_draft(8)  # a third request would start target-only too
+    # a third request would start target-only too
+    assert not shared.for_request("code").wants_draft(8, catch_up=1, tokens_left=400)
     for p in policies:
         p.observe(RoundTiming(draft_s=0.0, verify_s=0.1), 0, 0)
     regime.drafting = True
@@ -178,9 +179,35 @@ def test_requests_that_chose_no_k_yet_are_priced_drafting_beside_this_one():
             p.arrive()
         shared.regimes.choice(active)
         shared.regimes.buckets[load_bucket(active)].drafting = True
-        assert policies[0].wants_draft(8) is drafts
+        assert policies[0].wants_draft(8, catch_up=1, tokens_left=400) is drafts
         assert (policies[0].choose(8) > 0) is drafts
         assert policies[0]._batch.undecided == active - 1
+
+
+def test_a_draft_opened_beside_other_requests_must_win_back_its_prefill_for_each_of_them():
+    """The draft's prefill delays every request decoding beside this one (the same cores as the
+    target's, or the draft steps every drafting request waits on): alone, a 200-token prefill pays
+    over 20 tokens; beside 7 others it must pay for itself 8 times, so only a long request opens one."""
+    target = StepCosts({rows: 0.3 if rows <= 16 else 0.3 * rows / 16 for rows in (1, 2, 4, 8, 16, 32, 64)})
+    draft = StepCosts({rows: 0.04 + 0.005 * rows for rows in (1, 2, 4, 8, 16, 32, 64)})
+    opens = {}
+    for active in (1, 8):
+        shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=target, draft=draft)))
+        history = shared.for_request("code")
+        for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
+            history.acceptance.observe(4, 2)
+            history.acceptance.observe(4, 3)
+        policies = [shared.for_request("code") for _ in range(active)]
+        for p in policies:
+            p.arrive()
+        shared.regimes.choice(active)
+        if active > 1:
+            shared.regimes.buckets[load_bucket(active)].drafting = True
+        wanted = policies[0].wants_draft(8, catch_up=200, tokens_left=20)  # from the request's first token
+        k = policies[0].choose(8)
+        assert k > 0
+        opens[active] = [wanted] + [policies[0].worth_opening(k, catch_up=200, tokens_left=left) for left in (20, 200)]
+    assert opens == {1: [True, True, True], 8: [False, False, True]}
 
 
 def settle(regimes: LoadRegimes, active: int, rate: dict[bool, float]) -> None:
@@ -217,13 +244,13 @@ def test_a_request_counts_towards_the_load_from_its_arrival():
     shared.regimes.choice(8)
     shared.regimes.buckets[load_bucket(8)].drafting = False
     burst = [shared.for_request("code") for _ in range(8)]
-    assert burst[0].wants_draft(8)  # before they arrive, it would be alone
+    assert burst[0].wants_draft(8, catch_up=1, tokens_left=400)  # before they arrive, it would be alone
     for policy in burst:
         policy.arrive()
-    assert not burst[0].wants_draft(8)
+    assert not burst[0].wants_draft(8, catch_up=1, tokens_left=400)
     for policy in burst[1:]:
         policy.close()
-    assert burst[0].wants_draft(8)  # alone again
+    assert burst[0].wants_draft(8, catch_up=1, tokens_left=400)  # alone again
 
 
 def test_a_draft_opened_late_must_win_back_its_prefill():

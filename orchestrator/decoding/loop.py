@@ -78,13 +78,15 @@ class GenerationRequest:
 class DraftLengthPolicy(Protocol):
     def arrive(self) -> None: ...
 
-    def wants_draft(self, k_max: int) -> bool: ...
+    def wants_draft(self, k_max: int, catch_up: int, tokens_left: int) -> bool: ...
 
     def choose(self, k_max: int) -> int: ...
 
     def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
 
     async def align(self, k: int) -> int: ...
+
+    def skip_drafting(self) -> None: ...
 
     def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
 
@@ -205,7 +207,8 @@ class SpeculativeGeneration:
         self.sequence.append(opened.token_id)
         if opened.HasField("logprob"):
             self.logprobs.append(opened.logprob)
-        if self.draft is not None and (self.policy is None or self.policy.wants_draft(self._k_max())):
+        if self.draft is not None and (self.policy is None or self.policy.wants_draft(
+                self._k_max(), len(self.sequence), request.max_tokens - self.generated)):
             self._open_draft()
         return [opened.token_id]
 
@@ -273,18 +276,34 @@ class SpeculativeGeneration:
 
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
-        if self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round:
+        if self.policy is None:
+            return self._fixed_k()
+        k = self._adaptive_k()
+        if k == 0:  # a round that will not draft after all: nobody waits for it (the policy's align)
+            self.policy.skip_drafting()
+        return k
+
+    def _draft_unavailable(self) -> bool:
+        return self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round
+
+    def _fixed_k(self) -> int:
+        if self._draft_unavailable():
             return 0
-        k = self.policy.choose(self._k_max()) if self.policy is not None else self._k_max()
+        k = self._k_max()
+        if k and not self._draft_asked:
+            self._open_draft()
+        return k
+
+    def _adaptive_k(self) -> int:
+        if self._draft_unavailable():
+            return 0
+        k = self.policy.choose(self._k_max())
         if k and not self._draft_asked:  # the policy's first round that wants draft tokens
-            if self.policy is not None and not self.policy.worth_opening(k, len(self.sequence),
-                                                                         self.request.max_tokens - self.generated):
+            if not self.policy.worth_opening(k, len(self.sequence), self.request.max_tokens - self.generated):
                 return 0
             self._open_draft()
         opening = self._draft_opening is not None and not self._draft_opening.done()
-        if k and opening and self.policy is not None:
-            return 0  # never wait for the draft's prefill: the target decodes meanwhile (a fixed k waits)
-        return k
+        return 0 if opening else k  # never wait for the draft's prefill: the target decodes meanwhile
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""
