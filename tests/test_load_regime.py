@@ -184,6 +184,28 @@ def test_requests_that_chose_no_k_yet_are_priced_drafting_beside_this_one():
         assert policies[0]._batch.undecided == active - 1
 
 
+def test_a_request_held_back_from_drafting_is_priced_target_only():
+    """A request whose draft is not open (still opening, or not worth opening) or lost runs target-only
+    rounds whatever its k: the others must price a draft beside it as a step of its own, not as rows
+    that share its step."""
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.3), draft=flat(0.05))))
+    history = shared.for_request("code")
+    for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
+        history.acceptance.observe(4, 2)
+        history.acceptance.observe(4, 3)
+    policies = [shared.for_request("code") for _ in range(2)]
+    shared.regimes.choice(2)
+    shared.regimes.buckets[load_bucket(2)].drafting = True
+    assert policies[1].choose(8) > 0
+    policies[0].choose(8)
+    assert policies[0]._batch.drafting == 1  # the other drafts beside it
+    assert policies[1].choose(8) > 0
+    policies[1].skip_drafting()  # ... but its round will not draft after all
+    policies[0].choose(8)
+    assert policies[0]._batch.drafting == 0 and policies[0]._batch.undecided == 0
+    assert policies[0]._batch.rows == 1
+
+
 def test_a_draft_opened_beside_other_requests_must_win_back_its_prefill_for_each_of_them():
     """The draft's prefill delays every request decoding beside this one (the same cores as the
     target's, or the draft steps every drafting request waits on): alone, a 200-token prefill pays

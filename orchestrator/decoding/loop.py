@@ -86,7 +86,7 @@ class DraftLengthPolicy(Protocol):
 
     async def align(self, k: int) -> int: ...
 
-    def skip_drafting(self) -> None: ...
+    def skip_drafting(self, draft_opening: bool = False) -> None: ...
 
     def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
 
@@ -276,12 +276,7 @@ class SpeculativeGeneration:
 
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
-        if self.policy is None:
-            return self._fixed_k()
-        k = self._adaptive_k()
-        if k == 0:  # a round that will not draft after all: nobody waits for it (the policy's align)
-            self.policy.skip_drafting()
-        return k
+        return self._fixed_k() if self.policy is None else self._adaptive_k()
 
     def _draft_unavailable(self) -> bool:
         return self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round
@@ -295,15 +290,21 @@ class SpeculativeGeneration:
         return k
 
     def _adaptive_k(self) -> int:
+        """The policy's k, unless this request's draft cannot serve it this round: then the policy
+        is told (skip_drafting), so that nobody waits for its drafting round or prices it drafting."""
         if self._draft_unavailable():
+            self.policy.skip_drafting()
             return 0
         k = self.policy.choose(self._k_max())
         if k and not self._draft_asked:  # the policy's first round that wants draft tokens
             if not self.policy.worth_opening(k, len(self.sequence), self.request.max_tokens - self.generated):
+                self.policy.skip_drafting()
                 return 0
             self._open_draft()
-        opening = self._draft_opening is not None and not self._draft_opening.done()
-        return 0 if opening else k  # never wait for the draft's prefill: the target decodes meanwhile
+        if k and self._draft_opening is not None and not self._draft_opening.done():
+            self.policy.skip_drafting(draft_opening=True)  # never wait for the draft's prefill
+            return 0
+        return k
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""

@@ -71,6 +71,9 @@ class AdaptiveDraftLength:
         self.acceptance = acceptance
         self.config = shared.config
         self.k: int | None = None
+        # Its round does not draft whatever k says: its draft is lost, paused or not worth opening
+        # (skip_drafting). Until its next choice the others price it at k = 0.
+        self.held_back = False
         self.rounds_at_k = 0
         self.probe_every = self.config.probe_every
         self.rounds_since_probe = 0
@@ -126,14 +129,20 @@ class AdaptiveDraftLength:
         return tokens_left * (per_token(0) - per_token(k)) > prefill_s * self.shared.decoding(self)
 
     def choose(self, k_max: int) -> int:
+        self.held_back = False
         k = self._choose(k_max)
-        if k == 0:
-            self.skip_drafting()
+        if k == 0:  # nobody should wait for this request's next drafting round
+            self.shared.alignment.leave(id(self))
         return k
 
-    def skip_drafting(self) -> None:
-        """This request's next round does not draft (k = 0, its draft lost or still opening): the
-        others drafting beside it go without it rather than wait a round for it."""
+    def skip_drafting(self, draft_opening: bool = False) -> None:
+        """This request's next round does not draft, whatever its k: the others drafting beside it
+        go without it rather than wait a round for it. Held back by its draft (lost, paused, or not
+        worth opening), it is priced as a request that does not draft; while its draft's session is
+        opening (a round or so) it is priced at its k still: held back then, every request of a
+        burst saw the others not drafting, priced its own draft as a target step of its own, and
+        none drafted again."""
+        self.held_back = not draft_opening
         self.shared.alignment.leave(id(self))
 
     def _choose(self, k_max: int) -> int:
@@ -236,9 +245,12 @@ class AdaptiveSpeculation:
         round goes: priced at the k = 0 they ran under target-only, a drafting round beside them
         would pay for a target step of its own, and when drafting was tried again no request
         drafted (at concurrency 2 the trials measured target-only rounds and lost). Under drafting,
-        those that chose no k yet are undecided (BatchLoad.undecided)."""
+        those that chose no k yet are undecided (BatchLoad.undecided), and those held back from
+        drafting by their own draft (skip_drafting) run target-only rounds: a draft beside them
+        pays for a target step of its own."""
         others = [p for key, p in self.active.items() if key != id(me)]
-        ks = [(p.k if drafting else 0, p) for p in others if p.k is not None or not drafting]
+        ks = [(p.k if drafting and not p.held_back else 0, p) for p in others
+              if p.k is not None or p.held_back or not drafting]
         drafting_ks = [k for k, _ in ks if k > 0]
         return BatchLoad(rows=sum(k + 1 for k, _ in ks), tokens=sum(p.acceptance.expected_tokens(k) for k, p in ks),
                          drafting=len(drafting_ks), drafting_rows=sum(k + 1 for k in drafting_ks),
