@@ -111,6 +111,17 @@ def flat(seconds: float) -> StepCosts:
     return StepCosts({rows: seconds for rows in (1, 2, 4, 8, 16)})
 
 
+def seasoned(target: StepCosts, draft: StepCosts) -> AdaptiveSpeculation:
+    """Shared policy state priced by these step costs, with a deployment's history behind it: about 7
+    in 10 draft tokens accepted."""
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=target, draft=draft)))
+    history = shared.for_request("code")
+    for _ in range(20):
+        history.acceptance.observe(4, 2)
+        history.acceptance.observe(4, 3)
+    return shared
+
+
 def test_the_policy_obeys_the_target_only_regime():
     """Under target-only no round drafts, the others count as target-only, and no draft opens."""
     shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.1), draft=flat(0.001))))
@@ -139,11 +150,7 @@ def test_back_in_the_drafting_regime_the_others_are_priced_at_their_own_k():
     beside requests that draft shares their step and does. Under target-only every request ran
     k = 0; when the load's regime turns to drafting again, each must price the others at the k
     they draft at, not at the k = 0 of their last round, or none of them ever drafts again."""
-    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.3), draft=flat(0.05))))
-    history = shared.for_request("code")
-    for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
-        history.acceptance.observe(4, 2)
-        history.acceptance.observe(4, 3)
+    shared = seasoned(target=flat(0.3), draft=flat(0.05))
     policies = [shared.for_request("code") for _ in range(2)]
     shared.regimes.choice(2)
     regime = shared.regimes.buckets[load_bucket(2)]
@@ -169,11 +176,7 @@ def test_requests_that_chose_no_k_yet_are_priced_drafting_beside_this_one():
     target = StepCosts({rows: 0.3 if rows <= 16 else 0.3 * rows / 16 for rows in (1, 2, 4, 8, 16, 32, 64)})
     draft = StepCosts({rows: 0.04 + 0.005 * rows for rows in (1, 2, 4, 8, 16, 32, 64)})
     for active, drafts in ((16, False), (2, True)):
-        shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=target, draft=draft)))
-        history = shared.for_request("code")
-        for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
-            history.acceptance.observe(4, 2)
-            history.acceptance.observe(4, 3)
+        shared = seasoned(target=target, draft=draft)
         policies = [shared.for_request("code") for _ in range(active)]
         for p in policies:
             p.arrive()
@@ -188,11 +191,7 @@ def test_a_request_held_back_from_drafting_is_priced_target_only():
     """A request whose draft is not open (still opening, or not worth opening) or lost runs target-only
     rounds whatever its k: the others must price a draft beside it as a step of its own, not as rows
     that share its step."""
-    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=flat(0.3), draft=flat(0.05))))
-    history = shared.for_request("code")
-    for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
-        history.acceptance.observe(4, 2)
-        history.acceptance.observe(4, 3)
+    shared = seasoned(target=flat(0.3), draft=flat(0.05))
     policies = [shared.for_request("code") for _ in range(2)]
     shared.regimes.choice(2)
     shared.regimes.buckets[load_bucket(2)].drafting = True
@@ -214,11 +213,7 @@ def test_a_draft_opened_beside_other_requests_must_win_back_its_prefill_for_each
     draft = StepCosts({rows: 0.04 + 0.005 * rows for rows in (1, 2, 4, 8, 16, 32, 64)})
     opens = {}
     for active in (1, 8):
-        shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=target, draft=draft)))
-        history = shared.for_request("code")
-        for _ in range(20):  # the deployment's history: about 7 in 10 draft tokens accepted
-            history.acceptance.observe(4, 2)
-            history.acceptance.observe(4, 3)
+        shared = seasoned(target=target, draft=draft)
         policies = [shared.for_request("code") for _ in range(active)]
         for p in policies:
             p.arrive()
