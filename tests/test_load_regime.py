@@ -188,9 +188,9 @@ def test_requests_that_chose_no_k_yet_are_priced_drafting_beside_this_one():
 
 
 def test_a_request_held_back_from_drafting_is_priced_target_only():
-    """A request whose draft is not open (still opening, or not worth opening) or lost runs target-only
-    rounds whatever its k: the others must price a draft beside it as a step of its own, not as rows
-    that share its step."""
+    """A request whose draft is lost, paused or not worth opening runs target-only rounds whatever its
+    k: the others must price a draft beside it as a step of its own, not as rows that share its step.
+    One whose draft is only opening drafts again in a round or so: it keeps its k in their pricing."""
     shared = seasoned(target=flat(0.3), draft=flat(0.05))
     policies = [shared.for_request("code") for _ in range(2)]
     shared.regimes.choice(2)
@@ -198,6 +198,10 @@ def test_a_request_held_back_from_drafting_is_priced_target_only():
     assert policies[1].choose(8) > 0
     policies[0].choose(8)
     assert policies[0]._batch.drafting == 1  # the other drafts beside it
+    assert policies[1].choose(8) > 0
+    policies[1].skip_drafting(draft_opening=True)  # its draft's session is on its way
+    policies[0].choose(8)
+    assert policies[0]._batch.drafting == 1
     assert policies[1].choose(8) > 0
     policies[1].skip_drafting()  # ... but its round will not draft after all
     policies[0].choose(8)

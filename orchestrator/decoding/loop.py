@@ -150,6 +150,11 @@ class SpeculativeGeneration:
     def generated(self) -> int:
         return len(self.sequence) - len(self.request.prompt_token_ids)
 
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the request may still make (max_tokens less those generated)."""
+        return self.request.max_tokens - self.generated
+
     async def tokens(self) -> AsyncIterator[list[int]]:
         try:
             if self.policy is not None:
@@ -208,7 +213,7 @@ class SpeculativeGeneration:
         if opened.HasField("logprob"):
             self.logprobs.append(opened.logprob)
         if self.draft is not None and (self.policy is None or self.policy.wants_draft(
-                self._k_max(), len(self.sequence), request.max_tokens - self.generated)):
+                self._k_max(), len(self.sequence), self.tokens_left)):
             self._open_draft()
         return [opened.token_id]
 
@@ -271,8 +276,7 @@ class SpeculativeGeneration:
         return verified
 
     def _k_max(self) -> int:
-        remaining = self.request.max_tokens - self.generated
-        return max(0, min(self.request.num_speculative_tokens, remaining - 1))
+        return max(0, min(self.request.num_speculative_tokens, self.tokens_left - 1))
 
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
@@ -297,7 +301,7 @@ class SpeculativeGeneration:
             return 0
         k = self.policy.choose(self._k_max())
         if k and not self._draft_asked:  # the policy's first round that wants draft tokens
-            if not self.policy.worth_opening(k, len(self.sequence), self.request.max_tokens - self.generated):
+            if not self.policy.worth_opening(k, len(self.sequence), self.tokens_left):
                 self.policy.skip_drafting()
                 return 0
             self._open_draft()
