@@ -6,9 +6,13 @@ import argparse
 import asyncio
 import logging
 
+from specmesh import openmp
 from specmesh.roles import DRAFT
-from specmesh.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args,
-                              run_model_service)
+
+openmp.set_spin_count(DRAFT)  # before torch loads OpenMP (specmesh.service imports it)
+
+from specmesh.service import (ReplicaConfig, add_service_arguments, announce, load_engine,  # noqa: E402
+                              options_from_args, run_model_service)
 
 
 def main() -> None:

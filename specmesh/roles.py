@@ -24,10 +24,14 @@ class Role:
     # at 2x, a catch-up of 60 tokens went in as 8 chunks of 8 rows, 1.5 s where 2 chunks take
     # 0.4, while the request it was for waited; at 6x a chunk adds about one target step.
     prefill_slowdown: float
+    # GOMP_SPINCOUNT its processes start with (None: libgomp's own), so that beside the other role
+    # on the same cores its idle OpenMP threads give the cores back soon (specmesh.openmp).
+    openmp_spin_count: str | None = None
 
 
 TARGET = Role("target", generator_salt=0, default_model="qwen2.5-coder-1.5b", prefill_slowdown=2.0)
-DRAFT = Role("draft", generator_salt=1, default_model="qwen2.5-coder-0.5b", prefill_slowdown=6.0)
+DRAFT = Role("draft", generator_salt=1, default_model="qwen2.5-coder-0.5b", prefill_slowdown=6.0,
+             openmp_spin_count="2000")
 ROLES = {role.name: role for role in (TARGET, DRAFT)}
 
 

@@ -207,6 +207,7 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
         engine = ModelEngine(model, tokenizer, config)
         engine.warm_up()
         costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs
+    log.info("%s: GOMP_SPINCOUNT %s (specmesh.openmp)", role_name, os.environ.get("GOMP_SPINCOUNT", "unset"))
     step_log = StepLog.from_environment(role_name)
     if step_log is not None:
         engine.scheduler.observers.append(step_log.observe)

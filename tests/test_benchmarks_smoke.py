@@ -38,3 +38,14 @@ def test_cpu_linear_prices_both_kernels_and_compares_their_outputs(tiny_llama_di
     assert set(table) == {"torch", "onednn"}
     assert all(ms > 0 for rows in table.values() for ms in rows.values())
     assert "identical for 3 of 3 prompts" in capsys.readouterr().out
+
+
+def test_openmp_contention_times_both_services_alone_and_beside_each_other(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                           capsys):
+    table = load_script("openmp_contention").main(["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                                                   "--draft-dtype", "float32", "--seconds", "0.3",
+                                                   "--spin-counts", "2000"])
+    rows = table["2000"]
+    assert [row["model"] for row in rows] == [str(tiny_llama_dir), str(tiny_llama_perturbed_dir)]
+    assert all(row["alone_ms"] > 0 and row["beside_ms"] > 0 and row["steps"] >= 1 for row in rows)
+    assert "GOMP_SPINCOUNT" in capsys.readouterr().out

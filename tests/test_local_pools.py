@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,7 +23,9 @@ from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, servicer_over_pools
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.frontend.server import serve_grpc
+from specmesh import openmp
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.roles import DRAFT
 from specmesh.sampling import SamplingParams
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
@@ -101,6 +104,25 @@ async def generate_killing(deployment: LocalDeployment, tokenizer, role: str, at
             killed = deployment.kill(role)
     assert killed is not None, "the generation ended before the kill"
     return gen, tokens, killed
+
+
+def start_environment(pid: int) -> dict[str, str]:
+    """The environment a process started with (Linux's /proc)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+async def test_the_draft_replica_starts_with_a_short_openmp_spin_and_the_target_with_libgomps_own(deployment):
+    """Each replica must have its role's GOMP_SPINCOUNT when it loads torch (specmesh.openmp): from the
+    environment it was spawned with. The spawning process's own environment is left as it was."""
+    for role in ("draft", "target"):
+        await asyncio.wait_for(deployment.replica(role).resolve(), RESTART_WAIT_S)
+    draft, target = (start_environment(deployment.replica(role).process.pid) for role in ("draft", "target"))
+    users_own = os.environ.get("GOMP_SPINCOUNT")
+    assert draft.get("GOMP_SPINCOUNT") == (openmp.spin_environment(DRAFT).get("GOMP_SPINCOUNT") or users_own)
+    assert target.get("GOMP_SPINCOUNT") == users_own
+    if "OMP_WAIT_POLICY" not in os.environ:
+        assert draft.get("GOMP_SPINCOUNT") == (users_own or DRAFT.openmp_spin_count)
 
 
 async def test_draft_killed_mid_stream_changes_nothing_and_speculation_returns(deployment, tiny_llama_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 import time
 
 import grpc
@@ -27,7 +28,9 @@ from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
 from specmesh.service import ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
 from orchestrator.frontend.server import serve_grpc  # noqa: E402
+from specmesh import openmp  # noqa: E402
 from specmesh.metrics import OrchestratorMetrics  # noqa: E402
+from specmesh.roles import DRAFT  # noqa: E402
 from specmesh.security import token_interceptors  # noqa: E402
 from orchestrator.deployment.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
@@ -142,6 +145,18 @@ async def test_replicas_bind_the_host_and_refuse_calls_without_the_token(ray_sta
                     await stub(channel).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=10)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, replica
+
+
+async def test_draft_replicas_start_with_a_short_openmp_spin_and_targets_with_libgomps_own(ray_stack):
+    """In each actor's environment before it loaded torch: its role's runtime_env (specmesh.openmp)."""
+    if any(name in os.environ for name in openmp.USER_SETTINGS):
+        pytest.skip("this environment sets OpenMP's wait itself, which the replicas keep")
+    read_spin = lambda actor: __import__("os").environ.get("GOMP_SPINCOUNT")  # noqa: E731  runs in the actor
+    for role, expected in (("draft", DRAFT.openmp_spin_count), ("target", None)):
+        names = list(ray_stack.pools.controllers[role].actors)
+        assert names
+        for name in names:
+            assert await ray_stack.actor(role, name).__ray_call__.remote(read_spin) == expected, name
 
 
 async def test_a_wildcard_host_binds_only_the_nodes_address(ray_cluster, tiny_llama_dir):

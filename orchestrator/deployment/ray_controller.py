@@ -19,6 +19,8 @@ import time
 from orchestrator.deployment.load import Load
 from orchestrator.deployment.pool import Discover, PoolSpec, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.deployment.ray_replica import ReplicaActor
+from specmesh import openmp
+from specmesh.roles import role
 from specmesh.service import ReplicaConfig
 
 log = logging.getLogger(__name__)
@@ -127,8 +129,8 @@ class PoolController:
             try:
                 handle = remote.options(name=name, namespace=self.namespace, num_cpus=spec.num_cpus,
                                         num_gpus=spec.num_gpus, resources=spec.resources or None,
-                                        max_restarts=spec.max_restarts,
-                                        max_task_retries=2).remote(config or spec.replica)
+                                        max_restarts=spec.max_restarts, max_task_retries=2,
+                                        runtime_env=self._runtime_env()).remote(config or spec.replica)
                 break
             except ValueError:  # the name is taken (another run in this namespace): try the next
                 continue
@@ -136,6 +138,11 @@ class PoolController:
         self.actors[name] = handle
         log.info("started %s replica %s", spec.role, name)
         return name
+
+    def _runtime_env(self) -> dict | None:
+        """The role's OpenMP setting, in the actor's environment before it loads torch (specmesh.openmp)."""
+        settings = openmp.spin_environment(role(self.spec.role))
+        return {"env_vars": settings} if settings else None
 
     # ---- what a rollout (orchestrator.deployment.rollout) does with the replicas
 

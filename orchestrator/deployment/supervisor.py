@@ -29,7 +29,8 @@ from typing import Callable
 
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
-from specmesh.roles import START_TIMEOUT_S
+from specmesh import openmp
+from specmesh.roles import START_TIMEOUT_S, role
 from specmesh.service import ReplicaConfig, load_engine, run_model_service
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ class LocalReplica:
         receive, send = context.Pipe(duplex=False)
         self.process = context.Process(target=run_replica, args=(self.config, send),
                                        name=f"specmesh-{self.name}", daemon=False)
-        self.process.start()
+        with openmp.child_environment(role(self.config.role)):
+            self.process.start()
         send.close()  # the child holds the only write end: EOF on `receive` means it died
         try:
             started = await self._wait_started(receive)

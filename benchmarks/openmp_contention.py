@@ -1,0 +1,108 @@
+"""A draft and a target stepping at once on the same cores, by OpenMP spin count (specmesh.openmp).
+
+For each GOMP_SPINCOUNT: a target process (float32, `--target-rows` rows a step) and a draft
+process (`--draft-dtype`, int8 on these CPUs; one row a step) load one after the other, each
+times its step alone over a 150-token cache, then both step at once for `--seconds`. Prints
+the median step of each, alone and beside the other. 300000 is libgomp's own default;
+specmesh sets 2000. TARGET/DRAFT gives the two their own, e.g. 300000/2000.
+
+    python benchmarks/openmp_contention.py
+    python benchmarks/openmp_contention.py --spin-counts 300000 5000 2000 500 0 300000/2000 --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ALONE_STEPS = 15
+
+
+def child(model: str, dtype: str, rows: int, seconds: float) -> None:
+    """One stepping process: load, time alone, say so on stdout, wait for 'go' on stdin, step beside the other."""
+    import torch
+    from transformers import DynamicCache
+
+    from specmesh.cpu_linear import choose_cpu_linear
+    from specmesh.engine import EngineConfig, ModelEngine, Session
+    from specmesh.precision import load_model_in
+    from specmesh.sampling import SamplingParams
+
+    loaded, tokenizer = load_model_in(model, "cpu", dtype)
+    choose_cpu_linear(loaded, "auto", "cpu")
+    engine = ModelEngine(loaded, tokenizer, EngineConfig(model_name=model))
+    engine.warm_up()
+    prompt = [1 + (i * 7919) % (engine.vocab_size - 1) for i in range(150)]
+    session = Session("bench", prompt, DynamicCache(), SamplingParams(), torch.Generator())
+    engine.forward(session, prompt)
+
+    def step() -> float:
+        began = time.perf_counter()
+        engine.forward(session, [5] * rows, 1)
+        session.cache.crop(-rows)
+        return time.perf_counter() - began
+
+    alone = statistics.median(step() for _ in range(ALONE_STEPS))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    beside, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        beside.append(step())
+    print(json.dumps({"model": model, "rows": rows, "alone_ms": alone * 1e3,
+                      "beside_ms": statistics.median(beside) * 1e3, "steps": len(beside)}), flush=True)
+
+
+def measure(spin_count: str, args: argparse.Namespace) -> list[dict]:
+    """Start the target, then the draft (each times itself alone while the other is not yet loading),
+    then let both step at once."""
+    target_spin, _, draft_spin = spin_count.partition("/")
+    processes = []
+    for model, dtype, rows, spin in ((args.target, "float32", args.target_rows, target_spin),
+                                     (args.draft, args.draft_dtype, 1, draft_spin or target_spin)):
+        env = {**os.environ, "GOMP_SPINCOUNT": spin}  # read when the child loads torch
+        command = [sys.executable, __file__, "--child", model, dtype, str(rows), str(args.seconds)]
+        process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+        if process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{model} did not start: exit code {process.wait()}")
+        processes.append(process)
+    for process in processes:
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    results = [json.loads(process.stdout.readline()) for process in processes]
+    for process in processes:
+        process.wait()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        model, dtype, rows, seconds = argv[1:5]
+        child(model, dtype, int(rows), float(seconds))
+        return {}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--draft-dtype", default="auto")
+    parser.add_argument("--target-rows", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--spin-counts", nargs="+", default=["300000", "2000"])
+    args = parser.parse_args(argv)
+    print(f"{'GOMP_SPINCOUNT':>14}  {'model':<22} {'rows':>4}  {'alone ms':>8}  {'beside ms':>9}  {'ratio':>6}  steps")
+    table = {}
+    for spin_count in args.spin_counts:
+        table[spin_count] = measure(spin_count, args)
+        for row in table[spin_count]:
+            print(f"{spin_count:>14}  {os.path.basename(row['model']):<22} {row['rows']:>4}  {row['alone_ms']:8.1f}  "
+                  f"{row['beside_ms']:9.1f}  {row['beside_ms'] / row['alone_ms']:5.2f}x  {row['steps']}", flush=True)
+    return table
+
+
+if __name__ == "__main__":
+    main()
