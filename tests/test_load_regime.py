@@ -18,16 +18,19 @@ from specmesh.step_costs import StepCosts
 ACTIVE = 4  # requests decoding at once in these tests
 
 
-def run_rounds(regimes: LoadRegimes, rounds: int, rate: dict[bool, float], active: int = ACTIVE) -> list[bool]:
+def run_rounds(regimes: LoadRegimes, rounds: int, rate: dict[bool, float], active: int = ACTIVE,
+               forecast: dict[int, float] | None = None) -> list[bool]:
     """`rounds` rounds of each of `active` requests; a round under regime r commits 2 tokens in
-    2 / rate[r] seconds. Returns the regime of each batch round."""
+    2 / rate[r] seconds; `forecast`: the tables' drafting gain by requests decoding. Returns the
+    regime of each batch round."""
     previous: list = [None] * active
     seen = []
     for _ in range(rounds):
         choices = [regimes.choice(active) for _ in range(active)]
         seen.append(choices[0].drafting)
         for request, choice in enumerate(choices):
-            regimes.observe(choice, previous[request], 2, 2 / rate[choice.drafting], active)
+            regimes.observe(choice, previous[request], 2, 2 / rate[choice.drafting], active,
+                            None if forecast is None else forecast.get)
             previous[request] = choice
     return seen
 
@@ -257,6 +260,41 @@ def test_without_a_neighbour_that_says_so_a_bucket_measures_both_at_once():
     settle(regimes, 8, {True: 8.0, False: 10.0})  # drafting lost under a heavier load: says nothing here
     seen = run_rounds(regimes, 6, {True: 8.0, False: 10.0}, active=2)
     assert seen[:3] == [False] * 3 and all(seen[4:])  # target-only first, drafting right after
+
+
+def test_no_drafting_trial_where_the_forecast_scaled_by_a_lighter_loads_measurement_says_it_loses():
+    """At 2 requests the tables forecast drafting at 2x target-only and it delivered 1.2x: at 4, where
+    they forecast 1.4x, it would deliver about 0.84x. A trial there would only pay its way in."""
+    pays_at_two = {True: 12.0, False: 10.0}
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    run_rounds(regimes, 60, pays_at_two, active=2, forecast={2: 2.0, 4: 1.4})
+    assert regimes.buckets[load_bucket(2)].winner is True
+    seen = run_rounds(regimes, 200, {True: 8.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 1.4})
+    assert not any(seen)
+    assert regimes.buckets[load_bucket(4)].rates[True] is None
+
+    # Where the forecast holds up with load (1.9x at 4), drafting is tried at once, and kept where it pays.
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    run_rounds(regimes, 60, pays_at_two, active=2, forecast={2: 2.0, 4: 1.9})
+    seen = run_rounds(regimes, 200, {True: 12.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 1.9})
+    assert seen[:3] == [False] * 3 and any(seen[3:8]) and seen[-100:].count(True) > 90
+
+
+def test_a_forecast_never_overrules_drafting_measured_better_at_the_same_load():
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    run_rounds(regimes, 60, {True: 12.0, False: 10.0}, active=2, forecast={2: 2.0, 4: 1.9})
+    settle(regimes, 4, {True: 12.0, False: 10.0})  # measured at 4: drafting wins there
+    seen = run_rounds(regimes, 200, {True: 12.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 0.5})
+    assert seen[-100:].count(True) > 90
+
+
+def test_the_forecast_of_drafting_falls_with_load_where_verification_rows_cost_more():
+    rising = StepCosts({rows: 0.1 + 0.02 * rows for rows in (1, 2, 4, 8, 16, 32, 64)})
+    policy = seasoned(target=rising, draft=flat(0.01)).for_request("code")
+    assert policy.drafting_gain(2) is None  # no choice of k yet: no k_max to forecast at
+    policy.choose(4)
+    gains = [policy.drafting_gain(n) for n in (1, 2, 4, 8)]
+    assert gains[0] > 1.0 and gains == sorted(gains, reverse=True) and gains[-1] < gains[0] * 0.8
 
 
 def test_a_request_counts_towards_the_load_from_its_arrival():

@@ -83,6 +83,7 @@ class AdaptiveDraftLength:
         self._previous_regime: RegimeChoice | None = None  # ... and the round before it
         self._chosen_at = 0.0
         self._last_round_s = 0.0  # wall clock of this request's last round, from its choice of k
+        self._k_max = 0  # of its latest choice
 
     def goodput(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
         """Expected committed tokens per second of this request and the others beside it, at draft length k."""
@@ -91,6 +92,15 @@ class AdaptiveDraftLength:
 
     def best(self, k_max: int, batch: BatchLoad = BatchLoad()) -> int:
         return max(range(0, k_max + 1), key=lambda k: self.goodput(k, batch))
+
+    def drafting_gain(self, requests: int) -> float | None:
+        """The tables' forecast (orchestrator.decoding.regime.Forecast): tokens per second of `requests`
+        requests like this one drafting in phase at their best k, over the same requests target-only."""
+        if not self.costs.known or self._k_max <= 0:
+            return None
+        batch = BatchLoad(undecided=max(0, requests - 1))  # the others priced at this request's k
+        drafting = max(self.goodput(k, batch) for k in range(1, self._k_max + 1))
+        return drafting / max(self.goodput(0, batch), 1e-9)
 
     def arrive(self) -> None:
         """The request is in flight: it counts towards the load from its prefill on, so that the
@@ -149,6 +159,7 @@ class AdaptiveDraftLength:
         self._regime = None
         if k_max <= 0:
             return 0
+        self._k_max = k_max
         self.shared.join(self)
         self._regime = self.shared.regimes.choice(self.shared.decoding(self))
         self._batch = self.shared.batch_load(self, self._regime.drafting)
@@ -204,7 +215,7 @@ class AdaptiveDraftLength:
         self._last_round_s = time.monotonic() - self._chosen_at
         if self._regime is not None:
             self.shared.regimes.observe(self._regime, self._previous_regime, accepted + 1,
-                                        self._last_round_s, self.shared.decoding(self))
+                                        self._last_round_s, self.shared.decoding(self), self.drafting_gain)
         self._previous_regime, self._regime = self._regime, None
         self.rounds_at_k += 1
         if self.k == 0:
