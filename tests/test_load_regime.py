@@ -269,6 +269,8 @@ def test_no_drafting_trial_where_the_forecast_scaled_by_a_lighter_loads_measurem
     regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
     run_rounds(regimes, 60, pays_at_two, active=2, forecast={2: 2.0, 4: 1.4})
     assert regimes.buckets[load_bucket(2)].winner is True
+    last = regimes.choice(2)  # a request's last round, counted after its partner left: the load fell to 1
+    regimes.observe(last, last, 2, 2 / pays_at_two[last.drafting], 1, {2: 2.0, 4: 1.4}.get)
     seen = run_rounds(regimes, 200, {True: 8.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 1.4})
     assert not any(seen)
     assert regimes.buckets[load_bucket(4)].rates[True] is None

@@ -75,7 +75,6 @@ class LoadRegime:
     trying: bool = False  # the current regime is a challenger on trial for one window
     retry_every: int = 0
     inherited: bool = False  # started in a neighbour's winning regime: the other waits its turn
-    load: int = 0  # requests decoding in its latest round
 
     def __post_init__(self):
         self.retry_every = self.config.retry_every
@@ -85,7 +84,6 @@ class LoadRegime:
         self.tokens += tokens
         self.seconds += seconds
         self.rounds += 1
-        self.load = active
         if self.rounds >= self.config.window_rounds * max(active, 1):
             self._close_window(drafting_doubtful)
 
@@ -182,21 +180,21 @@ class LoadRegimes:
         A trial is not free: every request opens its draft (a prefill of its whole sequence) and its
         rounds run slow until the drafts step in phase. The tables alone price drafting under load
         too well (module docstring), but by a factor that the lighter load measured: on the embedded
-        pair they forecast 2.3x at 2 requests, 1.9x at 4 and 1.4x at 8, and drafting delivered
-        1.12-1.25x at 2, so at 4 it would about break even (as the step log of a run there found)
-        and at 8 lose; with its trials speculation ran at 0.90-0.99x off at 4 and 0.85-0.89x at 8."""
-        here = self.buckets.get(bucket)
-        measured = [b for b, r in self.buckets.items() if b < bucket and r.winner is not None and r.load > 1]
-        if forecast is None or here is None or not measured:
+        pair drafting delivered 0.71-0.73x at 4 requests where the forecast said 0.96-1.50x, so at 8
+        (0.93-1.35x) it would lose; with its trials speculation had run at 0.85-0.89x off at 8."""
+        measured = [b for b, r in self.buckets.items() if b < bucket and r.winner is not None]
+        if forecast is None or not measured:
             return False
-        nearest = self.buckets[max(measured)]
-        forecast_here, forecast_there = forecast(here.load), forecast(nearest.load)
+        nearest = max(measured)
+        # Each bucket priced at the heaviest load it holds (2, 4, 8, ...), not at the load of its
+        # latest round: a request's last round runs with fewer beside it than it was planned with.
+        forecast_here, forecast_there = forecast(2 ** bucket), forecast(2 ** nearest)
         if not forecast_here or not forecast_there:
             return False
-        delivered_there = nearest.rates[True] / nearest.rates[False]
+        delivered_there = self.buckets[nearest].rates[True] / self.buckets[nearest].rates[False]
         expected = forecast_here * delivered_there / forecast_there
         doubtful = expected < 1.0 + self.config.margin
         log.info("%d requests: drafting %s (forecast %.2fx; %.2fx at %d requests, where it delivered %.2fx)",
-                 here.load, "not tried" if doubtful else "tried", forecast_here, forecast_there, nearest.load,
+                 2 ** bucket, "not tried" if doubtful else "tried", forecast_here, forecast_there, 2 ** nearest,
                  delivered_there)
         return doubtful
