@@ -7,7 +7,10 @@ wins, and never count a round planned under the other regime. The policy must ob
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
+
+import pytest
 
 from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.loop import RoundTiming
@@ -262,24 +265,44 @@ def test_without_a_neighbour_that_says_so_a_bucket_measures_both_at_once():
     assert seen[:3] == [False] * 3 and all(seen[4:])  # target-only first, drafting right after
 
 
-def test_no_drafting_trial_where_the_forecast_scaled_by_a_lighter_loads_measurement_says_it_loses():
+def test_no_drafting_trial_where_the_forecast_scaled_by_a_lighter_loads_measurement_says_it_loses(caplog):
     """At 2 requests the tables forecast drafting at 2x target-only and it delivered 1.2x: at 4, where
-    they forecast 1.4x, it would deliver about 0.84x. A trial there would only pay its way in."""
+    they forecast 1.4x, it would deliver about 0.84x. A trial there would only pay its way in. The
+    verdict, asked again every window, is logged once."""
     pays_at_two = {True: 12.0, False: 10.0}
     regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
     run_rounds(regimes, 60, pays_at_two, active=2, forecast={2: 2.0, 4: 1.4})
     assert regimes.buckets[load_bucket(2)].winner is True
     last = regimes.choice(2)  # a request's last round, counted after its partner left: the load fell to 1
     regimes.observe(last, last, 2, 2 / pays_at_two[last.drafting], 1, {2: 2.0, 4: 1.4}.get)
-    seen = run_rounds(regimes, 200, {True: 8.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 1.4})
+    with caplog.at_level(logging.INFO, logger="orchestrator.decoding.regime"):
+        seen = run_rounds(regimes, 200, {True: 8.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 1.4})
     assert not any(seen)
     assert regimes.buckets[load_bucket(4)].rates[True] is None
+    verdicts = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert verdicts == ["4 requests: drafting not tried (forecast 1.40x; 2.00x at 2 requests, where it delivered 1.20x)"]
 
     # Where the forecast holds up with load (1.9x at 4), drafting is tried at once, and kept where it pays.
     regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
     run_rounds(regimes, 60, pays_at_two, active=2, forecast={2: 2.0, 4: 1.9})
     seen = run_rounds(regimes, 200, {True: 12.0, False: 10.0}, active=4, forecast={2: 2.0, 4: 1.9})
     assert seen[:3] == [False] * 3 and any(seen[3:8]) and seen[-100:].count(True) > 90
+
+
+def test_where_drafting_was_forecast_to_lose_a_heavier_load_does_not_try_it_either():
+    """4 requests were judged not worth a trial; at 8 the tables' own forecast (1.9x, scaled from 2
+    requests: 1.14x) would try one, but more load only makes drafting pay less."""
+    forecast = {2: 2.0, 4: 1.4, 8: 1.9}
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    run_rounds(regimes, 60, {True: 12.0, False: 10.0}, active=2, forecast=forecast)
+    assert not any(run_rounds(regimes, 60, {True: 8.0, False: 10.0}, active=4, forecast=forecast))
+    seen = run_rounds(regimes, 200, {True: 8.0, False: 10.0}, active=8, forecast=forecast)
+    assert not any(seen) and regimes.buckets[load_bucket(8)].rates[True] is None
+
+    # Without the verdict at 4 (that load never met), 8 is scaled from 2 and tried.
+    regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+    run_rounds(regimes, 60, {True: 12.0, False: 10.0}, active=2, forecast=forecast)
+    assert any(run_rounds(regimes, 200, {True: 8.0, False: 10.0}, active=8, forecast=forecast))
 
 
 def test_a_forecast_never_overrules_drafting_measured_better_at_the_same_load():
@@ -297,6 +320,26 @@ def test_the_forecast_of_drafting_falls_with_load_where_verification_rows_cost_m
     policy.choose(4)
     gains = [policy.drafting_gain(n) for n in (1, 2, 4, 8)]
     assert gains[0] > 1.0 and gains == sorted(gains, reverse=True) and gains[-1] < gains[0] * 0.8
+
+
+def test_the_gate_forecasts_the_load_from_every_request_decoding_not_the_one_whose_round_closed_it():
+    """Requests of one load forecast drafting by their own acceptance; the gate's forecast must not
+    swing with whichever of them closed the window."""
+    rising = StepCosts({rows: 0.1 + 0.02 * rows for rows in (1, 2, 4, 8, 16, 32, 64)})
+    shared = seasoned(target=rising, draft=flat(0.01))
+    good, poor = shared.for_request("code"), shared.for_request("code")
+    for _ in range(10):
+        good.acceptance.observe(4, 4)
+        poor.acceptance.observe(4, 0)
+    good.choose(4)
+    poor.choose(4)
+    mine, theirs = good.drafting_gain(4), poor.drafting_gain(4)
+    assert mine > 1.1 * theirs
+    assert shared.drafting_gain(4) == pytest.approx((mine + theirs) / 2)
+    poor.close()
+    assert shared.drafting_gain(4) == pytest.approx(good.drafting_gain(4))
+    good.close()
+    assert shared.drafting_gain(4) is None  # nobody decoding: nothing to forecast
 
 
 def test_a_request_counts_towards_the_load_from_its_arrival():

@@ -24,8 +24,9 @@ the k its policy picks) and target-only, is made from measurement:
   prefills would slow (speculation on ran its first tokens 35 % later than off at
   concurrency 16 when a new load started drafting);
 - a drafting trial is skipped where the services' tables, scaled by how far they missed at
-  the nearest lighter load measured, forecast that drafting loses (`drafting_doubtful`):
-  on the embedded pair a trial at concurrency 4 cost more than drafting there ever won.
+  the nearest lighter load measured, forecast that drafting loses (`drafting_doubtful`; the
+  forecast is the mean over the requests decoding): on the embedded pair a trial at
+  concurrency 4 cost more than drafting there ever won.
 
 The regime decides only whether a round may draft, before its draft is sampled, so the
 output is unchanged (orchestrator.decoding.policy).
@@ -144,6 +145,7 @@ class LoadRegimes:
     def __init__(self, config: RegimeConfig = RegimeConfig()):
         self.config = config
         self.buckets: dict[int, LoadRegime] = {}
+        self._verdicts: dict[int, bool] = {}  # the latest drafting_doubtful of each bucket, for its log
 
     def choice(self, active: int) -> RegimeChoice:
         bucket = load_bucket(active)
@@ -183,6 +185,13 @@ class LoadRegimes:
         pair drafting delivered 0.71-0.73x at 4 requests where the forecast said 0.96-1.50x, so at 8
         (0.93-1.35x) it would lose; with its trials speculation had run at 0.85-0.89x off at 8."""
         measured = [b for b, r in self.buckets.items() if b < bucket and r.winner is not None]
+        judged = [b for b, doubtful in self._verdicts.items() if b < bucket and doubtful]
+        if judged and (not measured or max(judged) > max(measured)):
+            # More load only makes drafting pay less: where it was forecast to lose at a lighter load
+            # (and not tried there), it loses here. Scaled from the lighter load measured instead, the
+            # embedded pair's first trial at 8 requests ran at 0.62x while 4 had been judged not worth one.
+            self._log_verdict(bucket, True, "drafting not tried (forecast to lose at %d requests)", 2 ** max(judged))
+            return True
         if forecast is None or not measured:
             return False
         nearest = max(measured)
@@ -194,7 +203,14 @@ class LoadRegimes:
         delivered_there = self.buckets[nearest].rates[True] / self.buckets[nearest].rates[False]
         expected = forecast_here * delivered_there / forecast_there
         doubtful = expected < 1.0 + self.config.margin
-        log.info("%d requests: drafting %s (forecast %.2fx; %.2fx at %d requests, where it delivered %.2fx)",
-                 2 ** bucket, "not tried" if doubtful else "tried", forecast_here, forecast_there, 2 ** nearest,
-                 delivered_there)
+        self._log_verdict(bucket, doubtful, "drafting %s (forecast %.2fx; %.2fx at %d requests, where it delivered %.2fx)",
+                          "not tried" if doubtful else "tried", forecast_here, forecast_there, 2 ** nearest,
+                          delivered_there)
         return doubtful
+
+    def _log_verdict(self, bucket: int, doubtful: bool, message: str, *args) -> None:
+        """Record the bucket's verdict; log it at INFO when it is news (it is asked every window while
+        drafting was never measured there)."""
+        level = logging.DEBUG if self._verdicts.get(bucket) == doubtful else logging.INFO
+        self._verdicts[bucket] = doubtful
+        log.log(level, "%d requests: " + message, 2 ** bucket, *args)
