@@ -49,3 +49,16 @@ def test_openmp_contention_times_both_services_alone_and_beside_each_other(tiny_
     assert [row["model"] for row in rows] == [str(tiny_llama_dir), str(tiny_llama_perturbed_dir)]
     assert all(row["alone_ms"] > 0 and row["beside_ms"] > 0 and row["steps"] >= 1 for row in rows)
     assert "GOMP_SPINCOUNT" in capsys.readouterr().out
+
+
+def test_random_pair_builds_two_unrelated_models_that_load_with_one_vocabulary(tmp_path):
+    from specmesh.models import load_model, vocab_fingerprint
+    built = load_script("random_pair").main([str(tmp_path / "pair"), "--small"])
+    loaded = {role: load_model(str(path)) for role, path in built.items()}  # what `--target DIR` loads
+    models = {role: model for role, (model, _) in loaded.items()}
+    tokenizers = {role: tokenizer for role, (_, tokenizer) in loaded.items()}
+    assert vocab_fingerprint(tokenizers["target"]) == vocab_fingerprint(tokenizers["draft"])
+    assert all(model.config.vocab_size == len(tokenizers["target"]) for model in models.values())
+    assert models["target"].config.num_hidden_layers > models["draft"].config.num_hidden_layers
+    embeddings = [model.get_input_embeddings().weight[:, :8] for model in models.values()]
+    assert not embeddings[0].allclose(embeddings[1])  # different seeds: the draft is no copy of the target

@@ -60,7 +60,7 @@ def simulate_greedy_rejections(target_dir: str, draft_dir: str, device: str, pro
     """Replay the greedy rounds with the models alone: (position, draft token, target token) per rejection."""
     target, tokenizer = load(target_dir, device)
     draft, _ = load(draft_dir, device)
-    argmax = lambda model, ids: int(model(torch.tensor([ids])).logits[0, -1].argmax())  # noqa: E731
+    argmax = lambda model, ids: int(model(torch.tensor([ids], device=device)).logits[0, -1].argmax())  # noqa: E731
     prompt_ids = tokenizer.encode(prompt)
     rejections = []
     with torch.inference_mode():
