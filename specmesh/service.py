@@ -20,6 +20,7 @@ from draft_service.server import create_server as create_draft_server
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
+from specmesh.heap import freeze_start_up_heap
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
                                 parse_kv_cache_memory)
@@ -302,6 +303,7 @@ async def run_model_service(config: ReplicaConfig, engine: ModelEngine,
                             on_ready: Callable[[int, int | None], None]) -> None:
     """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
     service = await start_model_service(config, engine)
+    freeze_start_up_heap(config.role)
     on_ready(service.port, service.metrics_port)
     try:
         await serve_until_signal(service.server, service.health, config.service.shutdown_grace_s)

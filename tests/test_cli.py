@@ -55,6 +55,8 @@ def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
         assert {"draft_tokens", "accepted_tokens", "acceptance_rate", "rounds", "target_forward_passes",
                 "ttft_ms", "tpot_ms", "e2e_ms"} <= set(result["stats"])
         assert result["stats"]["draft_tokens"] > 0
+        for process_name in ("draft", "target", "orchestrator"):  # each froze its start-up heap before ready
+            assert any(f"{process_name}: " in line and "left out of garbage collection" in line for line in lines)
         http = re.search(r"OpenAI API (\S+)", "\n".join(lines)).group(1)
         models = json.loads(urllib.request.urlopen(f"{http}/models", timeout=30).read())
         assert models["data"][0]["id"] == str(tiny_llama_dir)

@@ -38,6 +38,7 @@ from specmesh.models import load_tokenizer
 from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
 from specmesh.security import TLSConfig
 from specmesh.drain import drain_of
+from specmesh.heap import freeze_start_up_heap
 from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
 from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP
 from specmesh.server import serve_until_signal
@@ -178,6 +179,7 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
             app = create_app(servicer, telemetry.api_key, drain_of(server), telemetry.max_request_bytes)
             http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
         pools = servicer.pools
+        freeze_start_up_heap("orchestrator")
         ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None,
                         replica_metrics_ports=pools.metrics_ports() if pools is not None else {},
                         replica_addresses=pools.local_addresses() if pools is not None else {}))
