@@ -25,8 +25,9 @@ the k its policy picks) and target-only, is made from measurement:
   concurrency 16 when a new load started drafting);
 - a drafting trial is skipped where the services' tables, scaled by how far they missed at
   the nearest lighter load measured, forecast that drafting loses (`drafting_doubtful`; the
-  forecast is the mean over the requests decoding): on the embedded pair a trial at
-  concurrency 4 cost more than drafting there ever won.
+  forecast is the mean over the requests decoding), or where it was forecast to lose at a
+  lighter load: on the embedded pair a trial at concurrency 4 cost more than drafting there
+  ever won, and one at 8 ran at 0.62x.
 
 The regime decides only whether a round may draft, before its draft is sampled, so the
 output is unchanged (orchestrator.decoding.policy).
