@@ -296,6 +296,7 @@ async def start_model_service(config: ReplicaConfig, engine: ModelEngine) -> Run
     # On SIGTERM: new sessions refused, open ones served until their orchestrator closes them (or the grace ends).
     drain_of(server).hold_sessions(lambda: len(engine.sessions))
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
+    freeze_start_up_heap(config.role)  # start-up is over: the process's long-lived objects are all here
     return RunningService(server, port, metrics_port, health, reaper, provider)
 
 
@@ -303,7 +304,6 @@ async def run_model_service(config: ReplicaConfig, engine: ModelEngine,
                             on_ready: Callable[[int, int | None], None]) -> None:
     """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
     service = await start_model_service(config, engine)
-    freeze_start_up_heap(config.role)
     on_ready(service.port, service.metrics_port)
     try:
         await serve_until_signal(service.server, service.health, config.service.shutdown_grace_s)

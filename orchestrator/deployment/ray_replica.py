@@ -15,7 +15,6 @@ import logging
 
 from transformers.utils import logging as hf_logging
 
-from specmesh.heap import freeze_start_up_heap
 from specmesh.roles import role
 from specmesh.service import ReplicaConfig, RunningService, load_engine, start_model_service
 
@@ -53,7 +52,6 @@ class ReplicaActor:
             self.config.service, host=advertised_host(self.config.service.host)))
         self._engine = await asyncio.to_thread(load_engine, config.service, config.role)
         self._service = await start_model_service(config, self._engine)
-        freeze_start_up_heap(config.role)
         address = f"{config.service.host}:{self._service.port}"
         log.info("%s replica serving on %s", config.role, address)
         return address
