@@ -95,6 +95,10 @@ class OrchestratorMetrics:
                                  "and the role is given up", ("role",), registry=r)
         self.draft_model_info = Gauge("specmesh_draft_model_info", "1 for the model the draft pool's new replicas "
                                       "serve (changes with a rollout)", ("model",), registry=r)
+        self.lookup_tokens = Counter("specmesh_lookup_tokens", "Prompt-lookup tokens verified in rounds that "
+                                     "drafted none (not in the draft token counts)", REQUEST, registry=r)
+        self.lookup_accepted_tokens = Counter("specmesh_lookup_accepted_tokens", "Prompt-lookup tokens accepted",
+                                              REQUEST, registry=r)
         self.draft_model_draft_tokens = Counter(
             "specmesh_draft_model_draft_tokens", "Draft tokens proposed, by the draft model that proposed them",
             ("draft_model",), registry=r)
@@ -283,6 +287,11 @@ class RequestRecorder:
         if tpot_s is not None:
             m.tpot.labels(**labels).observe(tpot_s)
         m.e2e.labels(**labels).observe(e2e_s)
+
+    def looked_up(self, tokens: int, accepted: int) -> None:
+        """A finished request's prompt-lookup tokens (orchestrator.decoding.lookup), and those accepted."""
+        self.metrics.lookup_tokens.labels(**self.labels).inc(tokens)
+        self.metrics.lookup_accepted_tokens.labels(**self.labels).inc(accepted)
 
     def abandoned(self) -> None:
         """The request ended without finishing (error or cancellation)."""

@@ -104,13 +104,15 @@ class TargetEngine:
         position: int,
         draft_token_ids: Sequence[int],
         draft_distributions: Sequence[common_pb2.TokenDistribution],
+        from_draft_model: bool = True,
     ) -> Verification:
         session = self.engine.get(request_id)
         self._check_draft(session, position, draft_token_ids, draft_distributions)
         session.enter_round(round_number)
         # A round that drafted will most likely draft again: its next Verify follows a draft round, and
-        # steps (a prefill chunk above all) should not wait for it (specmesh.batching).
-        session.back_soon = not draft_token_ids
+        # steps (a prefill chunk above all) should not wait for it (specmesh.batching). Prompt lookup's
+        # tokens come from the orchestrator itself: the next Verify comes at once, as after a decode step.
+        session.back_soon = not draft_token_ids or not from_draft_model
         return await self.engine.submit(session, self._verify(session, list(draft_token_ids), draft_distributions))
 
     def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from specmesh.errors import InvalidArgument
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.security import caller_of
@@ -37,7 +38,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         result = await self.engine.verify(request.request_id, request.round, request.position,
-                                          list(request.draft_token_ids), list(request.draft_distributions))
+                                          list(request.draft_token_ids), list(request.draft_distributions),
+                                          from_draft_model=_from_draft_model(request.draft_source))
         self.metrics.observe_forward("verify", result.forward_ns)
         annotate_current_span(forward_ns=result.forward_ns, accepted=result.verdict.accepted_count,
                               next_token="bonus" if result.verdict.bonus else "recovered")
@@ -52,3 +54,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         return self.engine.engine.describe()
+
+
+def _from_draft_model(source: int) -> bool:
+    """VerifyRequest.draft_source: whether the tokens came from the draft model (unset: they did)."""
+    if source not in target_pb2.DraftSource.values():
+        raise InvalidArgument("draft_source", f"unknown draft source {source}")
+    return source != target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP

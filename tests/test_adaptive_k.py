@@ -31,12 +31,16 @@ async def test_useless_draft_serves_target_only_with_identical_output(tiny_llama
     finally:
         await stack.stop()
     assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, TINY_PROMPTS[0], 64)
-    assert last.stats.rounds > 40 and last.stats.draft_tokens < last.stats.rounds  # mostly target-only rounds
+    # Mostly rounds without the draft model: target-only, or verifying prompt lookup's tokens (the tiny
+    # model's greedy output repeats itself, and lookup finds it).
+    assert last.stats.rounds > 20 and last.stats.draft_tokens < last.stats.rounds / 4
 
 
 async def test_busy_draft_turns_speculation_off_then_back_on(tiny_llama_dir, device):
-    """Another tenant occupies the draft's worker: k drops to 0; once it leaves, probes bring k back."""
-    stack = await start_stack(tiny_llama_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True)
+    """Another tenant occupies the draft's worker: k drops to 0; once it leaves, probes bring k back.
+    (Prompt lookup off: its tokens would make target-only rounds commit several tokens too.)"""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True,
+                              loop_options={"prompt_lookup": False})
     busy = True
 
     async def noisy_neighbour():
@@ -97,8 +101,9 @@ async def test_sampling_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_pertur
 
 async def test_first_tokens_never_wait_for_the_drafts_prefill(tiny_llama_dir, device):
     """The draft's worker is held: its session cannot open. Tokens stream target-only meanwhile; once the
-    draft is free, rounds draft again, and the output is the target's own."""
-    stack = await start_stack(tiny_llama_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True)
+    draft is free, rounds draft again, and the output is the target's own. (Prompt lookup off, as above.)"""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True,
+                              loop_options={"prompt_lookup": False})
     holding, gate = threading.Event(), threading.Event()
 
     def hold_the_draft() -> None:

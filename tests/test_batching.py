@@ -97,6 +97,8 @@ async def test_steps_wait_only_for_sessions_that_come_back_at_once(tiny_llama_di
     assert "s" not in expected()
     await target.verify("s", 2, len(session.token_ids), [], [])  # target-only
     assert "s" in expected()
+    await target.verify("s", 3, len(session.token_ids), [9, 10], [], from_draft_model=False)  # prompt lookup's
+    assert "s" in expected()  # the orchestrator sends the next round at once: no draft round between
 
 
 async def test_a_draft_session_is_away_while_its_round_verifies(tiny_llama_dir, device):

@@ -62,3 +62,13 @@ def test_random_pair_builds_two_unrelated_models_that_load_with_one_vocabulary(t
     assert models["target"].config.num_hidden_layers > models["draft"].config.num_hidden_layers
     embeddings = [model.get_input_embeddings().weight[:, :8] for model in models.values()]
     assert not embeddings[0].allclose(embeddings[1])  # different seeds: the draft is no copy of the target
+
+
+def test_prompt_lookup_replay_counts_every_round(tiny_llama_dir, capsys):
+    summary = load_script("prompt_lookup_replay").main(["--model", str(tiny_llama_dir), "--kinds", "code",
+                                                        "--num-prompts", "3", "--max-tokens", "24"])
+    total = summary["all"]
+    # Every round commits its accepted lookup tokens plus one: rounds + accepted covers the tokens.
+    assert total["rounds"] + total["accepted"] == total["tokens"] > 0
+    assert total["accepted"] <= total["proposed"] and total["accepted_at"][0] <= total["reached"][0]
+    assert "acceptance by position" in capsys.readouterr().out

@@ -26,17 +26,24 @@ CASES = [  # (sampling, the draft proposes point masses)
 ]
 
 
-def exact_second_token_marginal(model_dir: str, device: str, params: SamplingParams) -> torch.Tensor:
-    model, tokenizer = load(model_dir, device)
-    prompt_ids = tokenizer.encode(PROMPT)
+def exact_two_tokens(model, prompt_ids: list[int], params: SamplingParams, eos: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(first token) [V], never EOS (a generation that ends at its first token has no second), and
+    p(second | first) [V, V]."""
     with torch.inference_mode():
         first = logits_to_probs(model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1:].cpu(),
                                 params)[0]  # [V]
         vocab = first.numel()
         batch = torch.cat([torch.tensor(prompt_ids).repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
         second = logits_to_probs(model(batch.to(model.device)).logits[:, -1].cpu(), params)  # [V, V]
-        first[tokenizer.eos_token_id] = 0.0  # a generation that ends at its first token has no second
-    return (first / first.sum()) @ second  # [V]
+        first[eos] = 0.0
+    return first / first.sum(), second
+
+
+def exact_second_token_marginal(model_dir: str, device: str, params: SamplingParams) -> torch.Tensor:
+    model, tokenizer = load(model_dir, device)
+    first, second = exact_two_tokens(model, tokenizer.encode(PROMPT), params, tokenizer.eos_token_id)
+    return first @ second  # [V]
 
 
 async def second_token_counts(stack, params: SamplingParams, seeds: range, vocab: int) -> torch.Tensor:

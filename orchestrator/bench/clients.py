@@ -50,7 +50,7 @@ class _Timer:
         self.record.e2e_ms = (time.perf_counter() - self.start) * 1e3
         self.record.prompt_tokens = int(stats.get("prompt_tokens", 0))
         self.record.output_tokens = int(stats.get("completion_tokens", 0))
-        for field in ("draft_tokens", "accepted_tokens", "rounds"):
+        for field in ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens"):
             setattr(self.record, field, int(stats.get(field, 0)))
 
 

@@ -33,6 +33,8 @@ class RequestRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rounds: int = 0
+    lookup_tokens: int = 0  # prompt-lookup tokens verified, and accepted (not in the draft's)
+    lookup_accepted_tokens: int = 0
 
     @property
     def tpot_ms(self) -> float | None:
@@ -62,8 +64,8 @@ def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
     """Figures for one group of requests that ran over `duration_s` seconds of wall time."""
     done = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
-    drafted, accepted, rounds = (sum(getattr(r, f) for r in done) for f in ("draft_tokens", "accepted_tokens",
-                                                                            "rounds"))
+    drafted, accepted, rounds, looked_up, lookup_accepted = (sum(getattr(r, f) for r in done) for f in (
+        "draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens"))
     return {
         "num_requests": len(records),
         "completed": len(done),
@@ -80,6 +82,8 @@ def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
         "rounds": rounds,
+        "lookup_tokens": looked_up,
+        "lookup_accepted_tokens": lookup_accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": 1 + accepted / rounds if rounds else None,
     }

@@ -96,9 +96,11 @@ def expected_tokens(rates: list[float], k: int) -> float:
 
 
 class AcceptanceMemory:
-    """The orchestrator-wide levels: the deployment's, and its prompt classes' (bounded)."""
+    """The orchestrator-wide levels: the deployment's, and its prompt classes' (bounded). One memory per
+    kind of draft: the draft model's, and prompt lookup's (orchestrator.decoding.lookup)."""
 
-    def __init__(self, max_classes: int = MAX_CLASSES):
+    def __init__(self, max_classes: int = MAX_CLASSES, prior: float = DEFAULT_ACCEPTANCE):
+        self.prior = prior  # the per-token rate before any history
         self.deployment = PositionCounts(decay=0.995)
         self.classes: OrderedDict[str, PositionCounts] = OrderedDict()
         self.max_classes = max_classes
@@ -114,7 +116,7 @@ class AcceptanceMemory:
 
     def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
         """A class's per-token rate and per-position rates, over the deployment's."""
-        deployment_rate = self.deployment.per_token(DEFAULT_ACCEPTANCE, weight=PRIOR_TOKENS)
+        deployment_rate = self.deployment.per_token(self.prior, weight=PRIOR_TOKENS)
         deployment_shape = self.deployment.rates([deployment_rate] * len(self.deployment.reached))
         counts = self.for_class(prompt_class)
         class_rate = counts.per_token(deployment_rate, weight=2.0)

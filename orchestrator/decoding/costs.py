@@ -101,13 +101,16 @@ class BatchLoad:
     # whole sequences beside the target, 2.2 s gaps) and speculation on ran at 0.86x off.
     undecided: int = 0
 
-    def with_round(self, k: int) -> tuple[int, int, int]:
+    def with_round(self, k: int, lookup: int = 0) -> tuple[int, int, int]:
         """(rows of requests that do not draft, rows of requests that draft, requests that draft),
-        this request's round at draft length k and the undecided requests' included."""
+        this request's round at draft length k and the undecided requests' included. A target-only
+        round verifying `lookup` prompt-lookup tokens (orchestrator.decoding.lookup) adds them as rows
+        to the target step it rides (no draft step), as does each undecided one, whose tokens are
+        priced as this round's (tokens_with)."""
         rounds = 1 + self.undecided
         if k:
             return self.rows - self.drafting_rows, self.drafting_rows + rounds * (k + 1), self.drafting + rounds
-        return self.rows - self.drafting_rows + rounds, self.drafting_rows, self.drafting
+        return self.rows - self.drafting_rows + rounds * (1 + lookup), self.drafting_rows, self.drafting
 
     def tokens_with(self, expected: float) -> float:
         """Tokens of a round of the batch where this request (and each undecided one) commits `expected`."""
@@ -154,9 +157,10 @@ class RoundCosts:
         tables = self._tables()
         return None if tables is None else step_s(tables[1], tokens) * (self.draft_ratio.value or 1.0)
 
-    def round_s(self, k: int, batch: BatchLoad = BatchLoad()) -> float:
-        """Seconds of one round of the batch, this request drafting k tokens (module docstring)."""
-        steady_rows, drafting_rows, drafting = batch.with_round(k)
+    def round_s(self, k: int, batch: BatchLoad = BatchLoad(), lookup: int = 0) -> float:
+        """Seconds of one round of the batch, this request drafting k tokens (module docstring), or at
+        k = 0 verifying `lookup` prompt-lookup tokens."""
+        steady_rows, drafting_rows, drafting = batch.with_round(k, lookup)
         draft_steps = max(k, (drafting_rows - drafting) / drafting if drafting else 0.0)
         draft = self.draft_s(1, drafting) * draft_steps if drafting else 0.0
         return draft + self._verify_steps_s(steady_rows, drafting_rows)
@@ -165,12 +169,13 @@ class RoundCosts:
         return sum(self.verify_s(rows) for rows in (steady_rows, drafting_rows) if rows)
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad = BatchLoad(),
-                fresh: bool = False) -> None:
+                fresh: bool = False, lookup: int = 0) -> None:
         """One round's wall-clock times, with the batch it was planned against."""
-        self.observed.observe(drafted, draft_s, verify_s, fresh)
+        if not lookup:  # the wall-clock fallback keys verifications by the draft's rows
+            self.observed.observe(drafted, draft_s, verify_s, fresh)
         target, draft = self._table("target"), self._table("draft")
         if target is not None:
-            steady_rows, drafting_rows, _ = batch.with_round(drafted)
+            steady_rows, drafting_rows, _ = batch.with_round(drafted, lookup)
             predicted = sum(step_s(target, rows) for rows in (steady_rows, drafting_rows) if rows)
             self.verify_ratio.update(_bounded(verify_s / predicted))
         if draft is not None and drafted:

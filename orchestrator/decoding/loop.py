@@ -26,6 +26,9 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.deployment.clients import DraftClient, TargetClient
+from orchestrator.decoding.background import retrieve_outcome, spawn_background
+from orchestrator.decoding.lookup import PromptLookup
+from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams
@@ -52,6 +55,9 @@ class LoopConfig:
     # "on", "off", or "auto" = on when draft and target compute on separate hardware.
     pipeline: str = "auto"
     extra_branches: int | None = None  # pre-drafted rejection branches; None = from measured costs
+    # With the adaptive policy: rounds that draft nothing verify prompt lookup's tokens where they pay
+    # (orchestrator.decoding.lookup).
+    prompt_lookup: bool = True
 
 
 class SpeculationSwitch:
@@ -88,7 +94,9 @@ class DraftLengthPolicy(Protocol):
 
     def skip_drafting(self, draft_opening: bool = False) -> None: ...
 
-    def observe(self, timing: "RoundTiming", drafted: int, accepted: int) -> None: ...
+    def lookup_length(self, available: int) -> int: ...
+
+    def observe(self, timing: "RoundTiming", drafted: int, accepted: int, looked_up: int = 0) -> None: ...
 
     def close(self) -> None: ...
 
@@ -107,6 +115,8 @@ class LoopStats:
     round_tokens: int = 0  # tokens committed by verification rounds
     target_forward_passes: int = 0
     draft_fallback: bool = False
+    lookup_tokens: int = 0  # prompt-lookup tokens verified (orchestrator.decoding.lookup) ...
+    lookup_accepted_tokens: int = 0  # ... and accepted
 
 
 class SpeculativeGeneration:
@@ -136,6 +146,7 @@ class SpeculativeGeneration:
         # Clients may reuse request ids; the services' session ids must be unique.
         self.session_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
         self.sequence = list(request.prompt_token_ids)  # committed: prompt + generated
+        self.lookup = PromptLookup(self.sequence)  # drafts from the sequence itself, for target-only rounds
         # The target's logprob of each generated token, when the request's sampling asks for them.
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
@@ -233,27 +244,41 @@ class SpeculativeGeneration:
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
             k = self._choose_k()
-            span.set_attribute("specmesh.draft_length", k)
+            looked_up = self._lookup_proposal() if k == 0 else []
+            span.set_attributes({"specmesh.draft_length": k, "specmesh.lookup_length": len(looked_up)})
             # Off, the draft keeps its session: the next commit catches it up if speculation returns.
             started = time.monotonic()
             self._clock = RoundClock()
             proposal = await self._proposal_for_round(k)
-            draft_ids = list(proposal.token_ids) if proposal else []
-            verified = await self._verify_round(position, proposal, k)
-            _describe_round(span, proposal, verified)
+            draft_ids = list(proposal.token_ids) if proposal else looked_up
+            verified = await self._verify_round(position, proposal, k, looked_up)
+            describe_round(span, proposal, verified)
             breakdown = self._clock.finish(time.monotonic() - started)
-            _describe_breakdown(span, breakdown)
+            describe_breakdown(span, breakdown)
         self.on_timing(breakdown)
-        self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
-                            len(draft_ids), verified.accepted_count)
         accepted = verified.accepted_count
+        drafted = len(draft_ids) - len(looked_up)  # by the draft model
+        self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
+                            drafted, accepted, len(looked_up))
         batch = draft_ids[:accepted] + [verified.next_token_id]
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
         self.sequence.extend(batch)
         self.logprobs.extend(verified.logprobs)
-        self._count_round(len(draft_ids), accepted, len(batch))
+        self._count_round(drafted, 0 if looked_up else accepted, len(batch))
+        self.stats.lookup_tokens += len(looked_up)
+        self.stats.lookup_accepted_tokens += accepted if looked_up else 0
         return batch
+
+    def _lookup_proposal(self) -> list[int]:
+        """Prompt-lookup tokens for a round that drafts none (orchestrator.decoding.lookup), as many as
+        the policy finds worth their rows; none without a policy (a fixed k, or seeded sampling, which
+        must not depend on the load) or with speculation off."""
+        k_max = self._k_max()
+        if self.policy is None or not self.config.prompt_lookup or not self.switch.enabled or k_max <= 0:
+            return []
+        found = self.lookup.propose(k_max)
+        return found[:self.policy.lookup_length(len(found))]
 
     async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
         """This round's draft tokens, or None for a target-only round."""
@@ -267,11 +292,13 @@ class SpeculativeGeneration:
         return proposal
 
     async def _verify_round(self, position: int, proposal: draft_pb2.ProposeResponse | None,
-                            k: int) -> target_pb2.VerifyResponse:
+                            k: int, looked_up: list[int] = ()) -> target_pb2.VerifyResponse:
+        """The target's verdict on the draft's proposal, or on prompt-lookup tokens (ids only: one-hot q)."""
         started = time.monotonic()
         verified = await self.target.verify(
-            self.session_id, self._round, position, list(proposal.token_ids) if proposal else [],
-            list(proposal.distributions) if proposal else [], timeout=self._timeout(self.config.target_timeout_s))
+            self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(looked_up),
+            list(proposal.distributions) if proposal else [], timeout=self._timeout(self.config.target_timeout_s),
+            draft_source=target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP if looked_up else target_pb2.DRAFT_SOURCE_DRAFT_MODEL)
         self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
         return verified
 
@@ -310,10 +337,10 @@ class SpeculativeGeneration:
             return 0
         return k
 
-    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int) -> None:
+    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, looked_up: int) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""
         if self.policy is not None:
-            self.policy.observe(timing, drafted, accepted)
+            self.policy.observe(timing, drafted, accepted, looked_up)
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1
@@ -370,57 +397,7 @@ class SpeculativeGeneration:
         """Free both sessions in the background, even when the client's stream was cancelled."""
         if self._draft_opening is not None:
             self._draft_opening.cancel()
-            self._draft_opening.add_done_callback(_retrieve_outcome)
+            self._draft_opening.add_done_callback(retrieve_outcome)
         spawn_background(self.target.close(self.session_id))
         if self.draft is not None and self._draft_asked:
             spawn_background(self.draft.close(self.session_id))
-
-
-def _describe_round(span: trace.Span, proposal: draft_pb2.ProposeResponse | None,
-                    verified: target_pb2.VerifyResponse) -> None:
-    """What one round did, on its span: the facts only the responses know."""
-    if not span.is_recording():
-        return
-    span.set_attributes({
-        "specmesh.proposed": len(proposal.token_ids) if proposal else 0,
-        "specmesh.accepted": verified.accepted_count,
-        "specmesh.next_token": "bonus" if verified.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS
-        else "recovered",
-        "specmesh.committed_length": verified.committed_length,
-        "specmesh.target_forward_ns": verified.forward_ns,
-        "specmesh.verify_response_bytes": verified.ByteSize(),
-    })
-    if proposal is not None:
-        span.set_attributes({"specmesh.draft_forward_ns": proposal.forward_ns,
-                             "specmesh.propose_response_bytes": proposal.ByteSize()})
-
-
-def _describe_breakdown(span: trace.Span, breakdown: RoundBreakdown) -> None:
-    """Where the round's time went (orchestrator.decoding.timing), in milliseconds."""
-    if not span.is_recording():
-        return
-    span.set_attributes({f"specmesh.time.{part}_ms": seconds * 1e3 for part, seconds in breakdown.parts().items()})
-    span.set_attribute("specmesh.time.wall_ms", breakdown.wall_s * 1e3)
-    if breakdown.predraft is not None:
-        span.set_attribute("specmesh.predraft", breakdown.predraft)
-
-
-_background: set[asyncio.Task] = set()
-
-
-def _retrieve_outcome(task: asyncio.Task) -> None:
-    """Mark an abandoned task's failure as seen; it no longer matters."""
-    if not task.cancelled():
-        task.exception()
-
-
-def pending_clean_ups() -> int:
-    """Clean-ups still running (a draining orchestrator waits for them: they free the services' sessions)."""
-    return len(_background)
-
-
-def spawn_background(coroutine) -> None:
-    """Run a clean-up coroutine to completion independently of the caller's task."""
-    task = asyncio.ensure_future(coroutine)
-    _background.add(task)
-    task.add_done_callback(_background.discard)

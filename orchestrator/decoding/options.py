@@ -20,6 +20,9 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", choices=PIPELINE_MODES, default=LoopConfig.pipeline,
                         help="draft the next round while the target verifies; auto: when draft and target "
                              "compute on separate hardware (hosts, devices or disjoint --*-cpus)")
+    parser.add_argument("--prompt-lookup", choices=("on", "off"), default="on",
+                        help="adaptive policy: in rounds that draft nothing, verify tokens that followed the "
+                             "sequence's last n-gram where it occurred before, when their rows pay")
     parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
                         help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
                              "the measured draft and target costs leave time for)")
@@ -28,4 +31,4 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
 def loop_config(args: argparse.Namespace) -> LoopConfig:
     return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
                       adaptive_k=args.speculation_policy == "adaptive", pipeline=args.pipeline,
-                      extra_branches=args.extra_branches)
+                      extra_branches=args.extra_branches, prompt_lookup=args.prompt_lookup == "on")

@@ -187,12 +187,12 @@ class PipelinedGeneration(SpeculativeGeneration):
         return proposal
 
     async def _verify_round(self, position: int, proposal: draft_pb2.ProposeResponse | None,
-                            k: int) -> target_pb2.VerifyResponse:
+                            k: int, looked_up: list[int] = ()) -> target_pb2.VerifyResponse:
         if proposal is not None:
             self.costs.observe_draft(proposal.forward_ns / 1e9, len(proposal.token_ids))
             if self.draft is not None and self._worth_predrafting(proposal):
                 self._ahead = self._start_predraft(position, proposal, k)
-        verified = await super()._verify_round(position, proposal, k)
+        verified = await super()._verify_round(position, proposal, k, looked_up)
         self.costs.observe_verify(verified.forward_ns / 1e9)
         if self._ahead is not None:
             self._ahead.counted_s = self._ahead.busy_so_far()

@@ -28,6 +28,12 @@ Hysteresis keeps k from flapping: it changes only for a predicted gain of
 draft, so now and then a cheap probe round drafts `probe_k` tokens, less often
 while probes keep failing, and not at all while the load alone rules drafting out.
 
+A round that drafts nothing (k = 0, whatever the reason) may still verify prompt lookup's
+tokens (orchestrator.decoding.lookup): as many as maximise the same goodput, their rows
+added to the target step and no draft step, with lookup's own acceptance (learned apart
+from the draft's, per class and request). Where extra rows are nearly free (on a CPU,
+4-8 rows cost what 1 does) they ride along; where they cost, lookup stays out.
+
 The choice never changes the output: each round's tokens follow the target's
 distribution whatever k is, as long as k is fixed before the round's draft is
 sampled. Seeded sampling requests keep a fixed k, because a timing-driven k would
@@ -46,6 +52,10 @@ from orchestrator.decoding.loop import RoundTiming
 from orchestrator.decoding.regime import LoadRegimes, RegimeChoice
 
 
+# Prompt lookup's per-token acceptance before any history: on the bench's 16 prompts (32-token greedy
+# outputs of the embedded 1.5B target) a match's first token was accepted 38 % of the time, the later
+# ones 45-80 % (README, "Prompt lookup").
+LOOKUP_PRIOR = 0.4
 DEFAULT_ALIGN_WAIT_S = 0.5  # the most a round waits for the others' before any round was priced
 
 
@@ -60,15 +70,23 @@ class PolicyConfig:
     # A probe runs only where a draft accepting this share of its tokens would pay under the current
     # load: where even a good draft loses to the batch's cost, a probe has nothing to find.
     probe_if_acceptance: float = 0.9
+    # Prompt-lookup tokens are verified for a predicted gain of at least 2 %: no hysteresis (a lookup
+    # costs nothing to start or stop), only a guard against the tables' error on a row or two.
+    lookup_margin: float = 0.02
 
 
 class AdaptiveDraftLength:
     """One request's choice of k, with hysteresis; k = 0 is a target-only round."""
 
-    def __init__(self, shared: "AdaptiveSpeculation", acceptance: RequestAcceptance):
+    def __init__(self, shared: "AdaptiveSpeculation", acceptance: RequestAcceptance, lookup: RequestAcceptance):
         self.shared = shared
         self.costs = shared.costs
         self.acceptance = acceptance
+        self.lookup = lookup  # prompt lookup's acceptance (orchestrator.decoding.lookup)
+        # This round's prompt-lookup tokens (target-only rounds) and the tokens it expects of them,
+        # which the others price it at.
+        self.lookup_rows = 0
+        self.lookup_expected = 1.0
         self.config = shared.config
         self.k: int | None = None
         # Its round does not draft whatever k says: its draft is lost, paused or not worth opening
@@ -140,10 +158,28 @@ class AdaptiveDraftLength:
 
     def choose(self, k_max: int) -> int:
         self.held_back = False
+        self.lookup_rows, self.lookup_expected = 0, 1.0
         k = self._choose(k_max)
         if k == 0:  # nobody should wait for this request's next drafting round
             self.shared.alignment.leave(id(self))
         return k
+
+    def lookup_length(self, available: int) -> int:
+        """How many of the `available` prompt-lookup tokens this target-only round verifies: the count
+        that maximises the batch's goodput, their rows riding the target step (no draft step), if it
+        beats verifying none by `lookup_margin`; else 0. Chosen afresh every round."""
+        if available <= 0 or not self.costs.known:
+            return 0
+        batch = self._batch
+
+        def goodput(m: int) -> float:
+            return batch.tokens_with(self.lookup.expected_tokens(m)) / max(self.costs.round_s(0, batch, m), 1e-9)
+
+        best = max(range(1, available + 1), key=goodput)
+        if goodput(best) <= goodput(0) * (1.0 + self.config.lookup_margin):
+            return 0
+        self.lookup_rows, self.lookup_expected = best, self.lookup.expected_tokens(best)
+        return best
 
     def skip_drafting(self, draft_opening: bool = False) -> None:
         """This request's next round does not draft, whatever its k: the others drafting beside it
@@ -206,12 +242,16 @@ class AdaptiveDraftLength:
                 self.probe_every = self.config.probe_every
             self.k, self.rounds_at_k, self.rounds_since_probe = candidate, 0, 0
 
-    def observe(self, timing: RoundTiming, drafted: int, accepted: int) -> None:
+    def observe(self, timing: RoundTiming, drafted: int, accepted: int, looked_up: int = 0) -> None:
+        """A round's times and outcome: `drafted` draft-model tokens, or `looked_up` prompt-lookup
+        tokens, of which `accepted` were accepted."""
         fresh = self.probing and drafted > 0  # the draft's old cost is stale after a stretch at k = 0
-        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, fresh)
+        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, fresh, looked_up)
         if drafted:
             self.probing = False
-        self.acceptance.observe(drafted, accepted)
+        self.acceptance.observe(drafted, 0 if looked_up else accepted)
+        if looked_up:
+            self.lookup.observe(looked_up, accepted)
         self._last_round_s = time.monotonic() - self._chosen_at
         if self._regime is not None:
             self.shared.regimes.observe(self._regime, self._previous_regime, accepted + 1,
@@ -233,12 +273,14 @@ class AdaptiveSpeculation:
     config: PolicyConfig = PolicyConfig()
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
+    lookup: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=LOOKUP_PRIOR))
     regimes: LoadRegimes = field(default_factory=LoadRegimes)
     alignment: RoundAlignment = field(default_factory=RoundAlignment)
     active: dict[int, AdaptiveDraftLength] = field(default_factory=dict)
 
     def for_request(self, prompt_class: str) -> AdaptiveDraftLength:
-        return AdaptiveDraftLength(self, RequestAcceptance(self.acceptance, prompt_class))
+        return AdaptiveDraftLength(self, RequestAcceptance(self.acceptance, prompt_class),
+                                   RequestAcceptance(self.lookup, prompt_class))
 
     def join(self, policy: AdaptiveDraftLength) -> None:
         self.active[id(policy)] = policy
@@ -271,6 +313,7 @@ class AdaptiveSpeculation:
         ks = [(p.k if drafting and not p.held_back else 0, p) for p in others
               if p.k is not None or p.held_back or not drafting]
         drafting_ks = [k for k, _ in ks if k > 0]
-        return BatchLoad(rows=sum(k + 1 for k, _ in ks), tokens=sum(p.acceptance.expected_tokens(k) for k, p in ks),
+        return BatchLoad(rows=sum(k + 1 + (0 if k else p.lookup_rows) for k, p in ks),
+                         tokens=sum(p.acceptance.expected_tokens(k) if k else p.lookup_expected for k, p in ks),
                          drafting=len(drafting_ks), drafting_rows=sum(k + 1 for k in drafting_ks),
                          undecided=len(others) - len(ks))

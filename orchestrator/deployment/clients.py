@@ -95,10 +95,11 @@ class TargetClient:
         return await _call_target(self.stub.OpenSession, request, timeout)
 
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
-                     distributions: Sequence[common_pb2.TokenDistribution],
-                     timeout: float) -> target_pb2.VerifyResponse:
+                     distributions: Sequence[common_pb2.TokenDistribution], timeout: float,
+                     draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL) -> target_pb2.VerifyResponse:
         request = target_pb2.VerifyRequest(request_id=request_id, round=round_number, position=position,
-                                           draft_token_ids=draft_token_ids, draft_distributions=distributions)
+                                           draft_token_ids=draft_token_ids, draft_distributions=distributions,
+                                           draft_source=draft_source)
         return await _call_target(self.stub.Verify, request, timeout)
 
     async def close(self, request_id: str) -> None:

@@ -159,11 +159,11 @@ class PooledTargetClient(PooledClient):
         placement.sequence.append(opened.token_id)  # the target's prefill committed the first token
 
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
-                     distributions: Sequence[common_pb2.TokenDistribution],
-                     timeout: float) -> target_pb2.VerifyResponse:
+                     distributions: Sequence[common_pb2.TokenDistribution], timeout: float,
+                     draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL) -> target_pb2.VerifyResponse:
         placement = self.sessions[request_id]
         verified = await self._call(request_id, placement, timeout, lambda client, t: client.verify(
-            request_id, round_number, position, draft_token_ids, distributions, t))
+            request_id, round_number, position, draft_token_ids, distributions, t, draft_source))
         del placement.sequence[position:]
         placement.sequence.extend([*draft_token_ids[:verified.accepted_count], verified.next_token_id])
         return verified

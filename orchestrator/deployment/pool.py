@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.deployment.load import Load, replica_load
-from orchestrator.decoding.loop import spawn_background
+from orchestrator.decoding.background import spawn_background
 from specmesh.service import ReplicaConfig
 from specmesh.v1 import common_pb2
 

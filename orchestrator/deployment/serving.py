@@ -24,7 +24,7 @@ from orchestrator.deployment.pool import PoolSpec, ReplicaPool, new_pool
 from orchestrator.deployment.ray_controller import PoolController, ray_discovery
 from orchestrator.deployment.rollout import Rollout
 from orchestrator.deployment.supervisor import LocalPoolController
-from orchestrator.decoding.loop import spawn_background
+from orchestrator.decoding.background import spawn_background
 from orchestrator.frontend.servicer import GenerationServicer
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.errors import InvalidArgument, NotManagedHere, RolloutInProgress

@@ -7,7 +7,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.decoding.loop import pending_clean_ups
+from orchestrator.decoding.background import pending_clean_ups
 from orchestrator.deployment.backends import OrchestratorOptions, connect_backends
 from orchestrator.deployment.serving import create_pooled_servicer
 from orchestrator.frontend.request_limits import request_size_limit

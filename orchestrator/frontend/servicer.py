@@ -194,6 +194,8 @@ def _stats(stats: LoopStats, started: float, first_token_at: float, completion_t
         completion_tokens=completion_tokens,
         draft_fallback=stats.draft_fallback,
         tokens_per_round=stats.round_tokens / stats.rounds if stats.rounds else 0.0,
+        lookup_tokens=stats.lookup_tokens,
+        lookup_accepted_tokens=stats.lookup_accepted_tokens,
     )
 
 
@@ -204,6 +206,7 @@ def _record_finish(recorder: RequestRecorder, response: generation_pb2.GenerateR
         stats.target_forward_passes, stats.draft_fallback,
         stats.acceptance_rate if stats.draft_tokens else None,
         stats.tpot_ms / 1e3 if stats.completion_tokens > 1 else None, stats.e2e_ms / 1e3)
+    recorder.looked_up(stats.lookup_tokens, stats.lookup_accepted_tokens)
 
 
 def _describe_request(span: trace.Span, request: GenerationRequest, model: str, n: int) -> None:

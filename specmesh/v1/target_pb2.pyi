@@ -8,11 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_SOURCE_UNSPECIFIED: _ClassVar[DraftSource]
+    DRAFT_SOURCE_DRAFT_MODEL: _ClassVar[DraftSource]
+    DRAFT_SOURCE_PROMPT_LOOKUP: _ClassVar[DraftSource]
+
 class NextTokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NEXT_TOKEN_KIND_UNSPECIFIED: _ClassVar[NextTokenKind]
     NEXT_TOKEN_KIND_RECOVERED: _ClassVar[NextTokenKind]
     NEXT_TOKEN_KIND_BONUS: _ClassVar[NextTokenKind]
+DRAFT_SOURCE_UNSPECIFIED: DraftSource
+DRAFT_SOURCE_DRAFT_MODEL: DraftSource
+DRAFT_SOURCE_PROMPT_LOOKUP: DraftSource
 NEXT_TOKEN_KIND_UNSPECIFIED: NextTokenKind
 NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind
@@ -46,18 +55,20 @@ class TargetOpenResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions")
+    __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions", "draft_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDistribution]
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ...) -> None: ...
+    draft_source: DraftSource
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., draft_source: _Optional[_Union[DraftSource, str]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns", "logprobs")

@@ -1,0 +1,141 @@
+"""Prompt lookup on real services: the output stays the target's own, greedy and sampled.
+
+Greedy through the whole stack as served (calibrated services, the default policy): a
+draft priced far too dear to pay, so every round is target-only and lookup is the only
+speculation. Sampled through the loop with a stand-in policy that verifies everything
+lookup finds, on a prompt built so that lookup proposes at the second token for most
+first tokens: its empirical distribution must match the target's exact marginal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from front_door import bad_request_fields
+from harness import load, make_engine, start_model_server, start_stack
+from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculativeGeneration
+from orchestrator.deployment.clients import TargetClient, open_channel
+from test_greedy_parity import target_greedy
+from test_sampling_parity import exact_two_tokens, expected_sampling_tv, total_variation
+from specmesh.metrics import OrchestratorMetrics
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import target_pb2, target_pb2_grpc
+from tiny_models import TINY_PROMPTS
+
+SAMPLES = 1000
+
+
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+async def test_greedy_output_is_the_targets_own_with_lookup_under_load(tiny_llama_dir, tiny_llama_unrelated_dir,
+                                                                      device, pipeline):
+    metrics = OrchestratorMetrics()
+    stack = await start_stack(tiny_llama_dir, tiny_llama_unrelated_dir, k=4, device=device, adaptive_k=True,
+                              calibrate=True, draft_cost_scale=1000.0, pipeline=pipeline, metrics=metrics)
+    try:
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=64, temperature=0.0)
+                                         for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+    for prompt, (token_ids, _, _) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, 64), prompt
+    stats = [last.stats for _, _, last in results]
+    assert sum(s.draft_tokens for s in stats) == 0  # the draft never paid: lookup was the only speculation
+    assert sum(s.lookup_accepted_tokens for s in stats) > 0  # the tiny target repeats itself; lookup found it
+    assert all(s.lookup_accepted_tokens <= s.lookup_tokens for s in stats)
+    assert sum(s.rounds for s in stats) < sum(len(t) - 1 for t, _, _ in results)  # fewer rounds than tokens
+    for series, field in (("specmesh_lookup_tokens_total", "lookup_tokens"),
+                          ("specmesh_lookup_accepted_tokens_total", "lookup_accepted_tokens")):
+        counted = sum(sample.value for family in metrics.registry.collect() for sample in family.samples
+                      if sample.name == series)
+        assert counted == sum(getattr(s, field) for s in stats), series
+
+
+class VerifyAllLookups:
+    """A stand-in for the default policy that never drafts and verifies every lookup token: pricing is
+    not the subject here, the target's verdict on a one-hot proposal is."""
+
+    def arrive(self): pass
+    def wants_draft(self, k_max, catch_up, tokens_left): return False
+    def choose(self, k_max): return 0
+    def worth_opening(self, k, catch_up, tokens_left): return False
+    async def align(self, k): return k
+    def skip_drafting(self, draft_opening=False): pass
+    def lookup_length(self, available): return available
+    def observe(self, timing, drafted, accepted, looked_up=0): pass
+    def close(self): pass
+
+
+def lookup_prompt(model, prompt_ids: list[int], rounds: int = 3) -> tuple[list[int], dict[int, int]]:
+    """prompt_ids + (L v w) for the likeliest first tokens v, ending in L: after a first token v, the
+    sequence ends in the 2-gram (L, v), which lookup continues with w (the target's likeliest next
+    token, so that lookup is accepted often and rejected often). Built to a fixed point, since the
+    triples change the distributions they are chosen from. Returns the ids and {v: w}."""
+    last = prompt_ids[-1]
+    ids, follows = list(prompt_ids), {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            first = model(torch.tensor([ids], device=model.device)).logits[0, -1]
+            likely = first.argsort(descending=True)[:60].tolist()
+            after = torch.cat([torch.tensor(ids).repeat(len(likely), 1), torch.tensor(likely)[:, None]], dim=1)
+            follows = dict(zip(likely, model(after.to(model.device)).logits[:, -1].argmax(-1).tolist()))
+            ids = list(prompt_ids[:-1]) + [t for v, w in follows.items() for t in (last, v, w)] + [last]
+    return ids, follows
+
+
+async def test_sampled_output_follows_the_target_with_lookup(tiny_llama_dir, device):
+    model, tokenizer = load(str(tiny_llama_dir), device)
+    prompt_ids, follows = lookup_prompt(model, tokenizer.encode(TINY_PROMPTS[0]))
+    params = SamplingParams(1.0)
+    first, second = exact_two_tokens(model, prompt_ids, params, tokenizer.eos_token_id)
+    server, port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
+    target = TargetClient(open_channel(f"127.0.0.1:{port}"))
+    limit = asyncio.Semaphore(24)
+
+    async def first_two(index: int) -> tuple[list[int], LoopStats]:
+        generation = SpeculativeGeneration(
+            GenerationRequest(request_id=f"r{index}", prompt_token_ids=prompt_ids, max_tokens=3, sampling=params,
+                              stop=[], num_speculative_tokens=2),
+            target, None, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=2), policy=VerifyAllLookups())
+        async with limit:
+            tokens = [t async for batch in generation.tokens() for t in batch]
+        return tokens[:2], generation.stats
+    try:
+        outcomes = [(t, s) for t, s in await asyncio.gather(*(first_two(i) for i in range(SAMPLES))) if len(t) == 2]
+    finally:
+        await server.stop(None)
+    looked_up, accepted = (sum(getattr(s, f) for _, s in outcomes) for f in ("lookup_tokens", "lookup_accepted_tokens"))
+    # Lookup decided most second tokens, both ways (accepted and rejected): the test exercised it.
+    assert looked_up > SAMPLES / 2 and SAMPLES / 10 < accepted < looked_up - SAMPLES / 10, (looked_up, accepted)
+    n = len(outcomes)
+    # The second token's marginal, within the noise of n exact draws ...
+    marginal = first @ second  # [V]
+    counts = torch.bincount(torch.tensor([t[1] for t, _ in outcomes]), minlength=marginal.numel()).float()
+    assert total_variation(counts, marginal) < 2 * expected_sampling_tv(marginal, n)
+    # ... and, sharper, how often it is the token lookup proposed after the first: a rejection that
+    # resampled from p with the rejected token left in would add (1 - p) p to it.
+    exact_hit = float(sum(first[v] * second[v, w] for v, w in follows.items()))
+    hit = sum(t[1] == follows.get(t[0]) for t, _ in outcomes) / n
+    assert abs(hit - exact_hit) < 4 * (exact_hit * (1 - exact_hit) / n) ** 0.5, (hit, exact_hit)
+
+
+async def test_an_unknown_draft_source_is_refused_naming_the_field(tiny_llama_dir, device):
+    server, port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
+    channel = open_channel(f"127.0.0.1:{port}")
+    target = TargetClient(channel)
+    try:
+        await target.open("s", [5, 6, 7], SamplingParams(0.0), timeout=30, max_new_tokens=8)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await target_pb2_grpc.TargetServiceStub(channel).Verify(target_pb2.VerifyRequest(
+                request_id="s", round=1, position=4, draft_token_ids=[9], draft_source=7), timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_request_fields(raised.value) == ["draft_source"]
+        # The session is untouched: the same round verifies as prompt lookup's.
+        verified = await target.verify("s", 1, 4, [9], [], timeout=30,
+                                       draft_source=target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP)
+        assert verified.committed_length == 4 + verified.accepted_count + 1
+    finally:
+        await server.stop(None)
