@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.costs import BatchLoad, RoundCosts, step_s
 from orchestrator.decoding.lookup import PromptLookup
 from orchestrator.decoding.policy import AdaptiveSpeculation
 from specmesh.step_costs import StepCosts
@@ -74,7 +74,7 @@ def _policy(target, lookup_rate: float, others: int = 0):
     policies = [shared.for_request("code") for _ in range(others + 1)]
     for policy in policies:
         policy.arrive()
-        assert policy.choose(4) == 0  # the draft costs 100 s a step: never worth it
+    assert [policy.choose(4) for policy in policies] == [0] * len(policies)  # a 100 s draft step never pays
     return policies[0], shared
 
 
@@ -106,9 +106,28 @@ def test_the_others_lookup_rows_are_priced_in():
     for other in others:
         other.lookup_length(4)
     load = shared.batch_load(policy, drafting=False)
-    assert load.rows == 3 * (1 + 4)
+    assert load.rows == 3 * (1 + 4) and load.lookup_rows == 3 * 4
     assert load.tokens == pytest.approx(sum(other.lookup_expected for other in others))
     assert policy.choose(4) == 0 and policy.lookup_rows == 0  # a new round starts with no lookup rows
+
+
+def test_rows_past_a_decode_step_never_look_free():
+    """Decode steps keep the table's current cost at their sizes: 16 sessions of one row at 486 ms, where
+    the start-up table put 16 rows of one session at 310 and 24 at 429 (the 2-core EPYC, 2026-11-26).
+    Read at 17-24 rows, the current table fell back to the start-up figures and lookup rows looked
+    cheaper than none; priced in proportion to the start-up table, one more row costs about 5 %."""
+    table = _flat(lambda rows: 0.31 + 0.015 * max(0, rows - 16) if rows >= 16 else 0.25)
+    table.seconds = {**table.seconds, 16: 0.486}  # as decode steps of 16 sessions left it
+    assert step_s(table, 20) < step_s(table, 16)  # read at the total: rows look free
+    assert step_s(table, 16, extra_rows=4) == pytest.approx(0.486 * (0.31 + 4 * 0.015) / 0.31)
+    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=table, draft=_flat(lambda r: 100.0))))
+    shared.lookup.prior = 0.5
+    policies = [shared.for_request("code") for _ in range(16)]
+    for policy in policies:
+        policy.arrive()
+    assert [policy.choose(4) for policy in policies] == [0] * 16
+    # One more row: +2.9 % time for +3.1 % tokens at best (a 0.5 chance of one token among 16): not 2 % better.
+    assert policies[0].lookup_length(4) == 0
 
 
 def test_undecided_requests_are_priced_with_this_rounds_lookup_rows():

@@ -314,6 +314,7 @@ class AdaptiveSpeculation:
               if p.k is not None or p.held_back or not drafting]
         drafting_ks = [k for k, _ in ks if k > 0]
         return BatchLoad(rows=sum(k + 1 + (0 if k else p.lookup_rows) for k, p in ks),
+                         lookup_rows=sum(0 if k else p.lookup_rows for k, p in ks),
                          tokens=sum(p.acceptance.expected_tokens(k) if k else p.lookup_expected for k, p in ks),
                          drafting=len(drafting_ks), drafting_rows=sum(k + 1 for k in drafting_ks),
                          undecided=len(others) - len(ks))
