@@ -97,6 +97,13 @@ def step_s(table: StepCosts, rows: int, extra_rows: int = 0) -> float:
     return base * table.planned_cost(total + table.padding(total)) / table.planned_cost(rows + table.padding(rows))
 
 
+def target_steps_s(table: StepCosts, steady_rows: int, drafting_rows: int, lookup_rows: int = 0) -> float:
+    """A round's target steps by `table`: one over the rows of requests that do not draft (`lookup_rows`
+    of them prompt lookup's), one over those that draft (module docstring)."""
+    steady = step_s(table, steady_rows - lookup_rows, lookup_rows) if steady_rows else 0.0
+    return steady + (step_s(table, drafting_rows) if drafting_rows else 0.0)
+
+
 @dataclass(frozen=True)
 class BatchLoad:
     """What the other requests in flight add to a round: rows verified, tokens committed, and the
@@ -156,14 +163,6 @@ class RoundCosts:
         """Whether a round can be priced at all: both tables, or a timed draft round."""
         return self._tables() is not None or self.observed.known
 
-    def verify_s(self, rows: int, other_rows: int = 0, lookup_rows: int = 0) -> float:
-        """A target step over rows + other_rows rows, `lookup_rows` of them prompt lookup's (step_s)."""
-        tables = self._tables()
-        if tables is None:
-            return self.observed.verify_s(rows)
-        total = rows + other_rows
-        return step_s(tables[0], total - lookup_rows, lookup_rows) * (self.verify_ratio.value or 1.0)
-
     def draft_s(self, k: int, drafting: int = 1) -> float:
         tables = self._tables()
         if tables is None:
@@ -185,8 +184,10 @@ class RoundCosts:
         return draft + self._verify_steps_s(steady_rows, drafting_rows, batch.lookup_rows_with(k, lookup))
 
     def _verify_steps_s(self, steady_rows: int, drafting_rows: int, lookup_rows: int = 0) -> float:
-        steady = self.verify_s(steady_rows, lookup_rows=lookup_rows) if steady_rows else 0.0
-        return steady + (self.verify_s(drafting_rows) if drafting_rows else 0.0)
+        tables = self._tables()
+        if tables is None:
+            return sum(self.observed.verify_s(rows) for rows in (steady_rows, drafting_rows) if rows)
+        return target_steps_s(tables[0], steady_rows, drafting_rows, lookup_rows) * (self.verify_ratio.value or 1.0)
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad = BatchLoad(),
                 fresh: bool = False, lookup: int = 0) -> None:
@@ -196,9 +197,7 @@ class RoundCosts:
         target, draft = self._table("target"), self._table("draft")
         if target is not None:
             steady_rows, drafting_rows, _ = batch.with_round(drafted, lookup)
-            looked_up = batch.lookup_rows_with(drafted, lookup)
-            predicted = ((step_s(target, steady_rows - looked_up, looked_up) if steady_rows else 0.0)
-                         + (step_s(target, drafting_rows) if drafting_rows else 0.0))
+            predicted = target_steps_s(target, steady_rows, drafting_rows, batch.lookup_rows_with(drafted, lookup))
             self.verify_ratio.update(_bounded(verify_s / predicted))
         if draft is not None and drafted:
             predicted = drafted * step_s(draft, batch.drafting + 1)
