@@ -34,7 +34,7 @@ AGGREGATE_KEYS = {"num_requests", "completed", "failed", "duration_s", "total_pr
                   "accepted_tokens", "rounds", "acceptance_rate", "mean_acceptance_length", "lookup_tokens",
                   "lookup_accepted_tokens"}
 LATENCY_KEYS = {"mean", "p50", "p95", "p99"}
-REQUEST_KEYS = {"configuration", "kind", "mode", "index", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
+REQUEST_KEYS = {"configuration", "kind", "mode", "index", "repeat", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
                 "itl_ms", "prompt_tokens", "output_tokens", "draft_tokens", "accepted_tokens", "rounds",
                 "lookup_tokens", "lookup_accepted_tokens"}
 PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "itl_by_concurrency.png",
@@ -157,7 +157,8 @@ def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_p
     assert result["server"]["self_started"] and result["config"]["request_rate"] == "inf"
 
 
-async def test_bench_against_running_http_server(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir, device):
+async def test_bench_against_running_http_server(tmp_path, capsys, tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """Over HTTP, at a request rate, two passes a mode (--repeats 2): each pass timed and reported."""
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
     _, tokenizer = load(str(tiny_llama_dir), device)
     servicer = await create_servicer(tokenizer, OrchestratorOptions(  # fixed k: "on" must draft
@@ -167,12 +168,25 @@ async def test_bench_against_running_http_server(tmp_path, tiny_llama_dir, tiny_
         code = await asyncio.to_thread(specmesh_main, [
             "bench", "--endpoint", f"127.0.0.1:{port}", "--protocol", "http", "--num-prompts", "4",
             "--max-tokens", "5", "--temperature", "0", "1", "--request-rate", "50", "--max-concurrency", "2",
-            "--ab", "--num-warmups", "0", "--no-progress", "--result-dir", str(tmp_path)])
+            "--ab", "--repeats", "2", "--num-warmups", "0", "--no-progress", "--result-dir", str(tmp_path)])
     finally:
         await stop_http_server(server, task)
         await stack.stop()
     assert code == 0
-    result = check_result(tmp_path, ["c=2 T=0", "c=2 T=1"], {"on", "off"}, 4, set(BUILTIN))
+    result = check_result(tmp_path, ["c=2 T=0", "c=2 T=1"], {"on", "off"}, 8, set(BUILTIN))
+    out = capsys.readouterr().out
+    for entry in result["configurations"]:
+        for mode, figures in entry["modes"].items():
+            passes = figures["passes"]
+            assert len(passes) == 2 and all(p["output_throughput"] > 0 for p in passes)
+            assert sum(p["duration_s"] for p in passes) == pytest.approx(figures["overall"]["duration_s"])
+            tokens = [sum(r["output_tokens"] for r in result["requests"] if r["configuration"] == entry["name"]
+                          and r["mode"] == mode and r["repeat"] == repeat) for repeat in (0, 1)]
+            assert [p["output_throughput"] * p["duration_s"] for p in passes] == pytest.approx(tokens)
+        by_pass = entry["speedup_on_vs_off_by_pass"]
+        assert by_pass == pytest.approx([on["output_throughput"] / off["output_throughput"] for on, off in
+                                         zip(entry["modes"]["on"]["passes"], entry["modes"]["off"]["passes"])])
+        assert "on/off by pass: " + ", ".join(f"{r:.2f}x" for r in by_pass) in out
     assert result["server"] == {"endpoint": f"127.0.0.1:{port}", "protocol": "http", "self_started": False,
                                 "target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b",
                                 "num_speculative_tokens": None}
@@ -274,7 +288,29 @@ async def test_modes_take_turns_prompt_by_prompt_when_requests_run_one_at_a_time
         assert [mode for mode, _ in client.sent] == ["on"] * 3 + ["off"] * 3 + ["k=2"] * 3
     for mode, (records, seconds) in runs.items():
         assert [r.index for r in records] == [0, 1, 2] and all(r.mode == mode for r in records)
-        assert seconds >= 0 and [r.start_s for r in records] == sorted(r.start_s for r in records)
+        assert len(seconds) == 1 and seconds[0] >= 0
+        assert [r.start_s for r in records] == sorted(r.start_s for r in records)
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_repeated_passes_reverse_the_modes_order_every_other_pass(concurrency):
+    """--repeats 3: on, off, then off, on, then on, off again (by prompt at concurrency 1, by whole list
+    above), every record numbered with its pass and every pass timed."""
+    client = RecordingClient()
+    prompts = BUILTIN["code"][:3]
+    load = LoadSettings(max_tokens=4, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
+                        progress=False, repeats=3)
+    runs = await run_modes(client, prompts, Configuration(concurrency, 0.0), load, ["on", "off"])
+    orders = [("on", "off"), ("off", "on"), ("on", "off")]
+    if concurrency == 1:
+        expected = [(mode, i) for order in orders for i in range(3) for mode in order]
+    else:
+        expected = [(mode, i) for order in orders for mode in order for i in range(3)]
+    assert client.sent == expected
+    for mode, (records, seconds) in runs.items():
+        assert [(r.repeat, r.index) for r in records] == [(p, i) for p in range(3) for i in range(3)]
+        assert len(seconds) == 3 and all(s >= 0 for s in seconds)
+        assert [r.start_s for r in records] == sorted(r.start_s for r in records)
 
 
 class ConcurrencyClient(RecordingClient):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from orchestrator.bench.args import sweep_ks
 from orchestrator.bench.clients import make_client
-from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, speedups
+from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, pass_figures, speedups
 from orchestrator.bench.modes import DEFAULT, OFF, PEER, served_modes
 from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
@@ -32,7 +32,8 @@ from orchestrator.decoding.options import loop_config
 from specmesh.security import new_internal_token
 from specmesh.service import ServiceOptions
 
-Runs = dict[tuple[str, str], tuple[list[RequestRecord], float]]  # (configuration, mode) -> (records, seconds)
+# (configuration, mode) -> (records, seconds of each pass over the prompts)
+Runs = dict[tuple[str, str], tuple[list[RequestRecord], list[float]]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print("specmesh bench: warning: the server keeps seeded requests at its fixed k, so with --seeded-requests "
               "the sweep's default row is not the adaptive policy", file=sys.stderr)
     load = LoadSettings(args.max_tokens, args.request_rate, args.seed, None, args.timeout, not args.no_progress,
-                        args.seeded_requests)
+                        args.seeded_requests, args.repeats)
     started_at = datetime.now(timezone.utc)
     try:
         endpoint, runs = serve_phase(args, prompts, configurations, load)
@@ -138,7 +139,13 @@ def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configurat
     k = args.num_speculative_tokens
     warm = LoadSettings(8, load.request_rate, load.seed, None, load.timeout_s, False)
     run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, k)
-    return {(c.name, "peer"): run_peer(pair, prompts, c, load, k) for c in sequential}
+    return {(c.name, "peer"): _one_pass(run_peer(pair, prompts, c, load, k)) for c in sequential}
+
+
+def _one_pass(run: tuple[list[RequestRecord], float]) -> tuple[list[RequestRecord], list[float]]:
+    """The peer runs the prompts once, whatever --repeats says (it shares no machine with the served modes)."""
+    records, seconds = run
+    return records, [seconds]
 
 
 def build_result(args, prompts: list[BenchPrompt], configurations: list[Configuration], runs: Runs,
@@ -149,14 +156,20 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
         for mode in (*served_modes(args.ab, sweep_ks(args)), PEER):
             if (configuration.name, mode) not in runs:
                 continue
-            records, duration = runs[configuration.name, mode]
-            modes[mode] = {"overall": aggregate(records, duration), "per_kind": aggregate_by_kind(records)}
+            records, seconds = runs[configuration.name, mode]
+            modes[mode] = {"overall": aggregate(records, sum(seconds)), "per_kind": aggregate_by_kind(records)}
+            if len(seconds) > 1:
+                modes[mode]["passes"] = pass_figures(records, seconds)
             requests += [{"configuration": configuration.name, **r.to_json()} for r in records]
         entry = {"name": configuration.name, "max_concurrency": configuration.max_concurrency,
                  "temperature": configuration.temperature, "modes": modes}
         for other in (OFF, PEER):
             if other in modes:
                 entry[f"speedup_on_vs_{other}"] = speedups(modes[DEFAULT]["overall"], modes[other]["overall"])
+        if "passes" in modes[DEFAULT] and "passes" in modes.get(OFF, {}):
+            entry["speedup_on_vs_off_by_pass"] = [on["output_throughput"] / off["output_throughput"]
+                                                  if on["output_throughput"] and off["output_throughput"] else None
+                                                  for on, off in zip(modes[DEFAULT]["passes"], modes[OFF]["passes"])]
         sweep = draft_length_sweep(modes)
         if sweep is not None:
             entry["draft_length_sweep"] = sweep

@@ -13,6 +13,7 @@ from specmesh.roles import MAX_DRAFT_TOKENS
 EPILOG = """examples:
   specmesh bench --ab                                  # start the embedded pair, speculation on vs off
   specmesh bench --ab --max-concurrency 1 2 4 8 16     # the batching sweep: tokens/s and ITL by concurrency
+  specmesh bench --ab --max-concurrency 4 8 --repeats 2   # on, off, off, on: the A/B with drift cancelled
   specmesh bench --sweep-k --max-tokens 96 --temperature 0   # the default policy against fixed k = 1..8 and off
   specmesh bench --ab --peer --max-concurrency 1 4 --temperature 0 1 --num-prompts 8 --max-tokens 48
   specmesh bench --endpoint 127.0.0.1:8000 --protocol http --prompt-file prompts.jsonl
@@ -89,6 +90,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--num-warmups", type=int, default=2,
                       help="uncounted warm-up requests per mode at concurrency 1 (and, if not 0, one per slot "
                            "before each higher concurrency)")
+    load.add_argument("--repeats", type=_positive, default=1,
+                      help="passes over the prompts per configuration and mode, the modes' order reversed every "
+                           "other pass (on, off, off, on): drift favours no mode, and the passes show the noise")
     load.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
     modes = bench.add_argument_group("modes")
     modes.add_argument("--ab", action="store_true", help="run every configuration with speculation on and off")

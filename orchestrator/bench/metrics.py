@@ -22,6 +22,7 @@ class RequestRecord:
     kind: str
     mode: str  # "on", "off", "k=N" or "peer" (orchestrator.bench.modes)
     index: int  # position in the prompt list, the same across modes
+    repeat: int = 0  # the pass over the list (--repeats) it ran in
     ok: bool = True
     error: str = ""
     start_s: float = 0.0  # seconds since the run began
@@ -87,6 +88,15 @@ def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": 1 + accepted / rounds if rounds else None,
     }
+
+
+def pass_figures(records: list[RequestRecord], seconds: list[float]) -> list[dict]:
+    """Per pass over the prompt list (--repeats): its duration and output tokens/s."""
+    figures = []
+    for repeat, duration in enumerate(seconds):
+        tokens = sum(r.output_tokens for r in records if r.repeat == repeat and r.ok)
+        figures.append({"duration_s": duration, "output_throughput": tokens / duration if duration > 0 else None})
+    return figures
 
 
 def aggregate_by_kind(records: list[RequestRecord]) -> dict[str, dict]:

@@ -77,7 +77,21 @@ def configuration_table(entry: dict) -> str:
             if other in modes:
                 line += f"{_ratio(entry[key].get(metric)):>9}"
         lines.append(line)
-    return "\n".join(lines)
+    return "\n".join(lines + pass_lines(entry))
+
+
+def pass_lines(entry: dict) -> list[str]:
+    """With --repeats: each pass's output tokens/s per mode, and on/off pass by pass (the run's noise)."""
+    modes = entry["modes"]
+    passes = {mode: figures["passes"] for mode, figures in modes.items() if "passes" in figures}
+    if not passes:
+        return []
+    lines = ["output tokens/s by pass: " + "; ".join(
+        f"{MODE_TITLES.get(mode, mode)} " + ", ".join(_cell(p["output_throughput"]) for p in figures)
+        for mode, figures in passes.items())]
+    if "speedup_on_vs_off_by_pass" in entry:
+        lines.append("on/off by pass: " + ", ".join(_ratio(r) for r in entry["speedup_on_vs_off_by_pass"]))
+    return lines
 
 
 def kind_table(result: dict) -> str:

@@ -3,7 +3,9 @@
 Arrivals follow a Poisson process at --request-rate (exponential gaps drawn from
 a generator seeded with --seed, so every mode sees the same schedule); an
 infinite rate sends everything at once and --max-concurrency alone paces the
-load. With --seeded-requests, request i is sampled with seed --seed + i in
+load. With --repeats N every mode runs the list N times, the modes' order reversed
+on every other pass (on, off, off, on): a machine that drifts during the run then
+favours no mode, and the passes of one mode show the run's noise. With --seeded-requests, request i is sampled with seed --seed + i in
 every mode (reproducible runs; the server then keeps k fixed for them).
 """
 
@@ -46,6 +48,7 @@ class LoadSettings:
     timeout_s: float
     progress: bool = True
     seeded_requests: bool = False  # send seed + i; the server then keeps k fixed so the seed reproduces
+    repeats: int = 1  # passes over the prompt list per mode, in ABBA order (module docstring)
 
 
 def request_params(item: BenchPrompt, index: int, config: Configuration, load: LoadSettings,
@@ -70,27 +73,34 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
 
 
 async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
-                    modes: list[str]) -> dict[str, tuple[list[RequestRecord], float]]:
-    """Every prompt once in each mode; per mode, the records (in prompt order) and the seconds they took.
+                    modes: list[str]) -> dict[str, tuple[list[RequestRecord], list[float]]]:
+    """Every prompt `load.repeats` times in each mode; per mode, the records (by pass, in prompt order)
+    and the seconds each pass took.
 
     Where requests run one after another anyway (concurrency 1, no arrival schedule), the
     modes take turns prompt by prompt, so a machine that drifts faster or slower during a
     long run favours no mode (the 2-core VM's one-row target step went from 228 ms to
     314 ms within 45 minutes). Otherwise each mode needs the whole list in flight, and runs
-    it in one go.
+    it in one go; over several passes the modes' order is reversed every other pass, so
+    drift over the passes cancels as well (on, off, off, on).
     """
     one_at_a_time = config.max_concurrency == 1 and math.isinf(load.request_rate)
     pass_size = 1 if one_at_a_time else max(1, len(prompts))
-    runs: dict[str, tuple[list[RequestRecord], float]] = {mode: ([], 0.0) for mode in modes}
-    for first in range(0, len(prompts), pass_size):
-        for mode in modes:
-            records, seconds = await run_load(client, prompts[first:first + pass_size], config, load, mode,
-                                              first_index=first)
-            earlier, elapsed = runs[mode]
-            for record in records:  # seconds since the mode's first request, over its passes
-                record.start_s += elapsed
-            runs[mode] = (earlier + records, elapsed + seconds)
-    return runs
+    records: dict[str, list[RequestRecord]] = {mode: [] for mode in modes}
+    seconds: dict[str, list[float]] = {mode: [0.0] * load.repeats for mode in modes}
+    for repeat in range(load.repeats):
+        order = modes if repeat % 2 == 0 else modes[::-1]
+        for first in range(0, len(prompts), pass_size):
+            for mode in order:
+                done, took = await run_load(client, prompts[first:first + pass_size], config, load, mode,
+                                            first_index=first)
+                elapsed = sum(seconds[mode])
+                for record in done:  # seconds since the mode's first request, over its passes
+                    record.start_s += elapsed
+                    record.repeat = repeat
+                records[mode] += done
+                seconds[mode][repeat] += took
+    return {mode: (records[mode], seconds[mode]) for mode in modes}
 
 
 async def run_load(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
