@@ -184,6 +184,7 @@ class ModelEngine:
             host=socket.gethostname(),
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             step_costs=self.costs.to_proto() if self.costs is not None else [],
+            planned_step_costs=self.costs.planned_to_proto() if self.costs is not None else [],
         )
 
     def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:

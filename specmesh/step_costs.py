@@ -62,20 +62,29 @@ class StepCosts:
         return cls(seconds)
 
     @classmethod
-    def from_proto(cls, entries: Iterable[common_pb2.StepCost]) -> "StepCosts | None":
-        """The table a service reported (ModelInfo.step_costs); None when it reported none.
+    def from_proto(cls, entries: Iterable[common_pb2.StepCost],
+                   planned: Iterable[common_pb2.StepCost] = ()) -> "StepCosts | None":
+        """The table a service reported (ModelInfo.step_costs, its start-up measurements in
+        ModelInfo.planned_step_costs); None when it reported none. Without start-up entries
+        (a service that does not send them) the current ones stand in for them.
 
         Garbage never raises: entries with zero rows or seconds that are not positive and
         finite are dropped (a later duplicate size wins), and past MAX_REPORTED_SIZES sizes the
         largest."""
-        seconds = {int(entry.rows): float(entry.seconds) for entry in entries
-                   if entry.rows > 0 and math.isfinite(entry.seconds) and entry.seconds > 0}
-        kept = dict(sorted(seconds.items())[:MAX_REPORTED_SIZES])
-        return cls(kept) if kept else None
+        current = _valid_entries(entries)
+        if not current:
+            return None
+        table = cls(_valid_entries(planned) or current)
+        table.seconds = current
+        return table
 
     def to_proto(self) -> list[common_pb2.StepCost]:
         """The current table as ModelInfo.step_costs entries, smallest size first."""
-        return [common_pb2.StepCost(rows=rows, seconds=seconds) for rows, seconds in self.seconds.items()]
+        return _entries(self.seconds)
+
+    def planned_to_proto(self) -> list[common_pb2.StepCost]:
+        """The start-up table as ModelInfo.planned_step_costs entries, smallest size first."""
+        return _entries(self.measured)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` rows (padding included) took `seconds`: move that size's
@@ -134,6 +143,16 @@ class StepCosts:
             if rows < size <= 2 * rows and seconds < PAD_GAIN * self.measured[best]:
                 best = size
         return best
+
+
+def _valid_entries(entries: Iterable[common_pb2.StepCost]) -> dict[int, float]:
+    seconds = {int(entry.rows): float(entry.seconds) for entry in entries
+               if entry.rows > 0 and math.isfinite(entry.seconds) and entry.seconds > 0}
+    return dict(sorted(seconds.items())[:MAX_REPORTED_SIZES])
+
+
+def _entries(seconds: dict[int, float]) -> list[common_pb2.StepCost]:
+    return [common_pb2.StepCost(rows=rows, seconds=cost) for rows, cost in seconds.items()]
 
 
 def _interpolated(table: dict[int, float], rows: int) -> float:

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 ENV = "SPECMESH_STEP_LOG"
@@ -32,7 +33,8 @@ class StepLog:
         template = os.environ.get(ENV)
         if not template:
             return None
-        path = template.replace("{role}", role).replace("{pid}", str(os.getpid()))
+        path = Path(template.replace("{role}", role).replace("{pid}", str(os.getpid())))
+        path.parent.mkdir(parents=True, exist_ok=True)  # a diagnostic switch: no service fails to start over it
         return cls(open(path, "a", buffering=1, encoding="utf-8"))  # line-buffered: readable while it runs
 
     def observe(self, parts, step_ns: int) -> None:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
-from orchestrator.decoding.costs import RoundCosts, step_s
+from orchestrator.decoding.costs import BatchLoad, RoundCosts, step_s, target_steps_s
 from orchestrator.decoding.loop import RoundTiming
 from orchestrator.decoding.policy import AdaptiveSpeculation, PolicyConfig
 from specmesh.step_costs import StepCosts
@@ -188,6 +188,32 @@ def test_a_draft_beside_requests_that_do_not_draft_pays_for_a_step_of_its_own():
     for other in others:
         other.k = 3
     assert warm.best(K_MAX, speculation.batch_load(warm)) > 0
+
+
+# The embedded 1.5B target's start-up table on the 2-core EPYC (2026-11-26 10:53, ms by rows).
+EPYC_START_UP = {1: 255.0, 2: 287.6, 3: 212.6, 4: 201.4, 5: 192.3, 6: 195.0, 7: 244.0, 8: 268.8, 12: 271.9,
+                 16: 341.5, 24: 431.1, 32: 530.8, 48: 723.6, 64: 972.3}
+
+
+def test_drafting_rows_are_priced_from_the_drafting_sessions_step_as_it_runs_now():
+    """Four sessions of one row ran at 286 ms, with 10-11 rows at 359-384, while the table still had
+    12 rows at their start-up 272 (step log, 11:00): read there, four requests drafting two tokens
+    each looked cheaper than the same four drafting none, and the forecast said drafting at 4
+    requests would deliver 1.28x (it delivered 0.96x). Grown from the four sessions' step by the
+    start-up table, the drafting step costs what it ran at; where a size has run, its current
+    cost is the floor."""
+    target = StepCosts({rows: ms / 1e3 for rows, ms in EPYC_START_UP.items()})
+    for _ in range(40):
+        target.observe(4, 0.286)  # decode steps of four sessions
+        target.observe(5, 0.283)  # one session verifying four draft tokens (concurrency 1)
+    assert target.cost(12) < target.cost(4)  # the stale entry: rows past the decode step look free
+    four_drafting = target_steps_s(target, steady_rows=0, drafting_rows=4 * 3, drafting=4)
+    assert four_drafting == pytest.approx(0.286 * 271.9 / 201.4, rel=1e-3)
+    assert 0.359 < four_drafting < 0.40 and four_drafting > target_steps_s(target, 4, 0)
+    # One session of 5 rows ran at 283 ms; grown from its one-row step (255 at start-up) it would be 192/255 of that.
+    assert target_steps_s(target, 0, 5, drafting=1) == pytest.approx(0.283, rel=1e-3)
+    speculation = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=target, draft=table(lambda r: 0.05))))
+    assert speculation.costs.round_s(2, BatchLoad(undecided=3)) == pytest.approx(2 * 0.05 + four_drafting)
 
 
 def test_no_probes_while_the_load_alone_rules_drafting_out():

@@ -67,6 +67,11 @@ def test_from_proto_drops_garbage_and_never_raises():
     assert StepCosts.from_proto(entries).seconds == {1: 0.25, 8: 0.5}
     assert StepCosts.from_proto(entries[:5]) is None and StepCosts.from_proto([]) is None
     assert StepCosts.from_proto(StepCosts(TABLE).to_proto()).seconds == TABLE  # the round trip
+    moved = StepCosts(TABLE)
+    moved.observe(1, 10 * TABLE[1])
+    both = StepCosts.from_proto(moved.to_proto(), moved.planned_to_proto())
+    assert (both.seconds, both.measured) == (moved.seconds, TABLE) and both.cost(1) > both.planned_cost(1)
+    assert StepCosts.from_proto(moved.to_proto(), entries[:5]).measured == moved.seconds  # no good start-up entry
     many = [common_pb2.StepCost(rows=rows, seconds=1.0) for rows in range(1, 10_001)]
     assert len(StepCosts.from_proto(many).seconds) == 256  # a flood stays cheap: the smallest sizes
 
@@ -148,6 +153,9 @@ async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(
         checked_before = reports.updated_at["target"]
         await pools.pools["target"].refresh()
         assert reports.target.seconds == engines["target"].costs.seconds != engines["target"].costs.measured
+        # ... and the start-up table with them: the growth with rows that prices sizes not run lately
+        assert reports.target.measured == engines["target"].costs.measured
+        assert reports.target.cost(1) > reports.target.planned_cost(1)
         assert reports.updated_at["target"] > checked_before
         # A replica that reports garbage (or fails its report) leaves the last good table in place.
         engines["target"].describe = lambda: common_pb2.ModelInfo(

@@ -249,7 +249,7 @@ def test_chunk_steering_shrinks_chunks_that_run_dearer_than_the_table_says_and_g
 async def test_the_step_log_writes_one_line_per_step_in_order(tmp_path, monkeypatch):
     import json
     from specmesh.step_log import ENV, StepLog
-    monkeypatch.setenv(ENV, str(tmp_path / "steps-{role}.jsonl"))
+    monkeypatch.setenv(ENV, str(tmp_path / "not-yet" / "steps-{role}.jsonl"))  # its folder made for it
     log = StepLog.from_environment("target")
     steps = Steps()
     worker = scheduler(steps, chunk=4)
@@ -258,7 +258,7 @@ async def test_the_step_log_writes_one_line_per_step_in_order(tmp_path, monkeypa
                             "p": prefill_job(SimpleNamespace(name="p", request_id="req-2/0123456789ab"),
                                              list(range(100, 106)))})
     worker.stop()
-    lines = [json.loads(line) for line in (tmp_path / "steps-target.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "not-yet" / "steps-target.jsonl").read_text().splitlines()]
     assert len(lines) == len(steps.log) == 3
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
     assert lines[0]["parts"] == [["ef012345", 1, 0], ["456789ab", 4, 1]]  # a stream's row, then a chunk

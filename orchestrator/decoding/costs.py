@@ -81,27 +81,38 @@ class ServiceCosts:
 
 
 def step_s(table: StepCosts, rows: int, extra_rows: int = 0) -> float:
-    """A step of `rows` rows, padded as the service pads it; `extra_rows` more rows of the same sessions
-    (prompt lookup's) scale it as the start-up table's single-session sizes do.
+    """A step of `rows` rows, one a session, padded as the service pads it; `extra_rows` more rows of the
+    same sessions (a draft's tokens, or prompt lookup's) make it the dearer of two prices: the current
+    table's at the total size, and the sessions' own step now grown as the start-up table grows from
+    their rows to the total.
 
-    Decode steps keep the table's current cost at the sizes they run (one row a session), and a
-    step of many sessions costs more than one session's rows of the same count: on the 2-core EPYC
-    16 sessions of one row took 486 ms where the start-up table put 16 rows at 310. Read at
-    rows + extra, the current table then fell back to the start-up figures (24 rows: 429 ms), and
-    rows past a decode step's looked free. In proportion, 16 sessions with 19-28 rows were priced
-    within 10 % of what their steps took (556-808 ms)."""
+    The current table keeps current only the sizes that run; the others keep their start-up cost, one
+    session's on a fresh cache, and a step of many sessions costs more than one session's rows of the
+    same count. On the 2-core EPYC (step log, 2026-11-26 11:00) four sessions of one row took 286 ms
+    and with 10-11 rows 359-384, where the table still had 12 rows at their start-up 272: a round of
+    four requests drafting two tokens each looked cheaper than one drafting none. Grown from 286 by
+    the start-up table (201 ms at 4 rows, 272 at 12) it is 386. Sixteen sessions of one row: 486 ms,
+    the start-up 24 rows: 429, so lookup's rows past a decode step looked free; in proportion, 16
+    sessions with 19-28 rows were priced within 10 % of their 556-808 ms. The current entry stays the
+    floor: where the start-up table dips (3-6 rows below 1-2 there) its growth alone underprices
+    rows that have run (one session of 5 rows: 283 ms, grown from one row: 246)."""
     base = table.cost(rows + table.padding(rows))
     if not extra_rows:
         return base
     total = rows + extra_rows
-    return base * table.planned_cost(total + table.padding(total)) / table.planned_cost(rows + table.padding(rows))
+    grown = base * table.planned_cost(total + table.padding(total)) / table.planned_cost(rows + table.padding(rows))
+    return max(grown, table.cost(total + table.padding(total)))
 
 
-def target_steps_s(table: StepCosts, steady_rows: int, drafting_rows: int, lookup_rows: int = 0) -> float:
+def target_steps_s(table: StepCosts, steady_rows: int, drafting_rows: int, lookup_rows: int = 0,
+                   drafting: int = 0) -> float:
     """A round's target steps by `table`: one over the rows of requests that do not draft (`lookup_rows`
-    of them prompt lookup's), one over those that draft (module docstring)."""
+    of them prompt lookup's), one over the rows of the `drafting` requests that draft (module docstring)."""
     steady = step_s(table, steady_rows - lookup_rows, lookup_rows) if steady_rows else 0.0
-    return steady + (step_s(table, drafting_rows) if drafting_rows else 0.0)
+    if not drafting_rows:
+        return steady
+    sessions = max(1, min(drafting, drafting_rows))
+    return steady + step_s(table, sessions, drafting_rows - sessions)
 
 
 @dataclass(frozen=True)
@@ -181,13 +192,14 @@ class RoundCosts:
         steady_rows, drafting_rows, drafting = batch.with_round(k, lookup)
         draft_steps = max(k, (drafting_rows - drafting) / drafting if drafting else 0.0)
         draft = self.draft_s(1, drafting) * draft_steps if drafting else 0.0
-        return draft + self._verify_steps_s(steady_rows, drafting_rows, batch.lookup_rows_with(k, lookup))
+        return draft + self._verify_steps_s(steady_rows, drafting_rows, batch.lookup_rows_with(k, lookup), drafting)
 
-    def _verify_steps_s(self, steady_rows: int, drafting_rows: int, lookup_rows: int = 0) -> float:
+    def _verify_steps_s(self, steady_rows: int, drafting_rows: int, lookup_rows: int, drafting: int) -> float:
         tables = self._tables()
         if tables is None:
             return sum(self.observed.verify_s(rows) for rows in (steady_rows, drafting_rows) if rows)
-        return target_steps_s(tables[0], steady_rows, drafting_rows, lookup_rows) * (self.verify_ratio.value or 1.0)
+        return target_steps_s(tables[0], steady_rows, drafting_rows, lookup_rows, drafting) * (
+            self.verify_ratio.value or 1.0)
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad = BatchLoad(),
                 fresh: bool = False, lookup: int = 0) -> None:
@@ -196,8 +208,9 @@ class RoundCosts:
             self.observed.observe(drafted, draft_s, verify_s, fresh)
         target, draft = self._table("target"), self._table("draft")
         if target is not None:
-            steady_rows, drafting_rows, _ = batch.with_round(drafted, lookup)
-            predicted = target_steps_s(target, steady_rows, drafting_rows, batch.lookup_rows_with(drafted, lookup))
+            steady_rows, drafting_rows, drafting = batch.with_round(drafted, lookup)
+            predicted = target_steps_s(target, steady_rows, drafting_rows, batch.lookup_rows_with(drafted, lookup),
+                                       drafting)
             self.verify_ratio.update(_bounded(verify_s / predicted))
         if draft is not None and drafted:
             predicted = drafted * step_s(draft, batch.drafting + 1)

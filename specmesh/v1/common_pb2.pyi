@@ -90,7 +90,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows", "step_costs")
+    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows", "step_costs", "planned_step_costs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -119,7 +120,8 @@ class ModelInfo(_message.Message):
     kv_cache_usage: float
     queued_rows: int
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
+    planned_step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., planned_step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "seconds")
