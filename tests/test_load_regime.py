@@ -113,6 +113,23 @@ def test_rounds_planned_under_the_other_regime_are_not_counted():
     assert regime.rounds == 0 and regime.rates[True] is None
 
 
+def test_a_drafting_trial_is_judged_after_its_way_in():
+    """The window drafting is entered in (drafts prefilling and catching up: slow rounds) is not
+    counted; the next one is. A way in at a third of target-only's rate, then drafting at 1.25x:
+    drafting takes over. The same way in followed by drafting at 0.9x: back to target-only."""
+    for steady, wins in ((12.5, True), (9.0, False)):
+        regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+        run_rounds(regimes, 4, {True: 10.0, False: 10.0})  # target-only's first window (a round to start)
+        regime = regimes.buckets[load_bucket(ACTIVE)]
+        assert regime.drafting and regime.trying and regime.settling and regime.rates[True] is None
+        # Each stretch's first round is not counted (planned before it, as after a switch).
+        run_rounds(regimes, 4, {True: 10.0 / 3, False: 10.0})  # the way in
+        assert regime.drafting and not regime.settling and regime.rates[True] is None
+        run_rounds(regimes, 4, {True: steady, False: 10.0})
+        assert regime.rates[True] == pytest.approx(steady)
+        assert regime.drafting is wins and not regime.trying and not regime.settling
+
+
 def flat(seconds: float) -> StepCosts:
     return StepCosts({rows: seconds for rows in (1, 2, 4, 8, 16)})
 
