@@ -282,6 +282,20 @@ def test_without_a_neighbour_that_says_so_a_bucket_measures_both_at_once():
     assert seen[:3] == [False] * 3 and all(seen[4:])  # target-only first, drafting right after
 
 
+def test_a_load_met_first_tries_drafting_only_where_the_tables_themselves_forecast_a_gain(caplog):
+    """No lighter load measured to scale the forecast by: the tables' own forecast decides. A fresh
+    server meeting 16 requests first, forecast at 0.95x, never tries drafting; forecast at 1.2x, it
+    tries it after one window as before."""
+    for gain, tried in ((0.95, False), (1.2, True)):
+        regimes = LoadRegimes(RegimeConfig(window_rounds=3, retry_every=4))
+        with caplog.at_level(logging.INFO, logger="orchestrator.decoding.regime"):
+            seen = run_rounds(regimes, 40, {True: 8.0, False: 10.0}, active=16, forecast={16: gain})
+        assert any(seen) is tried
+    verdicts = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert verdicts == ["16 requests: drafting not tried (forecast 0.95x, no lighter load measured)",
+                        "16 requests: drafting tried (forecast 1.20x, no lighter load measured)"]
+
+
 def test_no_drafting_trial_where_the_forecast_scaled_by_a_lighter_loads_measurement_says_it_loses(caplog):
     """At 2 requests the tables forecast drafting at 2x target-only and it delivered 1.2x: at 4, where
     they forecast 1.4x, it would deliver about 0.84x. A trial there would only pay its way in. The

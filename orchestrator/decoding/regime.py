@@ -29,9 +29,9 @@ the k its policy picks) and target-only, is made from measurement:
   prefills would slow (speculation on ran its first tokens 35 % later than off at
   concurrency 16 when a new load started drafting);
 - a drafting trial is skipped where the services' tables, scaled by how far they missed at
-  the nearest lighter load measured, forecast that drafting loses (`drafting_doubtful`; the
-  forecast is the mean over the requests decoding), or where it was forecast to lose at a
-  lighter load: on the embedded pair a trial at concurrency 4 cost more than drafting there
+  the nearest lighter load measured (unscaled where none was), forecast that drafting loses
+  (`drafting_doubtful`; the forecast is the mean over the requests decoding), or where it was
+  forecast to lose at a lighter load: on the embedded pair a trial at concurrency 4 cost more than drafting there
   ever won, and one at 8 ran at 0.62x.
 
 The regime decides only whether a round may draft, before its draft is sampled, so the
@@ -205,8 +205,10 @@ class LoadRegimes:
             # embedded pair's first trial at 8 requests ran at 0.62x while 4 had been judged not worth one.
             self._log_verdict(bucket, True, "drafting not tried (forecast to lose at %d requests)", 2 ** max(judged))
             return True
-        if forecast is None or not measured:
+        if forecast is None:
             return False
+        if not measured:
+            return self._unscaled_verdict(bucket, forecast)
         nearest = max(measured)
         # Each bucket priced at the heaviest load it holds (2, 4, 8, ...), not at the load of its
         # latest round: a request's last round runs with fewer beside it than it was planned with.
@@ -219,6 +221,19 @@ class LoadRegimes:
         self._log_verdict(bucket, doubtful, "drafting %s (forecast %.2fx; %.2fx at %d requests, where it delivered %.2fx)",
                           "not tried" if doubtful else "tried", forecast_here, forecast_there, 2 ** nearest,
                           delivered_there)
+        return doubtful
+
+    def _unscaled_verdict(self, bucket: int, forecast: Forecast) -> bool:
+        """With no lighter load measured both ways, the tables' own forecast for the load decides. They
+        price drafting under load too well, never too badly, so where even they forecast a loss a trial
+        can only pay its way in: a fresh server on the embedded pair that met 16 requests first tried
+        drafting there after one window, and ran that pass at 0.82x off."""
+        here = forecast(2 ** bucket)
+        if not here:
+            return False
+        doubtful = here < 1.0 + self.config.margin
+        self._log_verdict(bucket, doubtful, "drafting %s (forecast %.2fx, no lighter load measured)",
+                          "not tried" if doubtful else "tried", here)
         return doubtful
 
     def _log_verdict(self, bucket: int, doubtful: bool, message: str, *args) -> None:
