@@ -34,13 +34,14 @@ OUTLIER_FACTOR = 4.0  # one step counts as at most this many times its entry (a 
 
 
 class StepCosts:
-    def __init__(self, seconds: dict[int, float]):
+    def __init__(self, seconds: dict[int, float], current: dict[int, float] | None = None):
+        """`seconds`: the start-up table; `current`: the costs now, where they have moved (a report's)."""
         if not seconds:
             raise ValueError("no measurements")
         self.measured = dict(sorted(seconds.items()))  # the start-up table: planning decisions use it
         # Current costs, replaced whole (never changed in place) by observe() on the model worker,
         # so a reader on another thread always holds one consistent table.
-        self.seconds = dict(self.measured)
+        self.seconds = dict(sorted(current.items())) if current else dict(self.measured)
         self.padded_rows = {rows: self._cheapest_at_least(rows) for rows in self.measured}
         self._allowances: dict[tuple[int, float], int] = {}
 
@@ -74,9 +75,7 @@ class StepCosts:
         current = _valid_entries(entries)
         if not current:
             return None
-        table = cls(_valid_entries(planned) or current)
-        table.seconds = current
-        return table
+        return cls(_valid_entries(planned) or current, current)
 
     def to_proto(self) -> list[common_pb2.StepCost]:
         """The current table as ModelInfo.step_costs entries, smallest size first."""

@@ -167,9 +167,8 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
             if other in modes:
                 entry[f"speedup_on_vs_{other}"] = speedups(modes[DEFAULT]["overall"], modes[other]["overall"])
         if "passes" in modes[DEFAULT] and "passes" in modes.get(OFF, {}):
-            entry["speedup_on_vs_off_by_pass"] = [on["output_throughput"] / off["output_throughput"]
-                                                  if on["output_throughput"] and off["output_throughput"] else None
-                                                  for on, off in zip(modes[DEFAULT]["passes"], modes[OFF]["passes"])]
+            entry["speedup_on_vs_off_by_pass"] = [speedups(on, off)["output_throughput"] for on, off in
+                                                  zip(modes[DEFAULT]["passes"], modes[OFF]["passes"])]
         sweep = draft_length_sweep(modes)
         if sweep is not None:
             entry["draft_length_sweep"] = sweep

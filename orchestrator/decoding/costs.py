@@ -96,12 +96,14 @@ def step_s(table: StepCosts, rows: int, extra_rows: int = 0) -> float:
     sessions with 19-28 rows were priced within 10 % of their 556-808 ms. The current entry stays the
     floor: where the start-up table dips (3-6 rows below 1-2 there) its growth alone underprices
     rows that have run (one session of 5 rows: 283 ms, grown from one row: 246)."""
-    base = table.cost(rows + table.padding(rows))
+    padded = rows + table.padding(rows)
+    base = table.cost(padded)
     if not extra_rows:
         return base
     total = rows + extra_rows
-    grown = base * table.planned_cost(total + table.padding(total)) / table.planned_cost(rows + table.padding(rows))
-    return max(grown, table.cost(total + table.padding(total)))
+    padded_total = total + table.padding(total)
+    grown = base * table.planned_cost(padded_total) / table.planned_cost(padded)
+    return max(grown, table.cost(padded_total))
 
 
 def target_steps_s(table: StepCosts, steady_rows: int, drafting_rows: int, lookup_rows: int = 0,

@@ -98,14 +98,12 @@ class LoadRegime:
     def _close_window(self, drafting_doubtful: Callable[[], bool]) -> None:
         if self.settling:  # drafts opened and caught up in this window: the next one measures drafting
             self.settling = False
-            self.tokens = self.seconds = 0.0
-            self.rounds = 0
+            self._start_window()
             return
         rate = self.tokens / max(self.seconds, 1e-9)
         previous = self.rates[self.drafting]
         self.rates[self.drafting] = rate if previous is None else previous + RATE_WEIGHT * (rate - previous)
-        self.tokens = self.seconds = 0.0
-        self.rounds = 0
+        self._start_window()
         self.windows += 1
         mine, other = self.rates[self.drafting], self.rates[not self.drafting]
         ahead = other is not None and mine > other * (1.0 + self.config.margin)
@@ -139,6 +137,9 @@ class LoadRegime:
         self.settling = self.drafting
         self.epoch += 1
         self.windows = 0
+        self._start_window()
+
+    def _start_window(self) -> None:
         self.tokens = self.seconds = 0.0
         self.rounds = 0
 
