@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.report import standing_line
 from orchestrator.bench.modes import DEFAULT, OFF
-from orchestrator.bench.runner import Configuration, LoadSettings, arrival_times, run_modes, warm_up
+from orchestrator.bench.runner import (MAX_PASSES, Configuration, LoadSettings, wants_another_pass, arrival_times,
+                                       run_modes, warm_up)
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.decoding.loop import LoopConfig
@@ -311,6 +313,32 @@ async def test_repeated_passes_reverse_the_modes_order_every_other_pass(concurre
         assert [(r.repeat, r.index) for r in records] == [(p, i) for p in range(3) for i in range(3)]
         assert len(seconds) == 3 and all(s >= 0 for s in seconds)
         assert [r.start_s for r in records] == sorted(r.start_s for r in records)
+
+
+@pytest.mark.parametrize("repeats, passes", [(2, 8), (1, 7)])
+async def test_min_seconds_adds_passes_two_at_a_time_up_to_the_cap(repeats, passes):
+    """A configuration that never reaches --min-seconds runs pairs of passes after its --repeats (ABBA
+    order kept), and stops at MAX_PASSES."""
+    client = RecordingClient()
+    prompts = BUILTIN["code"][:2]
+    load = LoadSettings(max_tokens=4, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
+                        progress=False, repeats=repeats, min_seconds=1e9)
+    runs = await run_modes(client, prompts, Configuration(2, 0.0), load, ["on", "off"])
+    orders = [("on", "off") if p % 2 == 0 else ("off", "on") for p in range(passes)]
+    assert client.sent == [(mode, i) for order in orders for mode in order for i in range(2)]
+    for records, seconds in runs.values():
+        assert len(seconds) == passes and sorted({r.repeat for r in records}) == list(range(passes))
+
+
+def test_min_seconds_stops_adding_passes_once_every_mode_ran_that_long():
+    load = LoadSettings(max_tokens=4, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
+                        repeats=2, min_seconds=60.0)
+    short = {"on": [20.0, 20.0], "off": [30.0, 30.0]}
+    assert wants_another_pass(2, short, load)  # on has run 40 s of 60
+    assert wants_another_pass(3, {"on": [20.0, 20.0, 20.0], "off": [30.0] * 3}, load)  # the pair's second pass
+    assert not wants_another_pass(4, {"on": [20.0] * 4, "off": [30.0] * 4}, load)  # 80 s and 120 s: enough
+    assert not wants_another_pass(2, short, replace(load, min_seconds=0.0))  # --repeats alone
+    assert not wants_another_pass(MAX_PASSES, {"on": [1.0] * MAX_PASSES, "off": [1.0] * MAX_PASSES}, load)
 
 
 class ConcurrencyClient(RecordingClient):

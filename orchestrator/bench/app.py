@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print("specmesh bench: warning: the server keeps seeded requests at its fixed k, so with --seeded-requests "
               "the sweep's default row is not the adaptive policy", file=sys.stderr)
     load = LoadSettings(args.max_tokens, args.request_rate, args.seed, None, args.timeout, not args.no_progress,
-                        args.seeded_requests, args.repeats)
+                        args.seeded_requests, args.repeats, args.min_seconds)
     started_at = datetime.now(timezone.utc)
     try:
         endpoint, runs = serve_phase(args, prompts, configurations, load)

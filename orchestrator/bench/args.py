@@ -93,6 +93,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--repeats", type=_positive, default=1,
                       help="passes over the prompts per configuration and mode, the modes' order reversed every "
                            "other pass (on, off, off, on): drift favours no mode, and the passes show the noise")
+    load.add_argument("--min-seconds", type=float, default=0.0,
+                      help="after --repeats, two more passes at a time (at most 8 in all) while a mode of the "
+                           "configuration has run less than this many seconds: the fast, high-concurrency "
+                           "configurations get as much measuring time as the slow ones")
     load.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
     modes = bench.add_argument_group("modes")
     modes.add_argument("--ab", action="store_true", help="run every configuration with speculation on and off")

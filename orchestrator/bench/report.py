@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -90,7 +91,10 @@ def pass_lines(entry: dict) -> list[str]:
         f"{MODE_TITLES.get(mode, mode)} " + ", ".join(_cell(p["output_throughput"]) for p in figures)
         for mode, figures in passes.items())]
     if "speedup_on_vs_off_by_pass" in entry:
-        lines.append("on/off by pass: " + ", ".join(_ratio(r) for r in entry["speedup_on_vs_off_by_pass"]))
+        ratios = entry["speedup_on_vs_off_by_pass"]
+        known = sorted(r for r in ratios if r is not None)
+        median = f" (median {_ratio(statistics.median(known))})" if len(known) > 2 else ""
+        lines.append("on/off by pass: " + ", ".join(_ratio(r) for r in ratios) + median)
     return lines
 
 

@@ -5,7 +5,10 @@ a generator seeded with --seed, so every mode sees the same schedule); an
 infinite rate sends everything at once and --max-concurrency alone paces the
 load. With --repeats N every mode runs the list N times, the modes' order reversed
 on every other pass (on, off, off, on): a machine that drifts during the run then
-favours no mode, and the passes of one mode show the run's noise. With --seeded-requests, request i is sampled with seed --seed + i in
+favours no mode, and the passes of one mode show the run's noise. With --min-seconds S a
+configuration whose passes end sooner than S seconds per mode runs two more (off, on | on, off)
+until they do, at most MAX_PASSES in all: at high concurrency a pass takes a fraction of what one
+does alone, and the host's noise between passes then decides the A/B. With --seeded-requests, request i is sampled with seed --seed + i in
 every mode (reproducible runs; the server then keeps k fixed for them).
 """
 
@@ -26,6 +29,7 @@ from orchestrator.bench.prompts import BenchPrompt
 
 
 DEFAULT_MAX_TOKENS = 128
+MAX_PASSES = 8  # of one configuration and mode, whatever --min-seconds asks
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class LoadSettings:
     progress: bool = True
     seeded_requests: bool = False  # send seed + i; the server then keeps k fixed so the seed reproduces
     repeats: int = 1  # passes over the prompt list per mode, in ABBA order (module docstring)
+    min_seconds: float = 0.0  # more passes, two at a time, until each mode ran this long (module docstring)
 
 
 def request_params(item: BenchPrompt, index: int, config: Configuration, load: LoadSettings,
@@ -87,9 +92,12 @@ async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, l
     one_at_a_time = config.max_concurrency == 1 and math.isinf(load.request_rate)
     pass_size = 1 if one_at_a_time else max(1, len(prompts))
     records: dict[str, list[RequestRecord]] = {mode: [] for mode in modes}
-    seconds: dict[str, list[float]] = {mode: [0.0] * load.repeats for mode in modes}
-    for repeat in range(load.repeats):
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    repeat = 0
+    while wants_another_pass(repeat, seconds, load):
         order = modes if repeat % 2 == 0 else modes[::-1]
+        for mode in modes:
+            seconds[mode].append(0.0)
         for first in range(0, len(prompts), pass_size):
             for mode in order:
                 done, took = await run_load(client, prompts[first:first + pass_size], config, load, mode,
@@ -100,7 +108,19 @@ async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, l
                     record.repeat = repeat
                 records[mode] += done
                 seconds[mode][repeat] += took
+        repeat += 1
     return {mode: (records[mode], seconds[mode]) for mode in modes}
+
+
+def wants_another_pass(done: int, seconds: dict[str, list[float]], load: LoadSettings) -> bool:
+    """Whether a configuration runs pass number `done` (from 0): the --repeats passes, then, while
+    a mode has run less than --min-seconds, pairs of passes (so that ABBA order stays balanced)."""
+    if done < load.repeats:
+        return True
+    if (done - load.repeats) % 2:  # the second of a pair
+        return True
+    shortest = min((sum(s) for s in seconds.values()), default=0.0)
+    return done + 2 <= MAX_PASSES and shortest < load.min_seconds
 
 
 async def run_load(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
