@@ -92,7 +92,7 @@ def pass_lines(entry: dict) -> list[str]:
         for mode, figures in passes.items())]
     if "speedup_on_vs_off_by_pass" in entry:
         ratios = entry["speedup_on_vs_off_by_pass"]
-        known = sorted(r for r in ratios if r is not None)
+        known = [r for r in ratios if r is not None]
         median = f" (median {_ratio(statistics.median(known))})" if len(known) > 2 else ""
         lines.append("on/off by pass: " + ", ".join(_ratio(r) for r in ratios) + median)
     return lines

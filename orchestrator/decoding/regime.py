@@ -218,11 +218,9 @@ class LoadRegimes:
             return False
         delivered_there = self.buckets[nearest].rates[True] / self.buckets[nearest].rates[False]
         expected = forecast_here * delivered_there / forecast_there
-        doubtful = expected < 1.0 + self.config.margin
-        self._log_verdict(bucket, doubtful, "drafting %s (forecast %.2fx; %.2fx at %d requests, where it delivered %.2fx)",
-                          "not tried" if doubtful else "tried", forecast_here, forecast_there, 2 ** nearest,
-                          delivered_there)
-        return doubtful
+        return self._forecast_verdict(bucket, expected,
+                                      "forecast %.2fx; %.2fx at %d requests, where it delivered %.2fx",
+                                      forecast_here, forecast_there, 2 ** nearest, delivered_there)
 
     def _unscaled_verdict(self, bucket: int, forecast: Forecast) -> bool:
         """With no lighter load measured both ways, the tables' own forecast for the load decides. They
@@ -232,9 +230,13 @@ class LoadRegimes:
         here = forecast(2 ** bucket)
         if not here:
             return False
-        doubtful = here < 1.0 + self.config.margin
-        self._log_verdict(bucket, doubtful, "drafting %s (forecast %.2fx, no lighter load measured)",
-                          "not tried" if doubtful else "tried", here)
+        return self._forecast_verdict(bucket, here, "forecast %.2fx, no lighter load measured", here)
+
+    def _forecast_verdict(self, bucket: int, expected: float, reason: str, *args) -> bool:
+        """Whether drafting is doubtful at `bucket` where it is expected to deliver `expected` x
+        target-only: short of the margin. Logged with `reason`."""
+        doubtful = expected < 1.0 + self.config.margin
+        self._log_verdict(bucket, doubtful, "drafting %s (" + reason + ")", "not tried" if doubtful else "tried", *args)
         return doubtful
 
     def _log_verdict(self, bucket: int, doubtful: bool, message: str, *args) -> None:
