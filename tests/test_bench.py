@@ -338,6 +338,10 @@ def test_min_seconds_stops_adding_passes_once_every_mode_ran_that_long():
     assert wants_another_pass(3, {"on": [20.0, 20.0, 20.0], "off": [30.0] * 3}, load)  # the pair's second pass
     assert not wants_another_pass(4, {"on": [20.0] * 4, "off": [30.0] * 4}, load)  # 80 s and 120 s: enough
     assert not wants_another_pass(2, short, replace(load, min_seconds=0.0))  # --repeats alone
+    for garbage in (-60.0, math.nan):  # asks for nothing more than --repeats
+        assert not wants_another_pass(2, short, replace(load, min_seconds=garbage))
+    assert not wants_another_pass(MAX_PASSES, {"on": [1.0] * MAX_PASSES, "off": [1.0] * MAX_PASSES},
+                                  replace(load, min_seconds=math.inf))  # the cap holds
     assert not wants_another_pass(MAX_PASSES, {"on": [1.0] * MAX_PASSES, "off": [1.0] * MAX_PASSES}, load)
 
 
