@@ -32,7 +32,7 @@ from specmesh.errors import PositionMismatch, StaleRound
 from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
 from specmesh.penalties import penalize_logits
 from specmesh.precision import output_device, output_rows
-from specmesh.ragged import install_segmented_attention, ragged_forward, supports_ragged
+from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.step_costs import ChunkSteering, PrefillThroughput, StepCosts
 from specmesh.v1 import common_pb2
@@ -136,6 +136,8 @@ class ModelEngine:
         self.sessions: dict[str, Session] = {}
         self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
         self.costs: StepCosts | None = None  # measured by calibrate(); None: row_multiple padding
+        if avoid_cudnn_attention(self.device):
+            log.info("cuDNN attention off in this process: it plans every new attention shape (specmesh.ragged)")
         self.ragged = supports_ragged(model)
         if self.ragged:
             install_segmented_attention(model)

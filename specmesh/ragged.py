@@ -54,6 +54,22 @@ def supports_ragged(model: PreTrainedModel) -> bool:
     return model.config._attn_implementation in ("sdpa", ATTENTION) and layer_types == {"full_attention"}
 
 
+def avoid_cudnn_attention(device: torch.device) -> bool:
+    """On CUDA, keep scaled_dot_product_attention off cuDNN's backend in this process; True if it was on.
+
+    cuDNN attention builds an execution plan for every attention shape it meets, and decoding
+    meets a new one every step (the cache grows by a row, a verification adds its draft rows,
+    each prompt has its length). On an H100 (torch 2.11, bf16, a Qwen2.5-1.5B-shaped model;
+    `benchmarks/attention_shapes.py`) a step at a shape met for the first time took 63-74 ms (up to 1.4 s)
+    against 24 ms at a shape met before; with cuDNN's backend off, flash and memory-efficient
+    attention run every step at 22-26 ms, first time or not, and prefills at 71 ms instead of 85.
+    """
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 def install_segmented_attention(model: PreTrainedModel) -> None:
     """Route the model's attention through segmented_attention; a forward without segments (one
     session's, or transformers' own generate) still runs exactly the sdpa attention it ran before."""

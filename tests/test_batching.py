@@ -63,6 +63,14 @@ def test_a_ragged_step_equals_each_session_alone(request, model_fixture, device,
         assert (after[0] - next_logits_fresh(engine, whole + [9])).abs().max() < MAX_ABS_LOGIT_DELTA
 
 
+def test_an_engine_on_cuda_takes_attention_off_cudnn(tiny_llama_dir, device):
+    """cuDNN attention plans every new attention shape, and decoding meets one every step (specmesh.ragged:
+    3x slower steps on an H100): an engine on CUDA turns it off for its process; on a CPU nothing changes."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    make_engine(tiny_llama_dir, device)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
+
+
 def test_a_step_that_fails_midway_leaves_every_cache_as_it_was(tiny_llama_dir, device):
     """Attention appends each layer's new keys and values to the sessions' caches as the forward
     goes; a failure in a later layer must not leave the earlier layers a step ahead."""
