@@ -187,6 +187,7 @@ class ModelEngine:
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             step_costs=self.costs.to_proto() if self.costs is not None else [],
             planned_step_costs=self.costs.planned_to_proto() if self.costs is not None else [],
+            extra_row_premiums=self.costs.premiums.to_proto() if self.costs is not None else [],
         )
 
     def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:
@@ -305,7 +306,8 @@ class ModelEngine:
 
     def _track_step_costs(self, parts: list[Part], step_ns: int) -> None:
         """Keep the cost table current from decode-only steps (a prefill chunk over a long prompt
-        is not what a decode step costs), at the size the step ran at, its padding included."""
+        is not what a decode step costs), at the size the step ran at, its padding included, and
+        what extra rows cost beside several sessions (StepCosts.observe_extra_rows)."""
         costs = self.costs
         if costs is None or any(part.prefill for part in parts):
             return
@@ -313,6 +315,7 @@ class ModelEngine:
             return
         rows = sum(len(part.token_ids) for part in parts)
         costs.observe(rows + self._padding(rows), step_ns / 1e9)
+        costs.observe_extra_rows(len(parts), rows, step_ns / 1e9)
 
     def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
         """One step: the parts' rows in one forward; (logits per part, ns)."""

@@ -31,6 +31,9 @@ MAX_REPORTED_SIZES = 256  # of a reported table (from_proto): a bad report stays
 MIN_PREFILL_CHUNK = 8  # rows a prefill moves in a step at the least, whatever the budget
 EFFICIENT_CHUNK = 1.15  # a chunk that must pass the budget anyway may cost this much more than the smallest
 OUTLIER_FACTOR = 4.0  # one step counts as at most this many times its entry (a GC pause is not the new cost)
+PREMIUM_DECAY = 0.97  # of a premium's sums at each step of its load: about the last 30 such steps count
+PREMIUM_BOUNDS = (0.5, 4.0)  # a learned premium stays within these
+MIN_PREMIUM_STEPS = 3  # steps with extra rows a load sees before its premium is reported
 
 
 class StepCosts:
@@ -44,6 +47,7 @@ class StepCosts:
         self.seconds = dict(sorted(current.items())) if current else dict(self.measured)
         self.padded_rows = {rows: self._cheapest_at_least(rows) for rows in self.measured}
         self._allowances: dict[tuple[int, float], int] = {}
+        self.premiums = RowPremiums()
 
     @classmethod
     def measure(cls, forward_rows: Callable[[int], None], sizes=MEASURED_ROWS, repeats: int = 2) -> "StepCosts":
@@ -64,18 +68,22 @@ class StepCosts:
 
     @classmethod
     def from_proto(cls, entries: Iterable[common_pb2.StepCost],
-                   planned: Iterable[common_pb2.StepCost] = ()) -> "StepCosts | None":
+                   planned: Iterable[common_pb2.StepCost] = (),
+                   premiums: Iterable[common_pb2.RowPremium] = ()) -> "StepCosts | None":
         """The table a service reported (ModelInfo.step_costs, its start-up measurements in
-        ModelInfo.planned_step_costs); None when it reported none. Without start-up entries
-        (a service that does not send them) the current ones stand in for them.
+        ModelInfo.planned_step_costs, its extra-row premiums in ModelInfo.extra_row_premiums);
+        None when it reported none. Without start-up entries (a service that does not send
+        them) the current ones stand in for them.
 
         Garbage never raises: entries with zero rows or seconds that are not positive and
         finite are dropped (a later duplicate size wins), and past MAX_REPORTED_SIZES sizes the
-        largest."""
+        largest; premiums outside PREMIUM_BOUNDS are brought within them."""
         current = _valid_entries(entries)
         if not current:
             return None
-        return cls(_valid_entries(planned) or current, current)
+        costs = cls(_valid_entries(planned) or current, current)
+        costs.premiums.reported(premiums)
+        return costs
 
     def to_proto(self) -> list[common_pb2.StepCost]:
         """The current table as ModelInfo.step_costs entries, smallest size first."""
@@ -97,6 +105,21 @@ class StepCosts:
         updated = dict(self.seconds)
         updated[rows] = current + OBSERVED_WEIGHT * (sample - current)
         self.seconds = updated
+
+    def observe_extra_rows(self, sessions: int, rows: int, seconds: float) -> None:
+        """A decode-only step of `sessions` sessions (two or more) with `rows` rows in all took
+        `seconds`: learn how much more than the start-up table's growth its extra rows cost
+        (RowPremiums), against the current cost of the sessions' one-row step."""
+        if sessions < 2 or rows <= sessions or not math.isfinite(seconds) or seconds <= 0:
+            return
+        base = self.cost(sessions + self.padding(sessions))
+        growth = base * (self.planned_cost(rows + self.padding(rows)) /
+                         self.planned_cost(sessions + self.padding(sessions)) - 1.0)
+        self.premiums.observe(sessions, growth, min(seconds, OUTLIER_FACTOR * (base + max(growth, 0.0))) - base)
+
+    def extra_row_premium(self, sessions: int) -> float:
+        """How many times the start-up table's growth extra rows cost beside `sessions` sessions (1 unknown)."""
+        return self.premiums.premium(sessions)
 
     def cost(self, rows: int) -> float:
         """Seconds for `rows` rows now: measured (and kept current) or interpolated."""
@@ -142,6 +165,59 @@ class StepCosts:
             if rows < size <= 2 * rows and seconds < PAD_GAIN * self.measured[best]:
                 best = size
         return best
+
+
+def premium_bucket(sessions: int) -> int:
+    """The largest session count of the load bucket `sessions` falls in: 2, 4, 8, 16, ..."""
+    return 1 << max(1, math.ceil(math.log2(max(sessions, 2))))
+
+
+class RowPremiums:
+    """How much more than the start-up table's growth a step's extra rows cost, by load.
+
+    The table times one session's rows over a fresh cache. Under load the extra rows (a
+    verification's, prompt lookup's) sit beside several one-row sessions, and there they cost
+    more: on the embedded pair eight one-row sessions with 5-7 more rows took 1.19-1.28x the
+    eight-row step where the table grows 1.11-1.17x (step log, 2026-11-26 14:12), so lookup's
+    rows were priced at 0.4-0.6x their cost and speculation on lost 2 % to off at concurrency 8.
+    Per bucket of sessions, a least-squares slope through the origin of the extra seconds steps
+    took over their base (the sessions' one-row step now) against the growth the table priced,
+    its sums decayed (PREMIUM_DECAY) so that it follows the load. A slope over many steps, not
+    a price per size: one noisy step moves it by a few percent (a size priced from its first
+    step was priced out for good)."""
+
+    def __init__(self):
+        self._sums: dict[int, tuple[float, float, int]] = {}  # bucket -> (sum growth*extra, sum growth^2, steps)
+        self.learned: dict[int, float] = {}  # bucket -> premium; replaced whole (read on other threads)
+
+    def observe(self, sessions: int, growth_s: float, extra_s: float) -> None:
+        """A step's extra seconds over its base, where the table priced `growth_s` (positive only:
+        where the table dips, its growth says nothing of what rows cost)."""
+        if not growth_s > 0 or not math.isfinite(extra_s):
+            return
+        bucket = premium_bucket(sessions)
+        xy, xx, steps = self._sums.get(bucket, (0.0, 0.0, 0))
+        xy, xx = PREMIUM_DECAY * xy + growth_s * extra_s, PREMIUM_DECAY * xx + growth_s * growth_s
+        self._sums[bucket] = (xy, xx, steps + 1)
+        if steps + 1 >= MIN_PREMIUM_STEPS:
+            self.learned = {**self.learned, bucket: _within(xy / xx, PREMIUM_BOUNDS)}
+
+    def premium(self, sessions: int) -> float:
+        return self.learned.get(premium_bucket(sessions), 1.0) if sessions >= 2 else 1.0
+
+    def reported(self, entries: Iterable[common_pb2.RowPremium]) -> None:
+        """Take a service's reported premiums (ModelInfo.extra_row_premiums); garbage is dropped."""
+        self.learned = {premium_bucket(entry.sessions): _within(entry.premium, PREMIUM_BOUNDS)
+                        for entry in list(entries)[:MAX_REPORTED_SIZES]
+                        if entry.sessions >= 2 and math.isfinite(entry.premium)}
+
+    def to_proto(self) -> list[common_pb2.RowPremium]:
+        return [common_pb2.RowPremium(sessions=bucket, premium=premium)
+                for bucket, premium in sorted(self.learned.items())]
+
+
+def _within(value: float, bounds: tuple[float, float]) -> float:
+    return min(bounds[1], max(bounds[0], value))
 
 
 def _valid_entries(entries: Iterable[common_pb2.StepCost]) -> dict[int, float]:

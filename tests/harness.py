@@ -39,6 +39,16 @@ async def _value_of(result):
     return await result if inspect.isawaitable(result) else result
 
 
+class FixedStepCosts(StepCosts):
+    """A step-cost table a test sets: what steps take moves nothing (no entry, no premium)."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def observe_extra_rows(self, sessions: int, rows: int, seconds: float) -> None:
+        pass
+
+
 class TargetHold:
     """Lets the engine's next job (a new session's prefill) run, then holds its worker until
     released, so a generation stays mid-way however fast the tiny models are. The hold is queued on the
@@ -163,7 +173,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
                       internal_token: str | None = None, loop_options: dict | None = None,
                       calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0,
-                      cpu_linear: str = "torch") -> Stack:
+                      cpu_linear: str = "torch", target_step_costs: dict[int, float] | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -174,10 +184,13 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     as they do when served (then the orchestrator's policy prices rounds from them); `draft_dtype`: the
     draft's --dtype name; `draft_cost_scale`: the calibrated draft reports its steps this many times their
     measured cost (a tiny draft the size of its target stands in for a cheaper one); `cpu_linear`: both
-    services' float32 Linear kernel."""
+    services' float32 Linear kernel; `target_step_costs`: after calibration the target reports (and
+    keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject."""
     target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear)
     if calibrate:
         target_engine.calibrate()
+        if target_step_costs is not None:
+            target_engine.costs = FixedStepCosts(target_step_costs)
     target_server, target_port = await start_model_server("target", target_engine, server_tls, internal_token,
                                                           extra=dict(disagreements=disagreements))
     servers = {"target": target_server}

@@ -3,6 +3,7 @@ by the orchestrator per role (at start-up, and from every pool health check)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -19,7 +20,8 @@ from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.server import create_servicer
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import SamplingParams
-from specmesh.step_costs import MEASURED_ROWS, StepCosts
+from orchestrator.decoding.costs import step_s, target_steps_s
+from specmesh.step_costs import MEASURED_ROWS, PREMIUM_BOUNDS, StepCosts
 from specmesh.v1 import common_pb2
 
 TABLE = {1: 1.0, 2: 2.0, 3: 2.0, 4: 1.05, 8: 1.1, 16: 2.0, 32: 4.0}
@@ -59,6 +61,42 @@ def test_a_disturbance_at_start_up_inflates_no_size(monkeypatch):
     costs = StepCosts.measure(forward_rows, sizes=(1, 2, 4, 8), repeats=2)
     assert costs.measured == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
     assert calls == [1, 2, 4, 8] * 2
+
+
+def test_extra_rows_beside_several_sessions_learn_what_they_cost_over_the_tables_growth():
+    costs = StepCosts(TABLE)
+    growth = costs.planned_cost(16) - costs.cost(8)  # 8 one-row sessions and 8 rows more: 0.9 s by the table
+    for _ in range(2):
+        costs.observe_extra_rows(8, 16, costs.cost(8) + 1.7 * growth)
+    assert costs.extra_row_premium(8) == 1.0  # too few steps to tell
+    costs.observe_extra_rows(8, 16, costs.cost(8) + 1.7 * growth)
+    assert costs.extra_row_premium(8) == pytest.approx(1.7) and costs.extra_row_premium(5) == pytest.approx(1.7)
+    assert costs.extra_row_premium(12) == 1.0 and costs.extra_row_premium(1) == 1.0  # another load; one session
+    costs.observe_extra_rows(8, 16, 1000.0)  # one stalled step counts as at most 4x its price
+    stalled = costs.extra_row_premium(8)
+    assert 1.7 < stalled < PREMIUM_BOUNDS[1]
+    for _ in range(100):
+        costs.observe_extra_rows(8, 16, costs.cost(8) + 1.7 * growth)
+    assert costs.extra_row_premium(8) == pytest.approx(1.7, rel=0.02)  # and it passes
+    for sessions, rows, seconds in [(8, 8, 5.0), (1, 4, 5.0), (8, 16, math.nan), (8, 16, -1.0), (8, 16, math.inf)]:
+        costs.observe_extra_rows(sessions, rows, seconds)  # no extra rows, one session, garbage: nothing
+    assert costs.extra_row_premium(8) == pytest.approx(1.7, rel=0.02)
+    reported = StepCosts.from_proto(costs.to_proto(), costs.planned_to_proto(), costs.premiums.to_proto())
+    assert reported.extra_row_premium(8) == costs.extra_row_premium(8) and reported.premiums.learned.keys() == {8}
+    garbage = [common_pb2.RowPremium(sessions=sessions, premium=premium) for sessions, premium in
+               [(0, 2.0), (1, 2.0), (2, math.nan), (3, 100.0), (32, -5.0)]]
+    assert StepCosts.from_proto(costs.to_proto(), premiums=garbage).premiums.learned == {4: 4.0, 32: 0.5}
+
+
+def test_prompt_lookups_rows_are_priced_at_the_premium_and_a_drafts_are_not():
+    costs = StepCosts(TABLE)
+    for _ in range(3):
+        costs.observe_extra_rows(8, 16, costs.cost(8) + 2.0 * (costs.planned_cost(16) - costs.cost(8)))
+    assert step_s(costs, 8, 8) == pytest.approx(2.0)  # the table's own growth (and its 16-row entry)
+    assert step_s(costs, 8, 8, premium=True) == pytest.approx(1.1 * (1 + 2 * (2.0 / 1.1 - 1)))
+    assert target_steps_s(costs, steady_rows=16, drafting_rows=0, lookup_rows=8) == step_s(costs, 8, 8, premium=True)
+    assert target_steps_s(costs, steady_rows=0, drafting_rows=16, drafting=8) == step_s(costs, 8, 8)
+    assert step_s(costs, 1, 3, premium=True) == step_s(costs, 1, 3)  # one session: the table itself
 
 
 def test_from_proto_drops_garbage_and_never_raises():
@@ -111,6 +149,36 @@ async def test_a_calibrated_service_reports_costs_it_keeps_current_from_decode_s
                 {r: s for r, s in costs.measured.items() if r != ran_at}  # the prefill moved nothing
             reported = StepCosts.from_proto((await client.model_info(timeout=10)).step_costs)
             assert reported.seconds == costs.seconds and _scraped(metrics) == costs.seconds
+    finally:
+        await server.stop(None)
+
+
+async def test_a_service_reports_the_premium_its_steps_of_several_sessions_show(tiny_llama_dir):
+    """Two sessions decoding in the same steps, one of them verifying four rows at a time: the
+    service learns what those extra rows cost and reports it in ModelInfo (bucket: 2 sessions)."""
+    engine = make_engine(tiny_llama_dir)
+    server, port = await start_model_server("target", engine)
+    try:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
+            client = TargetClient(channel)
+            # A table whose rows always cost (the tiny model's measured one is flat, and where the table
+            # does not grow with rows a step says nothing of a premium): what steps take is still real.
+            engine.costs = StepCosts({rows: 0.001 * rows for rows in MEASURED_ROWS})
+            assert list((await client.model_info(timeout=10)).extra_row_premiums) == []
+            sessions = [(engine.new_session(f"premium-{rows}", [5, 6, 7, 8, 9, 10 + rows],
+                                            SamplingParams(temperature=0.0)), rows) for rows in (1, 4)]
+
+            def job(session, rows: int):
+                yield from engine.feed_tail(session, keep_rows=1, chunkable=True)
+                for step in range(8):
+                    session.token_ids.extend(range(20 + step, 20 + step + rows))
+                    yield from engine.feed_tail(session, keep_rows=rows)
+            await asyncio.gather(*(engine.submit(session, job(session, rows)) for session, rows in sessions))
+            reported = (await client.model_info(timeout=10)).extra_row_premiums
+            assert [entry.sessions for entry in reported] == [2]
+            assert PREMIUM_BOUNDS[0] <= reported[0].premium <= PREMIUM_BOUNDS[1]
+            assert StepCosts.from_proto((await client.model_info(timeout=10)).step_costs, premiums=reported
+                                        ).extra_row_premium(2) == reported[0].premium
     finally:
         await server.stop(None)
 

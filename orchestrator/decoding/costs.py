@@ -80,7 +80,7 @@ class ServiceCosts:
         return k * self.draft_per_token.value
 
 
-def step_s(table: StepCosts, rows: int, extra_rows: int = 0) -> float:
+def step_s(table: StepCosts, rows: int, extra_rows: int = 0, premium: bool = False) -> float:
     """A step of `rows` rows, one a session, padded as the service pads it; `extra_rows` more rows of the
     same sessions (a draft's tokens, or prompt lookup's) make it the dearer of two prices: the current
     table's at the total size, and the sessions' own step now grown as the start-up table grows from
@@ -95,14 +95,22 @@ def step_s(table: StepCosts, rows: int, extra_rows: int = 0) -> float:
     the start-up 24 rows: 429, so lookup's rows past a decode step looked free; in proportion, 16
     sessions with 19-28 rows were priced within 10 % of their 556-808 ms. The current entry stays the
     floor: where the start-up table dips (3-6 rows below 1-2 there) its growth alone underprices
-    rows that have run (one session of 5 rows: 283 ms, grown from one row: 246)."""
+    rows that have run (one session of 5 rows: 283 ms, grown from one row: 246).
+
+    `premium`: the growth is scaled by what extra rows beside that many sessions have cost the
+    service over the table's growth (StepCosts.extra_row_premium, learned from its steps). Asked
+    for prompt lookup's rows, which ride steps of one-row sessions; a drafting round's rows are
+    judged by what drafting delivers instead (orchestrator.decoding.regime)."""
     padded = rows + table.padding(rows)
     base = table.cost(padded)
     if not extra_rows:
         return base
     total = rows + extra_rows
     padded_total = total + table.padding(total)
-    grown = base * table.planned_cost(padded_total) / table.planned_cost(padded)
+    growth = table.planned_cost(padded_total) / table.planned_cost(padded) - 1.0
+    if premium and growth > 0:  # where the table dips, its growth says nothing a premium could scale
+        growth *= table.extra_row_premium(rows)
+    grown = base * (1.0 + growth)
     return max(grown, table.cost(padded_total))
 
 
@@ -110,7 +118,7 @@ def target_steps_s(table: StepCosts, steady_rows: int, drafting_rows: int, looku
                    drafting: int = 0) -> float:
     """A round's target steps by `table`: one over the rows of requests that do not draft (`lookup_rows`
     of them prompt lookup's), one over the rows of the `drafting` requests that draft (module docstring)."""
-    steady = step_s(table, steady_rows - lookup_rows, lookup_rows) if steady_rows else 0.0
+    steady = step_s(table, steady_rows - lookup_rows, lookup_rows, premium=True) if steady_rows else 0.0
     if not drafting_rows:
         return steady
     sessions = max(1, min(drafting, drafting_rows))

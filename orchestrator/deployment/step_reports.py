@@ -30,7 +30,8 @@ class StepReports:
         has not measured them, or garbage) keeps the last good table."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
-        costs = StepCosts.from_proto(info.step_costs, info.planned_step_costs) if info is not None else None
+        costs = (StepCosts.from_proto(info.step_costs, info.planned_step_costs, info.extra_row_premiums)
+                 if info is not None else None)
         if costs is None:
             return
         setattr(self, role, costs)
