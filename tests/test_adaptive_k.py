@@ -62,7 +62,11 @@ async def test_busy_draft_turns_speculation_off_then_back_on(tiny_llama_dir, dev
         await stack.stop()
     assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, TINY_PROMPTS[1], max_tokens)
     assert switched_at is not None, rounds
-    assert max(rounds[switched_at:]) > 1 and rounds[-2] > 1, rounds
+    # Drafting again at the end, judged on the last rounds that had room for a full draft: in the last
+    # few tokens k is capped by what is left, and a draft of one token may rightly not pay.
+    left_before = [max_tokens - sum(rounds[:i]) for i in range(len(rounds))]
+    roomy = [r for r, left in zip(rounds, left_before) if left > 5]
+    assert max(rounds[switched_at:]) > 1 and max(roomy[-3:]) > 1, rounds
 
 
 async def test_greedy_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_perturbed_dir, device):
