@@ -227,8 +227,10 @@ async def test_serve_processes_with_mutual_tls_and_api_key(pki, tiny_llama_dir, 
         monkeypatch.setenv(name, str(value))
     capsys.readouterr()
     try:
+        # A fixed k: every round asks the draft, over its mutual-TLS channel (the adaptive policy may
+        # rightly find that the tiny draft does not pay, and then no round would reach it).
         code = await asyncio.to_thread(cli_main, ["generate", "--endpoint", endpoint, "--max-tokens", str(MAX_TOKENS),
-                                                  "--json", TINY_PROMPTS[0]])
+                                                  "--num-speculative-tokens", "3", "--json", TINY_PROMPTS[0]])
         async with open_channel(endpoint, client_tls(pki, pki.client)) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as unkeyed:
                 await generate_with(channel)
