@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
-import time
 
 import psutil
 
-from orchestrator.bench.clients import GrpcClient, RequestParams
-from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.clients import GrpcClient
+from orchestrator.bench.modes import DEFAULT, OFF
 from orchestrator.bench.prompts import KINDS, prompt_pool, select_prompts
+from orchestrator.bench.runner import Configuration, LoadSettings, run_load
 from specmesh.models import load_tokenizer
 from specmesh.roles import TARGET
 
 ORDER = (True, False, False, True)  # speculation on / off, the bench's ABBA passes
+# The bench's flags here: 32 tokens, greedy (Configuration), all prompts at once under the concurrency cap.
+LOAD = LoadSettings(max_tokens=32, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=600.0,
+                    progress=False)
 
 
 def cpu_seconds(server_pid: int) -> dict[int, float]:
@@ -42,18 +46,10 @@ def cpu_seconds(server_pid: int) -> dict[int, float]:
 
 
 async def one_pass(client: GrpcClient, prompts, concurrency: int, speculation: bool) -> tuple[float, int]:
-    """(wall seconds, output tokens) of every prompt sent, `concurrency` at a time."""
-    params = RequestParams(max_tokens=32, temperature=0.0, seed=None, speculation=speculation)
-    slots, records = asyncio.Semaphore(concurrency), []
-
-    async def send(index, item):
-        async with slots:
-            record = RequestRecord(item.kind, "on" if speculation else "off", index)
-            records.append(record)
-            await client.send(item, params, record, time.perf_counter())
-    started = time.perf_counter()
-    await asyncio.gather(*(send(i, item) for i, item in enumerate(prompts)))
-    return time.perf_counter() - started, sum(r.output_tokens for r in records)
+    """(wall seconds, output tokens) of every prompt sent, `concurrency` at a time (the bench's own pass)."""
+    mode = DEFAULT if speculation else OFF
+    records, wall = await run_load(client, prompts, Configuration(concurrency, 0.0), LOAD, mode)
+    return wall, sum(r.output_tokens for r in records)
 
 
 async def main(args: argparse.Namespace) -> None:
