@@ -27,6 +27,7 @@ from tiny_models import (  # noqa: E402
     TINY_CORPUS,
     build_tiny_model,
     build_tokenizer,
+    deepen_model,
     perturb_model,
     truncate_model,
 )
@@ -113,6 +114,13 @@ def tiny_llama_unrelated_dir(tiny_models_root, tiny_tokenizer) -> Path:
     return build_tiny_model(
         tiny_models_root / "llama_unrelated", "llama", tiny_tokenizer, seed=UNRELATED_SEED
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_deep_dir(tiny_models_root, tiny_llama_dir) -> Path:
+    """Target whose outputs are tiny_llama's, bit for bit, at several times its step cost (16 layers, 14 of
+    them adding zero): tiny_llama is its draft, accepted on every token and genuinely cheaper."""
+    return deepen_model(tiny_llama_dir, tiny_models_root / "llama_deep")
 
 
 @pytest.fixture(scope="session")

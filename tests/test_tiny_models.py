@@ -106,6 +106,16 @@ def test_qwen2_draft_is_smaller(tiny_qwen2_dir, tiny_qwen2_draft_dir):
     assert d.config.model_type == t.config.model_type == "qwen2"
 
 
+def test_deep_target_computes_its_drafts_logits_at_more_cost(tiny_llama_dir, tiny_llama_deep_dir, device):
+    """The deepened copy's added layers add exactly zero: the same logits, bit for bit, from more layers."""
+    shallow, tok = load_model(tiny_llama_dir, device)
+    deep, _ = load_model(tiny_llama_deep_dir, device)
+    assert deep.config.num_hidden_layers >= 4 * shallow.config.num_hidden_layers
+    ids = torch.tensor([tok.encode(TINY_PROMPTS[1])], device=device)
+    with torch.no_grad():
+        assert torch.equal(deep(ids).logits, shallow(ids).logits)
+
+
 def test_other_vocab_differs(tiny_tokenizer_dir, other_vocab_model_dir):
     ref = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     other = AutoTokenizer.from_pretrained(str(other_vocab_model_dir))

@@ -328,6 +328,39 @@ def truncate_model(
     return dest
 
 
+def deepen_model(src: Path, dest: Path, extra_layers: int = 14) -> Path:
+    """Copy ``src`` with ``extra_layers`` more decoder layers that add nothing to the residual stream.
+
+    Each added layer's attention output and MLP down projections are zero, so ``x + 0 = x`` exactly
+    and the copy computes ``src``'s logits bit for bit in fp32, at several times its cost a step: a
+    target whose draft (``src`` itself) agrees with it on every token and is genuinely cheaper, as a
+    real pair's draft is. With ``src`` as its own target, whether drafting pays is a coin toss of the
+    host's timing (draft and target cost the same).
+    """
+    src, dest = Path(src), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers += extra_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * extra_layers
+    deep = type(model)(config)
+    missing, unexpected = deep.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    first_added = model.config.num_hidden_layers
+    assert all(int(k.split(".")[2]) >= first_added for k in missing), missing
+    with torch.no_grad():
+        for layer in deep.model.layers[first_added:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    deep.eval()
+    _set_generation_config(deep, tokenizer)
+    deep.save_pretrained(str(dest), safe_serialization=True)
+    tokenizer.save_pretrained(str(dest))
+    return dest
+
+
 # --------------------------------------------------------------------------
 # Measurement helpers (used by tests and for calibrating the constants above)
 # --------------------------------------------------------------------------
