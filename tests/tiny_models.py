@@ -248,17 +248,11 @@ def build_tiny_model(
     logit_scale: float = DEFAULT_LOGIT_SCALE,
 ) -> Path:
     """Build a random-weight causal LM and save it (with tokenizer) to ``dest``."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
     config, cls = _make_config(arch, tokenizer, hidden, layers, heads, kv_heads, intermediate, max_positions)
     torch.manual_seed(seed)
     model = cls(config)
     _init_weights(model, seed, logit_scale, non_printable_token_ids(tokenizer))
-    model.eval()
-    _set_generation_config(model, tokenizer)
-    model.save_pretrained(str(dest), safe_serialization=True)
-    tokenizer.save_pretrained(str(dest))
-    return dest
+    return _save(model, tokenizer, dest)
 
 
 @torch.no_grad()
@@ -269,6 +263,39 @@ def _add_noise(model, noise: float, seed: int) -> None:
         if float(scale) == 0.0:  # e.g. all-ones norm gains
             scale = p.abs().mean()
         p.add_(torch.randn(p.shape, generator=gen) * scale * noise)
+
+
+def _load_for_copy(src: Path) -> tuple:
+    """``(model, tokenizer)`` of ``src``, in fp32, to derive another tiny model from."""
+    return AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32), AutoTokenizer.from_pretrained(str(src))
+
+
+def _save(model, tokenizer, dest: Path) -> Path:
+    """Save a derived model with ``tokenizer`` and the tiny models' generation config to ``dest``."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    _set_generation_config(model, tokenizer)
+    model.save_pretrained(str(dest), safe_serialization=True)
+    tokenizer.save_pretrained(str(dest))
+    return dest
+
+
+def _with_layers(model, num_layers: int):
+    """A model of ``model``'s architecture with ``num_layers`` decoder layers, holding ``model``'s weights
+    for every layer both have (fewer: the first ones kept; more: the added ones left at their init)."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        layer_types = list(layer_types)
+        config.layer_types = (layer_types + [layer_types[-1]] * num_layers)[:num_layers]
+    resized = type(model)(config)
+    missing, unexpected = resized.load_state_dict(model.state_dict(), strict=False)
+    kept = min(num_layers, model.config.num_hidden_layers)
+    for name in (*missing, *unexpected):  # only whole layers past those kept may differ
+        assert name.startswith("model.layers.") and int(name.split(".")[2]) >= kept, (missing, unexpected)
+    return resized
 
 
 def perturb_model(
@@ -282,16 +309,9 @@ def perturb_model(
     For each tensor W: W' = W + noise * std(W) * N(0, 1)  (norm weights, which
     have zero std, are perturbed relative to their mean magnitude).
     """
-    src, dest = Path(src), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    model, tokenizer = _load_for_copy(src)
     _add_noise(model, noise, seed)
-    model.eval()
-    _set_generation_config(model, tokenizer)
-    model.save_pretrained(str(dest), safe_serialization=True)
-    tokenizer.save_pretrained(str(dest))
-    return dest
+    return _save(model, tokenizer, dest)
 
 
 def truncate_model(
@@ -307,27 +327,14 @@ def truncate_model(
     draft), so the smaller model still agrees partially with the original.
     Optional relative Gaussian ``noise`` is added afterwards.
     """
-    src, dest = Path(src), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src))
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = list(config.layer_types)[:num_layers]
-    small = type(model)(config)
-    missing, unexpected = small.load_state_dict(model.state_dict(), strict=False)
-    assert not missing, missing
-    assert all(k.startswith("model.layers.") for k in unexpected), unexpected
+    model, tokenizer = _load_for_copy(src)
+    small = _with_layers(model, num_layers)
     if noise:
         _add_noise(small, noise, seed)
-    small.eval()
-    _set_generation_config(small, tokenizer)
-    small.save_pretrained(str(dest), safe_serialization=True)
-    tokenizer.save_pretrained(str(dest))
-    return dest
+    return _save(small, tokenizer, dest)
 
 
+@torch.no_grad()
 def deepen_model(src: Path, dest: Path, extra_layers: int = 14) -> Path:
     """Copy ``src`` with ``extra_layers`` more decoder layers that add nothing to the residual stream.
 
@@ -337,28 +344,14 @@ def deepen_model(src: Path, dest: Path, extra_layers: int = 14) -> Path:
     real pair's draft is. With ``src`` as its own target, whether drafting pays is a coin toss of the
     host's timing (draft and target cost the same).
     """
-    src, dest = Path(src), Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src))
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers += extra_layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * extra_layers
-    deep = type(model)(config)
-    missing, unexpected = deep.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected, unexpected
-    first_added = model.config.num_hidden_layers
-    assert all(int(k.split(".")[2]) >= first_added for k in missing), missing
-    with torch.no_grad():
-        for layer in deep.model.layers[first_added:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    deep.eval()
-    _set_generation_config(deep, tokenizer)
-    deep.save_pretrained(str(dest), safe_serialization=True)
-    tokenizer.save_pretrained(str(dest))
-    return dest
+    model, tokenizer = _load_for_copy(src)
+    layers = model.config.num_hidden_layers
+    deep = _with_layers(model, layers + extra_layers)
+    for layer in deep.model.layers[layers:]:
+        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            for parameter in projection.parameters():  # its bias too, where the architecture has one
+                parameter.zero_()
+    return _save(deep, tokenizer, dest)
 
 
 # --------------------------------------------------------------------------
