@@ -234,7 +234,7 @@ class StepScheduler:
 
     def _wait_for_stragglers(self) -> None:
         """Sessions away drafting come back when their drafts are done, and drafts stepped together
-        (orchestrator.decoding.alignment) come back a few ms apart: wait that long for them."""
+        (the batch drafts one k: orchestrator.decoding.policy) come back a few ms apart: wait that long for them."""
         self._admit_while_arriving(self.straggler_quiet_s, self.max_gather_s,
                                    lambda: self._all_here(self.stragglers()))
 

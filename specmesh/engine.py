@@ -35,6 +35,7 @@ from specmesh.precision import output_device, output_rows
 from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.step_costs import ChunkSteering, PrefillThroughput, StepCosts
+from specmesh.step_model import StepShape
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class ModelEngine:
             cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             step_costs=self.costs.to_proto() if self.costs is not None else [],
             planned_step_costs=self.costs.planned_to_proto() if self.costs is not None else [],
-            extra_row_premiums=self.costs.premiums.to_proto() if self.costs is not None else [],
+            step_model=self.costs.model.to_proto() if self.costs is not None else None,
         )
 
     def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:
@@ -305,17 +306,16 @@ class ModelEngine:
         self.chunks.observe(rows - prefill, prefill, step_ns / 1e9, self.costs.planned_cost(rows + self._padding(rows)))
 
     def _track_step_costs(self, parts: list[Part], step_ns: int) -> None:
-        """Keep the cost table current from decode-only steps (a prefill chunk over a long prompt
-        is not what a decode step costs), at the size the step ran at, its padding included, and
-        what extra rows cost beside several sessions (StepCosts.observe_extra_rows)."""
+        """Fit the step-cost model (specmesh.step_model) to decode-only steps (a prefill chunk over a
+        long prompt is not what a decode step costs), at the size the step ran at, its padding included."""
         costs = self.costs
         if costs is None or any(part.prefill for part in parts):
             return
         if len(parts) > 1 and not self.ragged:  # solo forwards one after another: not one step of all rows
             return
         rows = sum(len(part.token_ids) for part in parts)
-        costs.observe(rows + self._padding(rows), step_ns / 1e9)
-        costs.observe_extra_rows(len(parts), rows, step_ns / 1e9)
+        attended = sum(len(part.token_ids) * part.session.cached_length for part in parts)
+        costs.observe(StepShape(len(parts), rows + self._padding(rows), attended), step_ns / 1e9)
 
     def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
         """One step: the parts' rows in one forward; (logits per part, ns)."""

@@ -40,12 +40,9 @@ async def _value_of(result):
 
 
 class FixedStepCosts(StepCosts):
-    """A step-cost table a test sets: what steps take moves nothing (no entry, no premium)."""
+    """A step-cost table a test sets: what steps take fits nothing (the model stays the table as it is)."""
 
-    def observe(self, rows: int, seconds: float) -> None:
-        pass
-
-    def observe_extra_rows(self, sessions: int, rows: int, seconds: float) -> None:
+    def observe(self, shape, seconds: float) -> None:
         pass
 
 

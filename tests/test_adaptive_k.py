@@ -13,8 +13,7 @@ import torch
 
 from harness import load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
-from orchestrator.decoding.policy import AdaptiveSpeculation
-from orchestrator.decoding.regime import LoadRegimes, RegimeConfig, load_bucket
+from orchestrator.decoding.policy import Speculation
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from test_greedy_parity import target_greedy
 from test_sampling_parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, total_variation
@@ -141,18 +140,14 @@ async def test_first_tokens_never_wait_for_the_drafts_prefill(tiny_llama_deep_di
     assert tuple(token_ids) == target_greedy(str(tiny_llama_deep_dir), device, TINY_PROMPTS[2], max_tokens)
 
 
-async def test_a_request_that_loses_its_draft_leaves_its_drafting_group(tiny_llama_dir, device):
-    """Two requests draft in phase (the policy's align), each on its own draft replica. One replica dies:
-    that request decodes target-only from then on, and its partner must not wait a round for a drafting
-    round that will not come. Both outputs stay the target's own."""
+async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_that_drafts(tiny_llama_dir, device):
+    """Two requests share the policy, each on its own draft replica. One replica dies after its first
+    drafting round: that request decodes target-only from then on, the other keeps drafting, and both
+    outputs stay the target's own."""
     target_server, target_port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
     drafts = [await start_model_server("draft", make_engine(tiny_llama_dir, device, "draft")) for _ in range(2)]
     _, tokenizer = load(str(tiny_llama_dir), device)
-    # The load's regime held at drafting (no window closes), and a draft that agrees with its target:
-    # every round the policy lets draft does, so the lost request's next round asks its draft.
-    shared = AdaptiveSpeculation(regimes=LoadRegimes(RegimeConfig(window_rounds=10**6)))
-    shared.regimes.choice(2)
-    shared.regimes.buckets[load_bucket(2)].drafting = True
+    shared = Speculation()  # no reported costs: every request drafts until rounds are timed
     target = TargetClient(open_channel(f"127.0.0.1:{target_port}"))
     prompts, max_tokens = TINY_PROMPTS[:2], 40
     generations = [
@@ -162,7 +157,7 @@ async def test_a_request_that_loses_its_draft_leaves_its_drafting_group(tiny_lla
             target, DraftClient(open_channel(f"127.0.0.1:{port}")), {tokenizer.eos_token_id},
             LoopConfig(num_speculative_tokens=3), policy=shared.for_request(""))
         for index, (prompt, (_, port)) in enumerate(zip(prompts, drafts))]
-    lost, failed_at_round, left_the_group = generations[1], [], []
+    lost = generations[1]
 
     async def run(generation: SpeculativeGeneration) -> list[int]:
         tokens = []
@@ -173,10 +168,6 @@ async def test_a_request_that_loses_its_draft_leaves_its_drafting_group(tiny_lla
             if generation.stats.draft_tokens and drafts[1][0] is not None:
                 await drafts[1][0].stop(None)  # its draft replica dies after its first drafting round
                 drafts[1] = (None, None)
-            elif generation.stats.draft_fallback and not failed_at_round:
-                failed_at_round.append(generation.stats.rounds)  # it aligned, then its Propose failed
-            elif failed_at_round and generation.stats.rounds == failed_at_round[0] + 1:
-                left_the_group.append(id(lost.policy) not in shared.alignment.members)  # the round after
         return tokens
 
     try:
@@ -188,4 +179,4 @@ async def test_a_request_that_loses_its_draft_leaves_its_drafting_group(tiny_lla
     for prompt, tokens in zip(prompts, outputs):
         assert tuple(tokens) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens), prompt
     assert lost.stats.draft_fallback and not generations[0].stats.draft_fallback
-    assert left_the_group == [True]
+    assert generations[0].stats.draft_tokens > lost.stats.draft_tokens > 0

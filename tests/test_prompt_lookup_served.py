@@ -63,11 +63,9 @@ class VerifyAllLookups:
     not the subject here, the target's verdict on a one-hot proposal is."""
 
     def arrive(self): pass
-    def wants_draft(self, k_max, catch_up, tokens_left): return False
-    def choose(self, k_max): return 0
+    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
+    def choose(self, k_max, context=0): return 0
     def worth_opening(self, k, catch_up, tokens_left): return False
-    async def align(self, k): return k
-    def skip_drafting(self, draft_opening=False): pass
     def lookup_length(self, available): return available
     def observe(self, timing, drafted, accepted, looked_up=0): pass
     def close(self): pass

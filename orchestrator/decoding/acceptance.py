@@ -1,27 +1,19 @@
-"""Per-position acceptance, learned fast: a request's own rounds over its prompt class's, over the deployment's.
+"""Per-position acceptance, learned online: a request's own rounds over its prompt class's, over the deployment's.
 
-Position p's acceptance a_p is the chance that the p-th draft token of a round is
-accepted, given that the ones before it were. A round that drafted k tokens and
-had `accepted` of them accepted reached positions 1..min(accepted + 1, k); the
-first `accepted` were accepted and, when accepted < k, the next one rejected.
-Acceptance falls with position (the draft drifts from the target the further it
-runs), so one per-token rate over- or under-prices long drafts; per position it
-does not.
+Position p's acceptance a_p is the chance that the p-th draft token of a round is accepted,
+given that the ones before it were; it falls with position (the draft drifts from the
+target the further it runs), so one per-token rate would misprice long drafts. A round
+that drafted k tokens with `accepted` accepted reached positions 1..min(accepted + 1, k).
 
-Three levels: the deployment (every request this orchestrator served; its prior
-DEFAULT_ACCEPTANCE, worth a few rounds of evidence), the prompt class, the request.
-Each has a per-token level (accepted tokens against rejections, every round informs
-it) over the level above as its prior. The deployment and each class also learn the shape along the
-positions, each position's evidence over the per-token level (or the deployment's
-shape scaled to the class's level) as its prior, so a position rarely drafted is
-priced like the others rather than written off. A request uses its class's shape
-at its own per-token level: its first round is chosen from its class's history
-(for a new class, the deployment's), and a few rounds of its own outweigh both.
+Three levels, each a per-token rate (every round informs it) over the level above as its
+prior: the deployment (prior DEFAULT_ACCEPTANCE), the prompt class, the request. The
+deployment and each class also learn the shape along the positions; a request uses its
+class's shape at its own per-token level, so its first round is chosen from its class's
+history and a few rounds of its own outweigh it.
 
-Deployment and class evidence decays slowly, following drift; a request's decays
-every round, target-only rounds included, so that after a stretch at k = 0 one
-probe round speaks for itself. At most MAX_CLASSES classes are remembered (the
-least recently used is forgotten and starts again from the deployment's prior).
+Evidence decays with every round, target-only rounds included: after a stretch at k = 0
+the estimates drift back towards their priors, so a choice made on old evidence is tried
+again (no separate probing). At most MAX_CLASSES classes are kept (least recently used out).
 """
 
 from __future__ import annotations
@@ -30,11 +22,8 @@ from collections import OrderedDict
 
 from specmesh.roles import MAX_DRAFT_TOKENS
 
-DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it ...
-# ... a few, not one: the prior counts for this many draft tokens' worth of evidence. At one token's
-# worth, the deployment's first round (a warm-up's draft rejected at its first position) halved
-# the prior, and the next request of every new class began at k = 0 and waited 8 rounds for a probe.
-PRIOR_TOKENS = 8.0
+DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it
+PRIOR_TOKENS = 8.0  # draft tokens' worth of evidence the prior counts for: one bad first round must not erase it
 POSITION_WEIGHT = 4.0  # rounds' worth of evidence a level's prior counts for at each position
 MAX_CLASSES = 64
 FLOOR, CEILING = 0.01, 0.995  # no position is ever certain either way
@@ -138,10 +127,10 @@ class RequestAcceptance:
         self._rates: list[float] | None = None
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.own.observe(drafted, accepted)  # decays at k = 0 too: see the module's docstring
-        if drafted:
-            self.memory.deployment.observe(drafted, accepted)
-            self.memory.for_class(self.prompt_class).observe(drafted, accepted)
+        """A round's outcome; at k = 0 (drafted 0) every level only decays (module docstring)."""
+        self.own.observe(drafted, accepted)
+        self.memory.deployment.observe(drafted, accepted)
+        self.memory.for_class(self.prompt_class).observe(drafted, accepted)
         self._rates = None
 
     def rates(self) -> list[float]:

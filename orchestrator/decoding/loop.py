@@ -82,17 +82,15 @@ class GenerationRequest:
 
 
 class DraftLengthPolicy(Protocol):
+    """Chooses each round's draft length (orchestrator.decoding.policy)."""
+
     def arrive(self) -> None: ...
 
-    def wants_draft(self, k_max: int, catch_up: int, tokens_left: int) -> bool: ...
+    def wants_draft(self, k_max: int, catch_up: int, tokens_left: int, context: int = 0) -> bool: ...
 
-    def choose(self, k_max: int) -> int: ...
+    def choose(self, k_max: int, context: int = 0) -> int: ...
 
     def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
-
-    async def align(self, k: int) -> int: ...
-
-    def skip_drafting(self, draft_opening: bool = False) -> None: ...
 
     def lookup_length(self, available: int) -> int: ...
 
@@ -121,10 +119,6 @@ class LoopStats:
 
 class SpeculativeGeneration:
     """Yields committed tokens, a list per round, until max_tokens or an EOS token."""
-
-    # Drafting rounds wait for the other requests' (the policy's align): with draft and target on
-    # the same cores, rounds in phase batch in both services instead of contending.
-    aligns_rounds = True
 
     def __init__(self, request: GenerationRequest, target: TargetClient, draft: DraftClient | None,
                  eos_token_ids: set[int], config: LoopConfig,
@@ -224,7 +218,7 @@ class SpeculativeGeneration:
         if opened.HasField("logprob"):
             self.logprobs.append(opened.logprob)
         if self.draft is not None and (self.policy is None or self.policy.wants_draft(
-                self._k_max(), len(self.sequence), self.tokens_left)):
+                self._k_max(), len(self.sequence), self.tokens_left, len(self.sequence))):
             self._open_draft()
         return [opened.token_id]
 
@@ -284,8 +278,6 @@ class SpeculativeGeneration:
         """This round's draft tokens, or None for a target-only round."""
         if k <= 0:
             return None
-        if self.policy is not None and self.aligns_rounds:
-            k = await self.policy.align(k)
         started = time.monotonic()
         proposal = await self._propose(k)
         self._clock.draft_call(time.monotonic() - started, proposal.forward_ns / 1e9 if proposal else 0.0)
@@ -321,20 +313,16 @@ class SpeculativeGeneration:
         return k
 
     def _adaptive_k(self) -> int:
-        """The policy's k, unless this request's draft cannot serve it this round: then the policy
-        is told (skip_drafting), so that nobody waits for its drafting round or prices it drafting."""
+        """The policy's k, unless this request's draft cannot serve it this round."""
+        k = self.policy.choose(self._k_max(), len(self.sequence))
         if self._draft_unavailable():
-            self.policy.skip_drafting()
             return 0
-        k = self.policy.choose(self._k_max())
         if k and not self._draft_asked:  # the policy's first round that wants draft tokens
             if not self.policy.worth_opening(k, len(self.sequence), self.tokens_left):
-                self.policy.skip_drafting()
                 return 0
             self._open_draft()
         if k and self._draft_opening is not None and not self._draft_opening.done():
-            self.policy.skip_drafting(draft_opening=True)  # never wait for the draft's prefill
-            return 0
+            return 0  # never wait for the draft's prefill
         return k
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, looked_up: int) -> None:

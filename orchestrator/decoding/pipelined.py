@@ -146,8 +146,6 @@ class CostMeter:
 class PipelinedGeneration(SpeculativeGeneration):
     """SpeculativeGeneration with drafting overlapped with verification."""
 
-    aligns_rounds = False  # draft and target on their own hardware: nothing to contend for
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.costs = CostMeter()

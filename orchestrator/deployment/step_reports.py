@@ -2,11 +2,11 @@
 
 Each service measures its step costs at start-up and keeps them current
 (specmesh.step_costs); every GetModelInfo carries them (ModelInfo.step_costs, with the
-start-up measurements in ModelInfo.planned_step_costs). The
-orchestrator keeps the latest table per role here, fed from every ModelInfo it gets: at
-start-up, and with pools at each health check of each replica (the latest report of any
-replica of the role wins: replicas of one pool serve one model on like hardware). The
-draft-length policy reads `target.cost(rows)` and `draft.cost(rows)`.
+start-up measurements in ModelInfo.planned_step_costs, the fitted model in
+ModelInfo.step_model). The orchestrator keeps the latest report per role here, fed from every
+ModelInfo it gets: at start-up, and with pools at each health check of each replica (the
+latest report of any replica of the role wins: replicas of one pool serve one model on like
+hardware). The draft-length policy prices steps with `target.step_s(shape)` and `draft.step_s(shape)`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ class StepReports:
         has not measured them, or garbage) keeps the last good table."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
-        costs = (StepCosts.from_proto(info.step_costs, info.planned_step_costs, info.extra_row_premiums)
-                 if info is not None else None)
+        costs = StepCosts.from_proto(info) if info is not None else None
         if costs is None:
             return
         setattr(self, role, costs)

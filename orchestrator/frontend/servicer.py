@@ -15,7 +15,7 @@ from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.detokenizer import IncrementalDetokenizer
 from orchestrator.decoding.costs import RoundCosts
-from orchestrator.decoding.policy import AdaptiveDraftLength, AdaptiveSpeculation
+from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.frontend.choices import interleave
@@ -50,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or OrchestratorMetrics()
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
-        self.adaptive = AdaptiveSpeculation(costs=RoundCosts(backends.step_reports))
+        self.adaptive = Speculation(costs=RoundCosts(backends.step_reports))
         self.pools = None  # orchestrator.deployment.serving.Pools when serving from replica pools
 
     def encode(self, prompt: str) -> list[int]:
@@ -102,7 +102,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model_of = getattr(self.backends.draft, "model_of", None)
         return model_of(session_id) if model_of is not None else self.backends.draft_model or None
 
-    def _draft_length_policy(self, checked: GenerationRequest) -> AdaptiveDraftLength | None:
+    def _draft_length_policy(self, checked: GenerationRequest) -> DraftLength | None:
         """Adaptive k unless the client fixed k, or seeded sampling must stay reproducible."""
         seeded = checked.sampling.seed is not None and not checked.sampling.greedy
         if not self.config.adaptive_k or checked.fixed_k or seeded:

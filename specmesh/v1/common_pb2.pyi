@@ -90,7 +90,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows", "step_costs", "planned_step_costs", "extra_row_premiums")
+    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows", "step_costs", "planned_step_costs", "step_model")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -106,7 +106,7 @@ class ModelInfo(_message.Message):
     QUEUED_ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_ROW_PREMIUMS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -122,16 +122,18 @@ class ModelInfo(_message.Message):
     queued_rows: int
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
     planned_step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
-    extra_row_premiums: _containers.RepeatedCompositeFieldContainer[RowPremium]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., planned_step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., extra_row_premiums: _Optional[_Iterable[_Union[RowPremium, _Mapping]]] = ...) -> None: ...
+    step_model: StepCostModel
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., planned_step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., step_model: _Optional[_Union[StepCostModel, _Mapping]] = ...) -> None: ...
 
-class RowPremium(_message.Message):
-    __slots__ = ("sessions", "premium")
-    SESSIONS_FIELD_NUMBER: _ClassVar[int]
-    PREMIUM_FIELD_NUMBER: _ClassVar[int]
-    sessions: int
-    premium: float
-    def __init__(self, sessions: _Optional[int] = ..., premium: _Optional[float] = ...) -> None: ...
+class StepCostModel(_message.Message):
+    __slots__ = ("scale", "per_session_s", "per_kilo_attended_s")
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    PER_SESSION_S_FIELD_NUMBER: _ClassVar[int]
+    PER_KILO_ATTENDED_S_FIELD_NUMBER: _ClassVar[int]
+    scale: float
+    per_session_s: float
+    per_kilo_attended_s: float
+    def __init__(self, scale: _Optional[float] = ..., per_session_s: _Optional[float] = ..., per_kilo_attended_s: _Optional[float] = ...) -> None: ...
 
 class StepCost(_message.Message):
     __slots__ = ("rows", "seconds")
