@@ -2,10 +2,10 @@
 
 A decode or verification step multiplies a few rows by every weight of the model, so
 its cost is how fast the GEMM streams the weights for small row counts. That depends
-on the host: on one 2-core AMD EPYC VM (2026-11-25; README, "CPU matmul kernels")
+on the host: on one 2-core CPU (docs/design/cpu-kernels-and-precision.md)
 torch's default fp32 GEMM ran the embedded 1.5B target's step in 363 ms for one row
 and 1047 ms for three, where oneDNN's linear, with the weight kept in oneDNN's own
-layout, took 231 and 297 ms; on an Intel Xeon that afternoon torch's GEMM won for one to
+layout, took 231 and 297 ms; on another 2-core CPU torch's GEMM won for one to
 three rows and oneDNN, with the weight packed for batches, from four on (OneDnnLinear).
 On other hosts the default may win. So `auto` times both
 on the model's own layer shapes at start-up, for the row counts a step feeds, and keeps
@@ -13,7 +13,7 @@ the faster.
 
 Either kernel sums in a different order than the other, and than itself for another row
 count: a logit moves by about 1e-5 (fp32), the same order as batching already moves it
-(README, "Lossless under batching"). Only float32 layers are converted: int8 layers
+(docs/design/continuous-batching.md). Only float32 layers are converted: int8 layers
 (specmesh.precision) and other dtypes keep their own kernels.
 """
 
@@ -41,8 +41,8 @@ class OneDnnLinear(torch.nn.Module):
     """A float32 Linear layer computed by oneDNN from a weight packed once into oneDNN's blocked
     layout for batches of about PACK_ROWS rows.
 
-    The packed layout is what makes several rows cheap: on the 2026-11-25 afternoon host (Intel
-    Xeon, 2 cores) the 1.5B target's 8-row step took 376 ms packed, 460 ms with the weight in
+    The packed layout is what makes several rows cheap: on a 2-core CPU the 1.5B target's 8-row
+    step took 376 ms packed, 460 ms with the weight in
     oneDNN's plain layout and 696 ms on torch's GEMM (one row: 295, 318 and 267 ms).
     """
 

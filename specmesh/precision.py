@@ -2,7 +2,7 @@
 
 `int8` keeps each Linear layer's weight as int8 with one scale per output channel and
 computes in bfloat16 (torch's own `_weight_int8pack_mm` CPU kernel). Measured on our
-2-core CPU with the embedded 0.5B draft (README, "Draft precision"): a one-row step costs
+2-core CPU with the embedded 0.5B draft (docs/design/cpu-kernels-and-precision.md): a one-row step costs
 22 ms against 52-56 ms in bfloat16, and its top-1 agreement with the target moves from
 88.3 % to 87.5 %. Weight-only quantization keeps every row's result independent of the
 other rows in a step (no activation scale shared across the batch), so batching stays as

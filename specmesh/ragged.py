@@ -14,7 +14,7 @@ Chosen by measurement over one attention across the concatenated caches with a b
 step, repeated the key/value heads for grouped-query attention over all of them, and made
 each row attend over every other session's masked positions. For the 1.5B target it cost
 1175 ms for 8 one-row sessions over 600 cached tokens, against 696 ms per session
-(README, "Continuous batching"; `benchmarks/batch_layouts.py`).
+(docs/design/continuous-batching.md; `benchmarks/batch_layouts.py`).
 
 Grouped-query attention is packed, not repeated: a session's query heads that share a
 key/value head are laid out as rows of one attention over that head, so no key or value

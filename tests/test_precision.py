@@ -87,7 +87,7 @@ def test_a_ragged_step_of_an_int8_model_gives_each_session_its_solo_logits(tiny_
 async def test_an_int8_draft_is_lossless_under_batching(tiny_llama_dir, tiny_llama_perturbed_dir):
     """Greedy outputs under batching equal the target's own generate; a seeded sampled request
     reproduces when run again alone. (Beside other requests it may not, bit for bit: the draft's
-    bf16 attention rounds by layout, as an unquantized bf16 draft's does. README, "Draft precision".)"""
+    bf16 attention rounds by layout, as an unquantized bf16 draft's does. docs/design/cpu-kernels-and-precision.md.)"""
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, draft_dtype="int8")
     assert isinstance(stack.draft_engine.model.get_output_embeddings(), Int8WeightLinear)
     try:

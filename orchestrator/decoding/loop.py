@@ -41,7 +41,7 @@ MAX_DRAFT_RETRY_ROUNDS = 32  # longest run of target-only rounds between two tri
 @dataclass(frozen=True)
 class LoopConfig:
     # The most draft tokens a round asks for; the adaptive policy picks each round's k up to it
-    # (on the embedded pair and our 2-core CPUs it settles near 2: README, "Adaptive draft length").
+    # (docs/design/draft-length.md).
     num_speculative_tokens: int = 7
     # Adaptive: k per round from observed acceptance and costs, up to the request's k
     # (orchestrator.decoding.policy). Requests that name their k, or sample with a seed, keep it fixed.
