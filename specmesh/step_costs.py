@@ -81,8 +81,9 @@ class StepCosts:
 
     @property
     def seconds(self) -> dict[int, float]:
-        """One session's step now, by the start-up sizes."""
-        return {rows: self.step_s(StepShape(1, rows)) for rows in self.measured}
+        """One session's step now, by the start-up sizes (one fit throughout, whatever the worker does)."""
+        model = StepModel(self.model.coefficients)
+        return {rows: self.step_s(StepShape(1, rows), model) for rows in self.measured}
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A decode-only step of `shape` (its rows padded as it ran) took `seconds`: fit the model to it."""
@@ -91,10 +92,10 @@ class StepCosts:
         planned = self.planned_cost(shape.rows)
         self.model.observe(planned, shape, min(seconds, OUTLIER_FACTOR * self.model.predict(planned, shape)))
 
-    def step_s(self, shape: StepShape) -> float:
+    def step_s(self, shape: StepShape, model: StepModel | None = None) -> float:
         """Seconds of a step of `shape` now, its rows padded as the service pads them."""
         padded = StepShape(shape.sessions, shape.rows + self.padding(shape.rows), shape.attended)
-        return self.model.predict(self.planned_cost(padded.rows), padded)
+        return (model or self.model).predict(self.planned_cost(padded.rows), padded)
 
     def cost(self, rows: int) -> float:
         """Seconds of one session's step of `rows` rows now."""

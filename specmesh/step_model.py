@@ -21,7 +21,8 @@ import numpy as np
 from specmesh.v1 import common_pb2
 
 PRIOR = (1.0, 0.0, 0.0)  # the start-up table as it is: nothing added per session or per attended pair
-PRIOR_STEPS = 4.0  # the prior counts for this many steps of evidence
+PRIOR_STEPS = 4.0  # the prior counts for this many steps of evidence, decaying like one ...
+PRIOR_FLOOR = 0.01  # ... down to this many: a feature the steps never vary keeps its prior
 DECAY = 0.98  # older steps' weight at each new one: about the last 50 steps count
 BOUNDS = ((0.1, 50.0), (0.0, math.inf), (0.0, math.inf))  # costs never fall below zero
 
@@ -44,6 +45,7 @@ class StepModel:
         self._xy = np.zeros(3)  # ... and of features times seconds
         self._x2 = np.zeros(3)  # decayed mean squares: the prior's weight per feature, in its units
         self._steps = 0.0
+        self._prior_steps = PRIOR_STEPS
 
     @staticmethod
     def features(planned_s: float, shape: StepShape) -> np.ndarray:
@@ -60,11 +62,12 @@ class StepModel:
         self._xy = DECAY * self._xy + x * seconds
         self._steps = DECAY * self._steps + 1.0
         self._x2 = DECAY * self._x2 + x * x
+        self._prior_steps = max(PRIOR_FLOOR, DECAY * self._prior_steps)
         self.coefficients = self._solve()
 
     def _solve(self) -> tuple[float, ...]:
         """Ridge towards PRIOR, then each coefficient past its bound fixed there and the rest re-solved."""
-        prior_weight = PRIOR_STEPS * np.maximum(self._x2 / max(self._steps, 1e-9), 1e-12)
+        prior_weight = self._prior_steps * np.maximum(self._x2 / max(self._steps, 1e-9), 1e-12)
         a = self._xx + np.diag(prior_weight)
         b = self._xy + prior_weight * np.array(PRIOR)
         fixed: dict[int, float] = {}

@@ -7,10 +7,12 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from orchestrator.decoding.costs import BatchLoad, RoundCosts, step_s
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.loop import RoundTiming
 from orchestrator.decoding.lookup import PromptLookup
-from orchestrator.decoding.policy import AdaptiveSpeculation
-from specmesh.step_costs import StepCosts
+from orchestrator.decoding.policy import MARGIN, Speculation
+from specmesh.step_costs import MEASURED_ROWS, StepCosts
+from specmesh.step_model import StepModel, StepShape
 
 
 def test_proposes_what_followed_the_longest_recurring_suffix():
@@ -62,90 +64,108 @@ def test_incremental_index_matches_a_brute_force_search(head, tail, limit):
     assert lookup.propose(limit) == _brute_force(sequence, limit)
 
 
-def _flat(seconds):
-    return StepCosts({rows: seconds(rows) for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)})
+def _table(seconds, model: StepModel | None = None) -> StepCosts:
+    """A service's costs: its start-up table `seconds(rows)` at the measured sizes, and its model over it."""
+    return StepCosts({rows: seconds(rows) for rows in MEASURED_ROWS}, model)
 
 
-def _policy(target, lookup_rate: float, others: int = 0):
-    """A request's policy beside `others` requests, all under target-only rounds (a draft that never pays),
-    prompt lookup's acceptance `lookup_rate` at every position."""
-    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=_flat(target), draft=_flat(lambda r: 100.0))))
+def _policies(target: StepCosts, lookup_rate: float, requests: int = 1, context: int = 0):
+    """`requests` requests' policies under target-only rounds (a draft whose 100 s steps never pay), prompt
+    lookup's acceptance `lookup_rate` at every position; each has chosen this round's k over `context` tokens."""
+    shared = Speculation(costs=RoundCosts(SimpleNamespace(target=target, draft=_table(lambda rows: 100.0))))
     shared.lookup.prior = lookup_rate
-    policies = [shared.for_request("code") for _ in range(others + 1)]
+    policies = [shared.for_request("code") for _ in range(requests)]
     for policy in policies:
         policy.arrive()
-    assert [policy.choose(4) for policy in policies] == [0] * len(policies)  # a 100 s draft step never pays
-    return policies[0], shared
+    assert [policy.choose(4, context) for policy in policies] == [0] * requests
+    return policies, shared
+
+
+def _lookup_tokens(rate: float, m: int) -> float:
+    """E(m): committed tokens of a round verifying m lookup tokens accepted at `rate` each (and the bonus)."""
+    return sum(rate ** position for position in range(m + 1))
+
+
+def _optimum(goodput, available: int) -> int:
+    """The count the policy should verify: the best, where it beats none by MARGIN."""
+    best = max(range(1, available + 1), key=goodput)
+    return best if goodput(best) > (1 + MARGIN) * goodput(0) else 0
 
 
 def test_lookup_tokens_ride_a_step_whose_extra_rows_are_nearly_free():
-    policy, _ = _policy(lambda rows: 0.3 + 0.001 * rows, lookup_rate=0.6)
+    [policy], _ = _policies(_table(lambda rows: 0.3 + 0.001 * rows), lookup_rate=0.6)
+    assert policy.lookup.expected_tokens(4) == pytest.approx(_lookup_tokens(0.6, 4))
     assert policy.lookup_length(4) == 4  # each row costs 0.3 % more, each token brings 60 % of one more
-    assert policy.lookup_expected == pytest.approx(1 + 0.6 + 0.36 + 0.216 + 0.1296, rel=0.05)
+    assert policy.lookup_length(0) == 0
 
 
 def test_no_lookup_where_its_rows_cost_more_than_they_bring():
     # Every row costs as much as a one-row step: one token accepted 30 % of the time never pays for it.
-    policy, _ = _policy(lambda rows: 0.3 * rows, lookup_rate=0.3)
+    [policy], _ = _policies(_table(lambda rows: 0.3 * rows), lookup_rate=0.3)
     assert policy.lookup_length(4) == 0
-    assert policy.lookup_rows == 0
 
 
-def test_lookup_length_is_the_analytic_optimum():
-    """Rows cost 5 % each past the first; acceptance 0.5 a position: E(m) = 2 - 0.5^m over seconds
-    1 + 0.05 m peaks at m = 3 (m = 4 adds 1/16 of a token for 5 % more time)."""
-    policy, _ = _policy(lambda rows: 1.0 + 0.05 * (rows - 1), lookup_rate=0.5)
-    gains = {m: (2 - 0.5 ** m) / (1 + 0.05 * m) for m in range(1, 6)}
-    assert policy.lookup_length(5) == max(gains, key=gains.get) == 3
+@pytest.mark.parametrize("requests", [1, 4])
+def test_lookup_length_is_the_analytic_optimum(requests):
+    """Rows cost 5 % each past the first; acceptance 0.5 a position. Alone E(m) = 2 - 0.5^m over 1 + 0.05 m
+    peaks at m = 3; beside three others verifying none, (3 + E(m)) / (1 + 0.05 (3 + m)) at m = 2."""
+    [policy, *_], _ = _policies(_table(lambda rows: 1.0 + 0.05 * (rows - 1)), lookup_rate=0.5, requests=requests)
+
+    def goodput(m: int) -> float:
+        return (requests - 1 + _lookup_tokens(0.5, m)) / (1.0 + 0.05 * (requests - 1 + m))
+    assert policy.lookup_length(6) == _optimum(goodput, 6) == {1: 3, 4: 2}[requests]
 
 
-def test_the_others_lookup_rows_are_priced_in():
-    """Beside requests that verify lookup tokens, a step is already wider: the batch's rows count them."""
-    policy, shared = _policy(lambda rows: 0.3 + 0.001 * rows, lookup_rate=0.6, others=3)
-    others = [p for p in shared.active.values() if p is not policy]
-    for other in others:
-        other.lookup_length(4)
-    load = shared.batch_load(policy, drafting=False)
-    assert load.rows == 3 * (1 + 4) and load.lookup_rows == 3 * 4
-    assert load.tokens == pytest.approx(sum(other.lookup_expected for other in others))
-    assert policy.choose(4) == 0 and policy.lookup_rows == 0  # a new round starts with no lookup rows
+def test_the_service_models_sessions_and_context_price_the_rows():
+    """A target whose steps cost 20 ms a session more and 1 ms per 1000 attended pairs (its fitted model):
+    the round the policy prices is that model's, over the batch's sessions and context."""
+    model = StepModel((1.2, 0.02, 0.001))
+    target = _table(lambda rows: 0.1 + 0.004 * rows, model)
+    policies, shared = _policies(target, lookup_rate=0.5, requests=3, context=3000)
+    batch = shared.batch()
+    assert batch == BatchLoad(requests=3, context=9000)
+    for m in range(5):  # a target-only round: 3 sessions, 3 + m rows, each row over a session's 3000 tokens
+        assert shared.costs.round_s(0, batch, m) == pytest.approx(
+            1.2 * (0.1 + 0.004 * (3 + m)) + 0.02 * 2 + 0.001 * 3 * (3 + m))
+
+    def goodput(m: int) -> float:
+        return (2 + _lookup_tokens(0.5, m)) / shared.costs.round_s(0, batch, m)
+    assert policies[0].lookup_length(5) == _optimum(goodput, 5) > 0
 
 
-def test_rows_past_a_decode_step_never_look_free():
-    """Decode steps keep the table's current cost at their sizes: 16 sessions of one row at 486 ms, where
-    the start-up table put 16 rows of one session at 310 and 24 at 429 (the 2-core EPYC, 2026-11-26).
-    Read at 17-24 rows, the current table fell back to the start-up figures and lookup rows looked
-    cheaper than none; priced in proportion to the start-up table, one more row costs about 5 %."""
-    table = _flat(lambda rows: 0.31 + 0.015 * max(0, rows - 16) if rows >= 16 else 0.25)
-    table.seconds = {**table.seconds, 16: 0.486}  # as decode steps of 16 sessions left it
-    assert step_s(table, 20) < step_s(table, 16)  # read at the total: rows look free
-    assert step_s(table, 16, extra_rows=4) == pytest.approx(0.486 * (0.31 + 4 * 0.015) / 0.31)
-    shared = AdaptiveSpeculation(costs=RoundCosts(SimpleNamespace(target=table, draft=_flat(lambda r: 100.0))))
-    shared.lookup.prior = 0.5
-    policies = [shared.for_request("code") for _ in range(16)]
-    for policy in policies:
-        policy.arrive()
-    assert [policy.choose(4) for policy in policies] == [0] * 16
-    # One more row: +2.9 % time for +3.1 % tokens at best (a 0.5 chance of one token among 16): not 2 % better.
-    assert policies[0].lookup_length(4) == 0
+def test_lookup_rows_over_a_long_context_pay_for_their_attention():
+    """One request over 20 000 cached tokens at 50 ms per 1000 attended pairs: each lookup row attends over
+    them too (another 1 s a row on a 1.3 s round) and brings 0.6 of a token: none pays."""
+    target = _table(lambda rows: 0.3 + 0.001 * rows, StepModel((1.0, 0.0, 0.05)))
+    [policy], shared = _policies(target, lookup_rate=0.6, context=20_000)
+    batch = shared.batch()
+    assert shared.costs.round_s(0, batch, 2) == pytest.approx(target.step_s(StepShape(1, 3, 3 * 20_000)))
+    assert policy.lookup_length(4) == 0
 
 
-def test_undecided_requests_are_priced_with_this_rounds_lookup_rows():
-    """Their tokens are priced as this round's (tokens_with), so their rows must be too."""
-    load = BatchLoad(rows=3, tokens=3.0, undecided=2)
-    assert load.with_round(0, lookup=2) == (3 + 3 * (1 + 2), 0, 0)
-    assert load.tokens_with(1.8) == pytest.approx(3.0 + 3 * 1.8)
+def test_more_requests_in_flight_make_rows_dearer():
+    """Steps up to 8 rows cost one weight pass (the GPU-like flat part), past that each row 1/8 more: alone,
+    lookup rows ride free; beside more requests each row is paid for and brings less of the round's tokens."""
+    target = _table(lambda rows: 0.4 * max(1.0, rows / 8))
+    lengths = {}
+    for requests in (1, 4, 8, 16):
+        [policy, *_], _ = _policies(target, lookup_rate=0.6, requests=requests)
+        lengths[requests] = policy.lookup_length(6)
+    assert lengths[1] == 6  # 7 rows: inside the flat part
+    assert lengths[1] >= lengths[4] >= lengths[8] >= lengths[16] == 0
+    assert lengths[4] == 4 and lengths[8] == 0  # 4 + 4 rows fill the flat part; past it, 1/8 the round a row
 
 
 def test_learns_lookup_acceptance_apart_from_the_drafts():
-    policy, shared = _policy(lambda rows: 0.3 + 0.001 * rows, lookup_rate=0.5)
-    timing = SimpleNamespace(draft_s=0.0, verify_s=0.3)
+    [policy], shared = _policies(_table(lambda rows: 0.3 + 0.001 * rows), lookup_rate=0.5)
     draft_rates = policy.acceptance.rates()
+    assert policy.lookup_length(4) == 4
     for _ in range(20):
         policy.choose(4)
-        policy.lookup_length(4)
-        policy.observe(timing, drafted=0, accepted=0, looked_up=4)  # every lookup token rejected
+        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.3), drafted=0, accepted=0, looked_up=4)  # all rejected
     assert policy.lookup.rates()[0] < 0.1
     assert shared.lookup.deployment.rejections > 0 and shared.acceptance.deployment.rejections == 0
-    assert policy.acceptance.rates()[0] == pytest.approx(draft_rates[0])  # the draft's history untouched
+    assert policy.acceptance.rates() == pytest.approx(draft_rates)  # the draft's history untouched
     assert policy.lookup_length(4) == 0  # and lookup stops paying
+    # A round that verified lookup tokens times the target step they widened (the 1 + 4 rows priced).
+    assert shared.costs.target_ratio.get(1.0) == pytest.approx(0.3 / (0.3 + 0.001 * 5))

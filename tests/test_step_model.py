@@ -20,13 +20,6 @@ from specmesh.v1 import common_pb2
 TABLE = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.016, 16: 0.024, 32: 0.040, 64: 0.080}
 LAW = (1.3, 0.01, 0.002)  # a slower machine than at start-up, 10 ms a session more, 2 ms per 1000 attended pairs
 
-# The ridge prior counts for PRIOR_STEPS steps against a window of decayed steps that never grows past
-# 1 / (1 - DECAY) = 50: it never washes out, so a noise-free known law is recovered 10-40 % off (worse
-# along correlated features) and steps from it are predicted up to 27 % off. See the helper's report.
-PRIOR_NEVER_WASHES_OUT = pytest.mark.xfail(
-    strict=True, reason="specmesh/step_model.py _solve: the prior keeps PRIOR_STEPS / 50 of the weight forever")
-
-
 def _shapes(n: int, seed: int = 0, sessions=(1, 16), attended=(0, 20_000)):
     """Varied steps: 1-16 sessions, as many to 64 rows, 0-20k attended pairs (features far from collinear)."""
     rng = random.Random(seed)
@@ -59,7 +52,6 @@ def test_with_no_steps_it_predicts_the_table_as_it_is():
     assert costs.seconds == TABLE and costs.cost(3) == pytest.approx((0.011 + 0.012) / 2)
 
 
-@PRIOR_NEVER_WASHES_OUT
 def test_recovers_a_known_law_from_varied_steps():
     model = _fitted(LAW, _shapes(300))
     assert model.coefficients == pytest.approx(LAW, rel=0.03)
@@ -86,7 +78,7 @@ def test_a_feature_never_seen_keeps_its_prior_coefficient():
 @pytest.mark.parametrize("law, index, bound", [
     ((1.3, -0.0005, 0.002), 1, 0.0),  # a session costs less than none: a cost never falls below zero
     # per_session shrunk towards 0 by the prior, per_kilo takes up the slack: fitted +0.00033, not fixed at 0
-    pytest.param((1.3, 0.01, -0.0005), 2, 0.0, marks=PRIOR_NEVER_WASHES_OUT),
+    ((1.3, 0.01, -0.0005), 2, 0.0),
     ((0.02, 0.0, 0.0), 0, BOUNDS[0][0]),  # a machine 50x faster than at start-up: the scale's floor
     ((80.0, 0.0, 0.0), 0, BOUNDS[0][1]),
 ])
@@ -112,7 +104,6 @@ def _constrained_least_squares(law, shapes, fixed: int) -> np.ndarray:
     return solved
 
 
-@PRIOR_NEVER_WASHES_OUT
 def test_the_rest_is_re_solved_with_a_coefficient_at_its_bound():
     law = (1.3, -0.0005, 0.002)
     shapes = list(_shapes(300))

@@ -1,5 +1,6 @@
-"""Step costs: kept current from decode steps, reported over GetModelInfo and /metrics, and kept
-by the orchestrator per role (at start-up, and from every pool health check)."""
+"""Step costs: the start-up table and the model fitted to decode steps (specmesh.step_costs,
+specmesh.step_model), reported over GetModelInfo and /metrics, and kept by the orchestrator per role
+(at start-up, and from every pool health check)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import math
 
 import pytest
+from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from harness import load, make_engine, start_model_server
@@ -20,32 +22,72 @@ from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.server import create_servicer
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import SamplingParams
-from orchestrator.decoding.costs import step_s, target_steps_s
-from specmesh.step_costs import MEASURED_ROWS, PREMIUM_BOUNDS, StepCosts
+from specmesh.step_costs import MAX_REPORTED_SIZES, MEASURED_ROWS, OUTLIER_FACTOR, StepCosts
+from specmesh.step_model import BOUNDS, PRIOR, StepShape
 from specmesh.v1 import common_pb2
 
+# 2 and 3 rows pad to 4 (5 % dearer than one row, where 2 and 3 cost twice as much); nothing else pads.
 TABLE = {1: 1.0, 2: 2.0, 3: 2.0, 4: 1.05, 8: 1.1, 16: 2.0, 32: 4.0}
+PADDED = {1: 1.0, 2: 1.05, 3: 1.05, 4: 1.05, 8: 1.1, 16: 2.0, 32: 4.0}  # one session's step of each size
 
 
-def test_observe_moves_only_the_entry_of_the_size_the_step_ran_at():
+def _coefficients(reported: common_pb2.StepCostModel) -> tuple[float, float, float]:
+    return reported.scale, reported.per_session_s, reported.per_kilo_attended_s
+
+
+def _info(costs: StepCosts, **fields) -> common_pb2.ModelInfo:
+    """What a service running `costs` reports (specmesh.engine.ModelEngine.describe)."""
+    return common_pb2.ModelInfo(step_costs=costs.to_proto(), planned_step_costs=costs.planned_to_proto(),
+                                step_model=costs.model.to_proto(), **fields)
+
+
+def test_observe_fits_the_model_and_readers_see_one_consistent_table():
     costs = StepCosts(TABLE)
-    paddings = [costs.padding(rows) for rows in range(1, 33)]
+    paddings = [costs.padding(rows) for rows in range(1, 65)]
     allowance = costs.prefill_allowance(4, slowdown=2.0)
+    assert costs.seconds == PADDED  # a size the service pads is priced as it runs: padded
     before = costs.seconds  # a reader's snapshot (the gRPC thread) while the worker observes
-    costs.observe(4, 2.05)
-    assert costs.seconds[4] == pytest.approx(1.05 + 0.2 * 1.0)
-    assert {rows: s for rows, s in costs.seconds.items() if rows != 4} == {r: s for r, s in TABLE.items() if r != 4}
-    assert before == TABLE  # replaced, never changed in place
-    assert costs.cost(4) == pytest.approx(1.25) and costs.cost(6) == pytest.approx((1.25 + 1.1) / 2)
-    costs.observe(5, 9.0)  # not a measured size: nothing to move (its cost is interpolated)
-    for garbage in (math.nan, math.inf, 0.0, -1.0):
-        costs.observe(1, garbage)
-    assert costs.seconds == {**TABLE, 4: pytest.approx(1.25)}
-    costs.observe(4, 1000.0)  # one stalled step (a GC pause) counts as at most 4x the entry
-    assert costs.seconds[4] == pytest.approx(1.25 + 0.2 * (4 * 1.25 - 1.25))
+    for sessions, rows, attended in [(1, 1, 100), (2, 4, 3000), (4, 8, 9000), (8, 16, 40_000), (3, 4, 0)] * 10:
+        shape = StepShape(sessions, rows, attended)  # slower than at start-up: twice the table, 50 ms a session
+        costs.observe(shape, 2.0 * costs.planned_cost(rows) + 0.05 * (sessions - 1))
+    assert before == PADDED  # a copy, never changed in place
+    scale, per_session, _ = costs.model.coefficients
+    assert scale > 1.5 and per_session > 0.03
+    # Every reader's view is the one model over the start-up table: the table, one-session steps, any step.
+    assert costs.seconds == {rows: costs.model.predict(PADDED[rows], StepShape(1, rows + costs.padding(rows)))
+                             for rows in TABLE}
+    assert costs.seconds[2] == costs.cost(2) == costs.cost(4) == costs.step_s(StepShape(1, 3)) > 1.5 * 1.05
+    assert costs.step_s(StepShape(2, 3, 2000)) == costs.model.predict(1.05, StepShape(2, 4, 2000))  # 3 pads to 4
+    six = StepShape(4, 6, 2000)
+    assert costs.step_s(six) == costs.model.predict(costs.planned_cost(6), six)  # 6 does not pad
+    assert costs.step_s(StepShape(4, 8)) > costs.step_s(StepShape(1, 8))  # sessions cost
+    assert [entry.seconds for entry in costs.to_proto()] == list(costs.seconds.values())
     # Planning keeps the start-up table: no step flips padding or the prefill chunk.
-    assert [costs.padding(rows) for rows in range(1, 33)] == paddings
+    assert [costs.padding(rows) for rows in range(1, 65)] == paddings
     assert costs.prefill_allowance(4, slowdown=2.0) == allowance and costs.measured == TABLE
+    assert costs.planned_to_proto() == [common_pb2.StepCost(rows=r, seconds=s) for r, s in TABLE.items()]
+
+
+def test_a_stalled_step_counts_as_at_most_outlier_factor_times_its_prediction():
+    shape = StepShape(2, 8, 1000)
+    stalled, capped, slow = StepCosts(TABLE), StepCosts(TABLE), StepCosts(TABLE)
+    for costs in (stalled, capped, slow):
+        costs.observe(StepShape(1, 8), 1.2)
+    predicted = stalled.step_s(shape)
+    stalled.observe(shape, 1000.0)  # a GC pause: not the new cost
+    capped.observe(shape, OUTLIER_FACTOR * predicted)
+    slow.observe(shape, 0.9 * OUTLIER_FACTOR * predicted)  # below the cap: counts as it is
+    assert stalled.model.coefficients == capped.model.coefficients != slow.model.coefficients
+    assert stalled.step_s(shape) < OUTLIER_FACTOR * predicted
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -math.inf, 0.0, -1.0])
+def test_garbage_seconds_fit_nothing(garbage):
+    costs = StepCosts(TABLE)
+    costs.observe(StepShape(2, 4, 500), 3.0)
+    before = costs.model.coefficients
+    costs.observe(StepShape(2, 4, 500), garbage)
+    assert costs.model.coefficients == before and costs.model._steps == 1.0
 
 
 def test_a_disturbance_at_start_up_inflates_no_size(monkeypatch):
@@ -63,110 +105,135 @@ def test_a_disturbance_at_start_up_inflates_no_size(monkeypatch):
     assert calls == [1, 2, 4, 8] * 2
 
 
-def test_extra_rows_beside_several_sessions_learn_what_they_cost_over_the_tables_growth():
-    costs = StepCosts(TABLE)
-    growth = costs.planned_cost(16) - costs.cost(8)  # 8 one-row sessions and 8 rows more: 0.9 s by the table
-    for _ in range(2):
-        costs.observe_extra_rows(8, 16, costs.cost(8) + 1.7 * growth)
-    assert costs.extra_row_premium(8) == 1.0  # too few steps to tell
-    costs.observe_extra_rows(8, 16, costs.cost(8) + 1.7 * growth)
-    assert costs.extra_row_premium(8) == pytest.approx(1.7) and costs.extra_row_premium(5) == pytest.approx(1.7)
-    assert costs.extra_row_premium(12) == 1.0 and costs.extra_row_premium(1) == 1.0  # another load; one session
-    costs.observe_extra_rows(8, 16, 1000.0)  # one stalled step counts as at most 4x its price
-    stalled = costs.extra_row_premium(8)
-    assert 1.7 < stalled < PREMIUM_BOUNDS[1]
-    for _ in range(100):
-        costs.observe_extra_rows(8, 16, costs.cost(8) + 1.7 * growth)
-    assert costs.extra_row_premium(8) == pytest.approx(1.7, rel=0.02)  # and it passes
-    for sessions, rows, seconds in [(8, 8, 5.0), (1, 4, 5.0), (8, 16, math.nan), (8, 16, -1.0), (8, 16, math.inf)]:
-        costs.observe_extra_rows(sessions, rows, seconds)  # no extra rows, one session, garbage: nothing
-    assert costs.extra_row_premium(8) == pytest.approx(1.7, rel=0.02)
-    reported = StepCosts.from_proto(costs.to_proto(), costs.planned_to_proto(), costs.premiums.to_proto())
-    assert reported.extra_row_premium(8) == costs.extra_row_premium(8) and reported.premiums.learned.keys() == {8}
-    garbage = [common_pb2.RowPremium(sessions=sessions, premium=premium) for sessions, premium in
-               [(0, 2.0), (1, 2.0), (2, math.nan), (3, 100.0), (32, -5.0)]]
-    assert StepCosts.from_proto(costs.to_proto(), premiums=garbage).premiums.learned == {4: 4.0, 32: 0.5}
-
-
-def test_prompt_lookups_rows_are_priced_at_the_premium_and_a_drafts_are_not():
-    costs = StepCosts(TABLE)
-    for _ in range(3):
-        costs.observe_extra_rows(8, 16, costs.cost(8) + 2.0 * (costs.planned_cost(16) - costs.cost(8)))
-    assert step_s(costs, 8, 8) == pytest.approx(2.0)  # the table's own growth (and its 16-row entry)
-    assert step_s(costs, 8, 8, premium=True) == pytest.approx(1.1 * (1 + 2 * (2.0 / 1.1 - 1)))
-    assert target_steps_s(costs, steady_rows=16, drafting_rows=0, lookup_rows=8) == step_s(costs, 8, 8, premium=True)
-    assert target_steps_s(costs, steady_rows=0, drafting_rows=16, drafting=8) == step_s(costs, 8, 8)
-    assert step_s(costs, 1, 3, premium=True) == step_s(costs, 1, 3)  # one session: the table itself
-
-
 def test_from_proto_drops_garbage_and_never_raises():
     entries = [common_pb2.StepCost(rows=rows, seconds=seconds) for rows, seconds in
                [(0, 1.0), (1, math.nan), (2, math.inf), (3, -1.0), (4, 0.0), (8, 0.5), (1, 0.25)]]
-    assert StepCosts.from_proto(entries).seconds == {1: 0.25, 8: 0.5}
-    assert StepCosts.from_proto(entries[:5]) is None and StepCosts.from_proto([]) is None
-    assert StepCosts.from_proto(StepCosts(TABLE).to_proto()).seconds == TABLE  # the round trip
+    assert StepCosts.from_proto(common_pb2.ModelInfo(planned_step_costs=entries)).measured == {1: 0.25, 8: 0.5}
+    assert StepCosts.from_proto(common_pb2.ModelInfo(planned_step_costs=entries[:5])) is None
+    assert StepCosts.from_proto(common_pb2.ModelInfo()) is None
+    # No model reported (a service before step_model): the table as it is.
+    assert StepCosts.from_proto(common_pb2.ModelInfo(planned_step_costs=entries)).model.coefficients == PRIOR
+    # A model out of bounds is brought within them; with no usable table, still None.
+    wild = common_pb2.StepCostModel(scale=math.nan, per_session_s=-2.0, per_kilo_attended_s=math.inf)
+    assert StepCosts.from_proto(common_pb2.ModelInfo(step_costs=entries, step_model=wild)
+                                ).model.coefficients == (1.0, 0.0, 0.0)
+    huge = common_pb2.StepCostModel(scale=1e9, per_session_s=0.5)
+    assert StepCosts.from_proto(common_pb2.ModelInfo(step_costs=entries, step_model=huge)
+                                ).model.coefficients == (BOUNDS[0][1], 0.5, 0.0)
+    assert StepCosts.from_proto(common_pb2.ModelInfo(step_model=huge)) is None
+
+
+def test_from_proto_round_trips_the_table_and_the_model():
     moved = StepCosts(TABLE)
-    moved.observe(1, 10 * TABLE[1])
-    both = StepCosts.from_proto(moved.to_proto(), moved.planned_to_proto())
-    assert (both.seconds, both.measured) == (moved.seconds, TABLE) and both.cost(1) > both.planned_cost(1)
-    assert StepCosts.from_proto(moved.to_proto(), entries[:5]).measured == moved.seconds  # no good start-up entry
+    for _ in range(20):
+        moved.observe(StepShape(4, 8, 20_000), 5.0)
+    assert moved.model.coefficients != PRIOR
+    reported = StepCosts.from_proto(_info(moved))
+    assert reported.measured == TABLE and reported.model.coefficients == moved.model.coefficients
+    assert reported.seconds == moved.seconds != PADDED
+    assert reported.step_s(StepShape(4, 8, 20_000)) == moved.step_s(StepShape(4, 8, 20_000))
+    # A service that sends only step_costs (no start-up table): they stand in for it.
+    alone = StepCosts.from_proto(common_pb2.ModelInfo(step_costs=moved.to_proto()))
+    assert alone.measured == moved.seconds and alone.model.coefficients == PRIOR
+    # Garbage start-up entries and good current ones: the current ones stand in too.
+    garbage = [common_pb2.StepCost(rows=1, seconds=-1.0)]
+    assert StepCosts.from_proto(common_pb2.ModelInfo(step_costs=moved.to_proto(), planned_step_costs=garbage)
+                                ).measured == moved.seconds
+
+
+def test_a_flood_of_sizes_stays_bounded():
     many = [common_pb2.StepCost(rows=rows, seconds=1.0) for rows in range(1, 10_001)]
-    assert len(StepCosts.from_proto(many).seconds) == 256  # a flood stays cheap: the smallest sizes
+    costs = StepCosts.from_proto(common_pb2.ModelInfo(planned_step_costs=many, step_costs=many))
+    assert list(costs.measured) == list(range(1, MAX_REPORTED_SIZES + 1))  # the smallest sizes
+    assert len(costs.seconds) == len(costs.to_proto()) == MAX_REPORTED_SIZES
+
+
+_floats = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**32 - 1), _floats), max_size=20),
+       st.lists(st.tuples(st.integers(0, 2**32 - 1), _floats), max_size=20),
+       st.none() | st.tuples(_floats, _floats, _floats))
+def test_any_report_is_read_without_raising(planned, current, model):
+    info = common_pb2.ModelInfo(planned_step_costs=[common_pb2.StepCost(rows=r, seconds=s) for r, s in planned],
+                                step_costs=[common_pb2.StepCost(rows=r, seconds=s) for r, s in current])
+    if model is not None:
+        info.step_model.CopyFrom(common_pb2.StepCostModel(scale=model[0], per_session_s=model[1],
+                                                          per_kilo_attended_s=model[2]))
+    costs = StepCosts.from_proto(info)
+    valid = [s for r, s in planned + current if r > 0 and math.isfinite(s) and s > 0]
+    assert (costs is None) == (not valid)
+    if costs is not None:
+        assert 0 < len(costs.measured) <= MAX_REPORTED_SIZES
+        assert all(rows > 0 and 0 < s < math.inf for rows, s in costs.measured.items())
+        assert all(low <= c <= high for c, (low, high) in zip(costs.model.coefficients, BOUNDS))
 
 
 def test_step_reports_keep_the_last_good_table_per_role():
     reports = StepReports()
     reports.update("draft", common_pb2.ModelInfo())  # not measured yet: nothing
     assert reports.draft is None and reports.updated_at == {}
-    reports.update("draft", common_pb2.ModelInfo(step_costs=StepCosts(TABLE).to_proto()))
+    model = common_pb2.StepCostModel(scale=1.5, per_session_s=0.01)
+    reports.update("draft", common_pb2.ModelInfo(planned_step_costs=StepCosts(TABLE).planned_to_proto(),
+                                                 step_model=model))
     first = reports.updated_at["draft"]
-    garbage = common_pb2.ModelInfo(step_costs=[common_pb2.StepCost(rows=1, seconds=-1.0)])
+    garbage = common_pb2.ModelInfo(step_costs=[common_pb2.StepCost(rows=1, seconds=-1.0)], step_model=model)
     reports.update("draft", garbage)
     reports.update("draft", None)
-    assert reports.draft.seconds == TABLE and reports.updated_at == {"draft": first} and reports.target is None
+    assert reports.draft.measured == TABLE and reports.draft.model.coefficients == (1.5, 0.01, 0.0)
+    assert reports.draft.seconds == {rows: 1.5 * s for rows, s in PADDED.items()}
+    assert reports.updated_at == {"draft": first} and reports.target is None
     with pytest.raises(ValueError):
         reports.update("verifier", garbage)
 
 
-async def test_a_calibrated_service_reports_costs_it_keeps_current_from_decode_steps(tiny_llama_dir):
+async def test_a_calibrated_service_reports_the_model_it_fits_to_decode_steps(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     metrics = ServiceMetrics.for_engine("target", engine, CollectorRegistry())
     server, port = await start_model_server("target", engine)
     try:
         async with open_channel(f"127.0.0.1:{port}") as channel:
             client = TargetClient(channel)
-            assert list((await client.model_info(timeout=10)).step_costs) == []  # before calibration
+            info = await client.model_info(timeout=10)
+            assert list(info.step_costs) == list(info.planned_step_costs) == [] and not info.HasField("step_model")
             assert _scraped(metrics) == {}
             costs = await engine.run(engine.calibrate)
-            reported = (await client.model_info(timeout=10)).step_costs
-            assert [entry.rows for entry in reported] == list(MEASURED_ROWS)
-            assert all(entry.seconds > 0 for entry in reported)
+            info = await client.model_info(timeout=10)
+            assert [entry.rows for entry in info.planned_step_costs] == list(MEASURED_ROWS)
+            assert all(entry.seconds > 0 for entry in info.planned_step_costs)
+            assert _coefficients(info.step_model) == PRIOR  # nothing run since calibration
             assert _scraped(metrics) == costs.seconds
-            await _prefill_then_decode(engine)
-            ran_at = 1 + costs.padding(1)  # the decode steps' size, padding included
-            assert costs.seconds[ran_at] != costs.measured[ran_at]
-            assert {r: s for r, s in costs.seconds.items() if r != ran_at} == \
-                {r: s for r, s in costs.measured.items() if r != ran_at}  # the prefill moved nothing
-            reported = StepCosts.from_proto((await client.model_info(timeout=10)).step_costs)
-            assert reported.seconds == costs.seconds and _scraped(metrics) == costs.seconds
+            await _prefill_then_decode(engine, decode_steps=0)
+            assert costs.model.coefficients == PRIOR  # a prefill is not what a decode step costs
+            await _prefill_then_decode(engine, decode_steps=3)
+            scale, per_session, per_kilo = costs.model.coefficients
+            assert scale != 1.0 and per_session == 0.0  # one session: nothing tells what more would cost
+            info = await client.model_info(timeout=10)
+            assert _coefficients(info.step_model) == costs.model.coefficients
+            reported = StepCosts.from_proto(info)
+            assert reported.measured == costs.measured and reported.model.coefficients == costs.model.coefficients
+            assert reported.seconds == costs.seconds == _scraped(metrics)
+            assert {entry.rows: entry.seconds for entry in info.step_costs} == costs.seconds
     finally:
         await server.stop(None)
 
 
-async def test_a_service_reports_the_premium_its_steps_of_several_sessions_show(tiny_llama_dir):
-    """Two sessions decoding in the same steps, one of them verifying four rows at a time: the
-    service learns what those extra rows cost and reports it in ModelInfo (bucket: 2 sessions)."""
+async def test_steps_of_several_sessions_move_the_model_the_service_reports(tiny_llama_dir):
+    """Three sessions decoding in the same steps, one of them verifying four rows at a time: the
+    service fits its model to those steps (their sessions, rows and attended pairs) and reports it."""
     engine = make_engine(tiny_llama_dir)
+    assert engine.ragged  # several sessions' rows in one forward: one step to fit
     server, port = await start_model_server("target", engine)
     try:
         async with open_channel(f"127.0.0.1:{port}") as channel:
             client = TargetClient(channel)
-            # A table whose rows always cost (the tiny model's measured one is flat, and where the table
-            # does not grow with rows a step says nothing of a premium): what steps take is still real.
-            engine.costs = StepCosts({rows: 0.001 * rows for rows in MEASURED_ROWS})
-            assert list((await client.model_info(timeout=10)).extra_row_premiums) == []
-            sessions = [(engine.new_session(f"premium-{rows}", [5, 6, 7, 8, 9, 10 + rows],
-                                            SamplingParams(temperature=0.0)), rows) for rows in (1, 4)]
+            costs = await engine.run(engine.calibrate)
+            seen: list[tuple[StepShape, float]] = []
+            fit = costs.observe
+            costs.observe = lambda shape, seconds: (seen.append((shape, seconds)), fit(shape, seconds))
+            sessions = [(engine.new_session(f"several-{i}", [5, 6, 7, 8, 9, 10 + i], SamplingParams(temperature=0.0)),
+                         rows) for i, rows in enumerate((1, 1, 4))]
 
             def job(session, rows: int):
                 yield from engine.feed_tail(session, keep_rows=1, chunkable=True)
@@ -174,11 +241,14 @@ async def test_a_service_reports_the_premium_its_steps_of_several_sessions_show(
                     session.token_ids.extend(range(20 + step, 20 + step + rows))
                     yield from engine.feed_tail(session, keep_rows=rows)
             await asyncio.gather(*(engine.submit(session, job(session, rows)) for session, rows in sessions))
-            reported = (await client.model_info(timeout=10)).extra_row_premiums
-            assert [entry.sessions for entry in reported] == [2]
-            assert PREMIUM_BOUNDS[0] <= reported[0].premium <= PREMIUM_BOUNDS[1]
-            assert StepCosts.from_proto((await client.model_info(timeout=10)).step_costs, premiums=reported
-                                        ).extra_row_premium(2) == reported[0].premium
+            several = [shape for shape, _ in seen if shape.sessions > 1]
+            assert several, seen
+            for shape in several:  # every row attends over its session's cache: the prompt's 6 tokens at least
+                assert shape.rows >= shape.sessions and shape.attended >= 6 * shape.sessions
+            assert costs.model.coefficients != PRIOR
+            reported = _coefficients((await client.model_info(timeout=10)).step_model)
+            assert reported == costs.model.coefficients
+            assert reported[1] > 0.0  # only a step of several sessions can move what a session costs
     finally:
         await server.stop(None)
 
@@ -195,6 +265,8 @@ async def test_the_orchestrator_has_both_roles_costs_from_start_up(tiny_llama_di
         reports = (await create_servicer(tokenizer, options)).backends.step_reports
         assert reports.target.seconds == engines["target"].costs.seconds
         assert reports.draft.seconds == engines["draft"].costs.seconds
+        assert reports.target.measured == engines["target"].costs.measured != engines["draft"].costs.measured
+        assert reports.target.model.coefficients == reports.draft.model.coefficients == PRIOR
         assert set(reports.updated_at) == {"target", "draft"}
     finally:
         for server in servers.values():
@@ -217,13 +289,16 @@ async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(
         _, tokenizer = load(str(tiny_llama_dir), "cpu")
         reports = (await servicer_over_pools(tokenizer, pools, LoopConfig())).backends.step_reports
         assert reports.target.cost(1) == engines["target"].costs.cost(1)
-        engines["target"].costs.observe(1, 3 * engines["target"].costs.cost(1))  # steps got slower
+        started = engines["target"].costs.cost(1)  # the service's own, as its steps (a warm-up) left it
+        for _ in range(3):
+            engines["target"].costs.observe(StepShape(1, 1), 3 * started)  # steps got slower
         checked_before = reports.updated_at["target"]
         await pools.pools["target"].refresh()
-        assert reports.target.seconds == engines["target"].costs.seconds != engines["target"].costs.measured
-        # ... and the start-up table with them: the growth with rows that prices sizes not run lately
+        assert reports.target.seconds == engines["target"].costs.seconds
+        # ... from the start-up table and the model the service fitted, as the service has them
         assert reports.target.measured == engines["target"].costs.measured
-        assert reports.target.cost(1) > reports.target.planned_cost(1)
+        assert reports.target.model.coefficients == engines["target"].costs.model.coefficients != PRIOR
+        assert reports.target.cost(1) > started
         assert reports.updated_at["target"] > checked_before
         # A replica that reports garbage (or fails its report) leaves the last good table in place.
         engines["target"].describe = lambda: common_pb2.ModelInfo(

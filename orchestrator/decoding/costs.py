@@ -42,8 +42,9 @@ class BatchLoad:
     context: int = 0
 
     def target_step(self, k: int, lookup: int = 0) -> StepShape:
+        """Every request's k + 1 rows, and `lookup` rows of one request (over an average context)."""
         rows = self.requests * (k + 1) + lookup
-        return StepShape(self.requests, rows, attended=self.context * (k + 1))
+        return StepShape(self.requests, rows, attended=self.context * (k + 1) + lookup * self.context // self.requests)
 
     def draft_step(self) -> StepShape:
         return StepShape(self.requests, self.requests, attended=self.context)
