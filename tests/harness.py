@@ -14,6 +14,7 @@ import grpc
 from orchestrator.deployment.clients import open_channel
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.replicas import create_model_server
 from orchestrator.frontend.server import create_server as create_orchestrator_server
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
@@ -21,7 +22,7 @@ from specmesh.cpu_linear import choose_cpu_linear
 from specmesh.precision import load_model_in
 from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
-from specmesh.service import ReplicaConfig, ServiceOptions, create_model_server
+from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.step_costs import StepCosts
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
