@@ -23,7 +23,6 @@ from draft_service.branches import Branch, DraftState, adopt_longest_prefix, com
 from specmesh.distributions import decode_distribution, encode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
-from specmesh.kv_budget import admit_session
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, generator_at, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
@@ -64,8 +63,7 @@ class DraftEngine:
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                    caller: str = "", max_new_tokens: int = 0, admission_timeout_s: float | None = None) -> int:
         """Once admitted (KV room reserved), prefill all but the last prompt token; return forward ns."""
-        session = await admit_session(self.engine, request_id, prompt, sampling, caller, max_new_tokens,
-                                      admission_timeout_s)
+        session = await self.engine.admit(request_id, prompt, sampling, caller, max_new_tokens, admission_timeout_s)
         session.ahead = DraftState()
         if len(prompt) < 2:
             return 0

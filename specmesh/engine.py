@@ -29,7 +29,8 @@ from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
-from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
+from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
+                                reservation, wait_limit)
 from specmesh.penalties import penalize_logits
 from specmesh.precision import output_device, output_rows
 from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
@@ -195,9 +196,28 @@ class ModelEngine:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidArgument(field_name, f"token id {token_id} outside [0, {self.vocab_size})")
 
+    async def admit(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, caller: str = "",
+                    max_new_tokens: int = 0, timeout_s: float | None = None) -> Session:
+        """new_session once the session's KV reservation is granted (specmesh.kv_budget); a bad request
+        fails before it waits, and one whose prefill would end past its call's deadline is refused."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.check_new_session(request_id, prompt, sampling, caller)
+        await self.kv.reserve(request_id, reservation(self.context_window, len(prompt), max_new_tokens),
+                              wait_limit(timeout_s))
+        try:
+            if deadline is not None:
+                ahead = self.queued_prefill_rows()
+                check_prefill_in_time(ahead, self.prefill_seconds(ahead + len(prompt)),
+                                      wait_limit(deadline - time.monotonic()))
+            return self.new_session(request_id, prompt, sampling, caller)
+        except BaseException:
+            self.kv.release(request_id)  # refused after all: its room goes to the next in line
+            raise
+
     def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     caller: str = "") -> Session:
-        """Register an empty-cache session for `prompt` opened by `caller`; the service prefills it."""
+        """Register an empty-cache session for `prompt` opened by `caller`, outside the KV budget (admit
+        reserves its room first); the service prefills it."""
         self.check_new_session(request_id, prompt, sampling, caller)
         salt = self.config.generator_salt
         seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
@@ -209,7 +229,7 @@ class ModelEngine:
 
     def check_new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                           caller: str = "") -> None:
-        """What new_session refuses; also checked before a session waits for KV room (specmesh.kv_budget)."""
+        """What new_session refuses; admit checks it before a session waits for KV room."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not prompt:
@@ -328,7 +348,7 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def close(self, request_id: str) -> bool:
-        self.kv.release(request_id)  # its KV room, held from admission (specmesh.kv_budget)
+        self.kv.release(request_id)  # its KV room, held from admission (admit)
         return self.sessions.pop(request_id, None) is not None
 
     def reap_idle(self, max_idle_s: float) -> list[str]:
