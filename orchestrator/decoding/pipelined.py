@@ -24,7 +24,7 @@ import time
 import grpc
 
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.costs import Ewma
+from specmesh.ewma import Ewma
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
