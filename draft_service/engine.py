@@ -4,7 +4,7 @@ The draft knows nothing about acceptance. The orchestrator tells it each
 verification's outcome as the commit carried by its next Propose or PreDraft:
 "truncate to position, append these tokens" (the accepted prefix stays, the
 recovered or bonus token is added, and after target-only rounds every token
-committed meanwhile). `commit()` applies one on its own (in-process callers).
+committed meanwhile).
 While the target verifies, the draft may pre-draft the next round for the likely
 outcomes (draft_service.branches); a later commit adopts whichever drafted
 sequence shares the longest prefix with the committed one, so a hit costs no
@@ -87,11 +87,6 @@ class DraftEngine:
         # reached the target a draft step late and waited a whole target step of its own.
         session.back_soon = False
         return session, state.calls
-
-    async def commit(self, request_id: str, round_number: int, commit: CommitSpec) -> int:
-        session, _ = self._arrive(request_id, round_number)
-        await self.engine.run(self._apply_commit, session, commit, session=session)
-        return len(session.token_ids)
 
     def _apply_commit(self, session: Session, commit: CommitSpec, then: Sequence[int] = ()) -> None:
         """Move the session to sequence[:commit.position] + commit.token_ids + then."""
