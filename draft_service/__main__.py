@@ -11,6 +11,7 @@ from specmesh.roles import DRAFT
 
 openmp.set_spin_count(DRAFT)  # before torch loads OpenMP (specmesh.service imports it)
 
+from draft_service.server import create_replica_server  # noqa: E402
 from specmesh.service import (ReplicaConfig, add_service_arguments, announce, load_engine,  # noqa: E402
                               options_from_args, run_model_service)
 
@@ -24,7 +25,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s draft %(levelname)s %(message)s")
     config = ReplicaConfig(DRAFT.name, options_from_args(args), greedy_proposals=args.greedy_proposals)
     engine = load_engine(config.service, config.role)
-    asyncio.run(run_model_service(config, engine, lambda port, metrics_port: announce(
+    asyncio.run(run_model_service(config, engine, create_replica_server, lambda port, metrics_port: announce(
         "draft", config.service.host, port, metrics_port)))
 
 

@@ -4,7 +4,7 @@ The draft knows nothing about acceptance. The orchestrator tells it each
 verification's outcome as the commit carried by its next Propose or PreDraft:
 "truncate to position, append these tokens" (the accepted prefix stays, the
 recovered or bonus token is added, and after target-only rounds every token
-committed meanwhile). `commit()` applies one on its own (in-process callers).
+committed meanwhile).
 While the target verifies, the draft may pre-draft the next round for the likely
 outcomes (draft_service.branches); a later commit adopts whichever drafted
 sequence shares the longest prefix with the committed one, so a hit costs no
@@ -23,7 +23,6 @@ from draft_service.branches import Branch, DraftState, adopt_longest_prefix, com
 from specmesh.distributions import decode_distribution, encode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
-from specmesh.kv_budget import admit_session
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, generator_at, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
@@ -64,8 +63,7 @@ class DraftEngine:
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                    caller: str = "", max_new_tokens: int = 0, admission_timeout_s: float | None = None) -> int:
         """Once admitted (KV room reserved), prefill all but the last prompt token; return forward ns."""
-        session = await admit_session(self.engine, request_id, prompt, sampling, caller, max_new_tokens,
-                                      admission_timeout_s)
+        session = await self.engine.admit(request_id, prompt, sampling, caller, max_new_tokens, admission_timeout_s)
         session.ahead = DraftState()
         if len(prompt) < 2:
             return 0
@@ -89,11 +87,6 @@ class DraftEngine:
         # reached the target a draft step late and waited a whole target step of its own.
         session.back_soon = False
         return session, state.calls
-
-    async def commit(self, request_id: str, round_number: int, commit: CommitSpec) -> int:
-        session, _ = self._arrive(request_id, round_number)
-        await self.engine.run(self._apply_commit, session, commit, session=session)
-        return len(session.token_ids)
 
     def _apply_commit(self, session: Session, commit: CommitSpec, then: Sequence[int] = ()) -> None:
         """Move the session to sequence[:commit.position] + commit.token_ids + then."""

@@ -16,6 +16,7 @@ from specmesh.engine import ModelEngine
 from specmesh.metrics import ServiceMetrics
 from specmesh.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
 from specmesh.server import start_server
+from specmesh.service import ReplicaConfig
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -32,3 +33,15 @@ async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
                               [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
                               tls=tls, tracer_provider=tracer_provider, api_key=internal_token,
                               unauthenticated_message=INTERNAL_UNAUTHENTICATED_MESSAGE)
+
+
+async def create_replica_server(config: ReplicaConfig, engine: ModelEngine, *,
+                                tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
+                                max_concurrent_rpcs: int | None = None,
+                                ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """The draft server of a replica config (specmesh.service.ReplicaServerFactory), at its host and port."""
+    options = config.service
+    return await create_server(engine, f"{options.host}:{options.port}", tracer_provider=tracer_provider,
+                               metrics=metrics, max_concurrent_rpcs=max_concurrent_rpcs, tls=options.tls,
+                               internal_token=options.internal_token,
+                               **{"greedy_proposals": config.greedy_proposals, **config.extra})

@@ -149,10 +149,6 @@ class StepScheduler:
         """Run fn(*args) on the worker between steps (after the session's earlier jobs)."""
         return await self._enqueue(_Work(key, None, lambda: fn(*args), concurrent.futures.Future()))
 
-    def call_from_worker(self, fn: Callable[[], Any]) -> None:
-        """From a job on the worker: run fn before the next step."""
-        self._inbox.appendleft(_Work(None, None, fn, concurrent.futures.Future()))
-
     @property
     def queued_rows(self) -> int:
         return sum(work.rows_left for work in list(self._active))

@@ -14,7 +14,6 @@ runs the pending rows of every session in one forward (specmesh.ragged).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import socket
@@ -29,8 +28,9 @@ from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
-from specmesh.kv_budget import DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory
-from specmesh.penalties import penalize_logits
+from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
+                                reservation, wait_limit)
+from specmesh.penalties import check_penalties, penalize_logits
 from specmesh.precision import output_device, output_rows
 from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
@@ -98,12 +98,6 @@ class EngineConfig:
     # (a leaking orchestrator, or one of several) can never take every slot.
     max_sessions_per_caller: int | None = None
     generator_salt: int = 0  # keeps the draft's random stream apart from the target's
-    # Until calibrate() measures this machine's step costs (specmesh.step_costs), pad a
-    # forward of n > 1 rows to a multiple of this many. MKL's fp32 GEMM on our AMD CPUs
-    # costs one weight pass per row for 2, 3 and 5-7 rows, but one pass for 4 or 8
-    # (README, "Figures"). Trailing pad rows cannot change the real rows (attention is
-    # causal) and are dropped from the cache.
-    row_multiple: int = 1
     # Rows one step may feed (decode rows first; prefill chunks fill the rest).
     max_step_tokens: int = 2048
     # Prefill rows a step adds while streams decode, when no measured StepCosts say more.
@@ -136,7 +130,7 @@ class ModelEngine:
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
         self.sessions: dict[str, Session] = {}
         self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
-        self.costs: StepCosts | None = None  # measured by calibrate(); None: row_multiple padding
+        self.costs: StepCosts | None = None  # measured by calibrate(); None: no row padding
         if avoid_cudnn_attention(self.device):
             log.info("cuDNN attention off in this process: it plans every new attention shape (specmesh.ragged)")
         self.ragged = supports_ragged(model)
@@ -168,7 +162,7 @@ class ModelEngine:
 
     def feed_tail(self, session: Session, extra: Sequence[int] = (), keep_rows: int | None = None,
                   chunkable: bool = False) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
-        """In a job: feed the sequence's uncached tail plus `extra` (see feed_uncached)."""
+        """In a job: feed the sequence's uncached tail plus `extra`; (logits [keep, V], step ns)."""
         return (yield from self.feed(session, session.uncached_tail + list(extra), keep_rows, chunkable))
 
     def describe(self) -> common_pb2.ModelInfo:
@@ -196,9 +190,28 @@ class ModelEngine:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidArgument(field_name, f"token id {token_id} outside [0, {self.vocab_size})")
 
+    async def admit(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, caller: str = "",
+                    max_new_tokens: int = 0, timeout_s: float | None = None) -> Session:
+        """new_session once the session's KV reservation is granted (specmesh.kv_budget); a bad request
+        fails before it waits, and one whose prefill would end past its call's deadline is refused."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.check_new_session(request_id, prompt, sampling, caller)
+        await self.kv.reserve(request_id, reservation(self.context_window, len(prompt), max_new_tokens),
+                              wait_limit(timeout_s))
+        try:
+            if deadline is not None:
+                ahead = self.queued_prefill_rows()
+                check_prefill_in_time(ahead, self.prefill_seconds(ahead + len(prompt)),
+                                      wait_limit(deadline - time.monotonic()))
+            return self.new_session(request_id, prompt, sampling, caller)
+        except BaseException:
+            self.kv.release(request_id)  # refused after all: its room goes to the next in line
+            raise
+
     def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     caller: str = "") -> Session:
-        """Register an empty-cache session for `prompt` opened by `caller`; the service prefills it."""
+        """Register an empty-cache session for `prompt` opened by `caller`, outside the KV budget (admit
+        reserves its room first); the service prefills it."""
         self.check_new_session(request_id, prompt, sampling, caller)
         salt = self.config.generator_salt
         seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
@@ -210,7 +223,7 @@ class ModelEngine:
 
     def check_new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                           caller: str = "") -> None:
-        """What new_session refuses; also checked before a session waits for KV room (specmesh.kv_budget)."""
+        """What new_session refuses; admit checks it before a session waits for KV room."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not prompt:
@@ -328,7 +341,7 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def close(self, request_id: str) -> bool:
-        self.kv.release(request_id)  # its KV room, held from admission (specmesh.kv_budget)
+        self.kv.release(request_id)  # its KV room, held from admission (admit)
         return self.sessions.pop(request_id, None) is not None
 
     def reap_idle(self, max_idle_s: float) -> list[str]:
@@ -359,7 +372,7 @@ class ModelEngine:
         input_ids = torch.tensor([list(token_ids) + [token_ids[-1]] * padding], dtype=torch.long,
                                  device=self.device)  # [1, n + padding]
         output = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
-                            logits_to_keep=self._logit_rows(n, keep, padding))
+                            logits_to_keep=self._logit_rows(n, keep))
         if padding:
             session.cache.crop(-padding)
         logits = output.logits[0, :keep].float().cpu()  # [keep, V]; .cpu() also waits for the device
@@ -372,27 +385,19 @@ class ModelEngine:
         return padding if fits else 0
 
     def _padding(self, rows: int) -> int:
-        """Rows to add to a forward of `rows`: measured (calibrate), else up to row_multiple."""
-        if self.costs is not None:
-            return self.costs.padding(rows)
-        multiple = self.config.row_multiple
-        return 0 if rows <= 1 or multiple <= 1 else -rows % multiple
+        """Rows to add to a forward of `rows` so that it runs at a cheaper measured size (calibrate).
 
-    def _logit_rows(self, n: int, keep: int, padding: int) -> torch.Tensor:
-        """Indices of the padded input's rows to project to logits, the `keep` real ones first.
+        Trailing pad rows cannot change the real rows (attention is causal) and are dropped from the cache.
+        """
+        return self.costs.padding(rows) if self.costs is not None else 0
 
-        The projection gets the same row-count padding as the forward itself. An
-        index tensor, not transformers' int form: the int form slices a view that
+    def _logit_rows(self, n: int, keep: int) -> torch.Tensor:
+        """Indices of the input's last `keep` real rows, the ones projected to logits (never a pad row).
+
+        An index tensor, not transformers' int form: the int form slices a view that
         sends bf16 projections on CPU down a path 10x slower.
         """
-        multiple = max(1, self.config.row_multiple)
-        rows = keep if keep == 1 else min(-(-keep // multiple) * multiple, keep + padding)
-        return torch.arange(n - keep, n - keep + rows, device=self.logits_device)
-
-    def feed_uncached(self, session: Session, extra: Sequence[int] = (),
-                      keep_rows: int | None = None) -> tuple[torch.Tensor, int]:
-        """Forward the sequence's uncached tail plus `extra`; logits of the last keep_rows positions."""
-        return self.forward(session, session.uncached_tail + list(extra), keep_rows)
+        return torch.arange(n - keep, n, device=self.logits_device)
 
     def rollback(self, session: Session, position: int, append: Sequence[int] = (), cached: int = 0) -> None:
         """Truncate the sequence to `position` tokens, then append `append`.
@@ -412,14 +417,3 @@ class ModelEngine:
         surplus = session.cached_length - keep
         if surplus > 0:
             session.cache.crop(-surplus)  # negative = remove that many tokens from the end
-
-
-def check_penalties(sampling: SamplingParams) -> None:
-    """A direct caller's garbage never reaches the logits (the orchestrator checks clients' ranges)."""
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not math.isfinite(getattr(sampling, name)):
-            raise InvalidArgument(f"sampling.{name}", "must be finite")
-    if sampling.repetition_penalty < 0:
-        raise InvalidArgument("sampling.repetition_penalty", "must be >= 0 (0 or 1: off)")
-    if not all(math.isfinite(bias) for _, bias in sampling.logit_bias):
-        raise InvalidArgument("sampling.logit_bias", "biases must be finite")

@@ -1,5 +1,8 @@
 """A model service's KV memory, managed by reservation: admission, a FIFO queue, never an out-of-memory crash.
 
+The engine admits a session (specmesh.engine.ModelEngine.admit) with the budget and the pure
+arithmetic here: what a session reserves, how long an open may wait, whether its prefill ends in time.
+
 A session reserves, when it opens, the KV room of every token it may ever hold:
 min(context window, prompt + max_new_tokens) (max_new_tokens 0: the whole window).
 Reservations are counted in tokens against a budget (`--kv-cache-memory`) divided by
@@ -19,18 +22,13 @@ import argparse
 import asyncio
 import logging
 import re
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import psutil
 import torch
 
 from specmesh.errors import CapacityExhausted, SessionExists
-
-if TYPE_CHECKING:
-    from specmesh.engine import ModelEngine, Session
-    from specmesh.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING_SESSIONS = 64
@@ -214,11 +212,11 @@ class KVBudget:
             granted.set_result(None)
 
 
-def reservation(engine: ModelEngine, length: int, max_new_tokens: int) -> int:
+def reservation(context_window: int, length: int, max_new_tokens: int) -> int:
     """Tokens a session of `length` tokens that may add `max_new_tokens` (0: no limit) can ever hold."""
     if max_new_tokens <= 0:
-        return engine.context_window
-    return min(engine.context_window, length + max_new_tokens)
+        return context_window
+    return min(context_window, length + max_new_tokens)
 
 
 def wait_limit(deadline_s: float | None) -> float | None:
@@ -229,31 +227,11 @@ def wait_limit(deadline_s: float | None) -> float | None:
     return max(0.0, deadline_s - min(WAIT_MARGIN_S, WAIT_MARGIN_FRACTION * deadline_s))
 
 
-async def admit_session(engine: ModelEngine, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                        caller: str = "", max_new_tokens: int = 0, timeout_s: float | None = None) -> Session:
-    """engine.new_session once the session's KV reservation is granted; a bad request fails before it waits.
-
-    Then admission by expected wait: a prompt whose prefill, behind every prompt row already
-    queued, would end past its call's deadline is refused at once (RESOURCE_EXHAUSTED, HTTP 429:
-    come back later or elsewhere) rather than prefilled in part and timed out, which would
-    only slow every request queued behind it."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    engine.check_new_session(request_id, prompt, sampling, caller)
-    await engine.kv.reserve(request_id, reservation(engine, len(prompt), max_new_tokens), wait_limit(timeout_s))
-    try:
-        _check_expected_wait(engine, len(prompt), deadline)
-        return engine.new_session(request_id, prompt, sampling, caller)
-    except BaseException:
-        engine.kv.release(request_id)
-        raise
-
-
-def _check_expected_wait(engine: ModelEngine, prompt_rows: int, deadline: float | None) -> None:
-    if deadline is None:
-        return
-    ahead = engine.queued_prefill_rows()
-    expected = engine.prefill_seconds(ahead + prompt_rows)
-    left = wait_limit(deadline - time.monotonic())
-    if expected is not None and expected > left:
-        raise CapacityExhausted(f"{ahead} prompt tokens are queued ahead: this prefill would end in about "
-                                f"{expected:.0f} s, past this call's deadline ({left:.0f} s left)")
+def check_prefill_in_time(ahead_rows: int, expected_s: float | None, left_s: float) -> None:
+    """Admission by expected wait: a prefill that, behind the `ahead_rows` prompt rows already queued,
+    would end in `expected_s` (None: unknown yet), past the `left_s` its call has, is refused at once
+    (RESOURCE_EXHAUSTED, HTTP 429: come back later or elsewhere) rather than prefilled in part and
+    timed out, which would only slow every request queued behind it."""
+    if expected_s is not None and expected_s > left_s:
+        raise CapacityExhausted(f"{ahead_rows} prompt tokens are queued ahead: this prefill would end in about "
+                                f"{expected_s:.0f} s, past this call's deadline ({left_s:.0f} s left)")

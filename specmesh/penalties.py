@@ -20,10 +20,12 @@ Order and semantics:
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from specmesh.errors import InvalidArgument
 from specmesh.sampling import SamplingParams
 
 
@@ -72,3 +74,14 @@ def _occurrences(history: Sequence[int], output_start: int, draft_ids: Sequence[
     for index, column in enumerate(draft_columns):
         running[index + 1:, column] += 1
     return columns, whole + running, output + running
+
+
+def check_penalties(sampling: SamplingParams) -> None:
+    """A direct caller's garbage never reaches the logits (the orchestrator checks clients' ranges)."""
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(sampling, name)):
+            raise InvalidArgument(f"sampling.{name}", "must be finite")
+    if sampling.repetition_penalty < 0:
+        raise InvalidArgument("sampling.repetition_penalty", "must be >= 0 (0 or 1: off)")
+    if not all(math.isfinite(bias) for _, bias in sampling.logit_bias):
+        raise InvalidArgument("sampling.logit_bias", "biases must be finite")

@@ -11,12 +11,11 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import grpc
 import torch
 
-from draft_service.server import create_server as create_draft_server
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
@@ -33,8 +32,6 @@ from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_toke
 from specmesh.server import serve_until_signal, stop_server
 from specmesh.step_log import StepLog
 from specmesh.telemetry import make_tracer_provider
-from target_service.disagreements import DisagreementLog
-from target_service.server import create_server as create_target_server
 
 log = logging.getLogger(__name__)
 CALIBRATION_LOCK = "specmesh-calibration.lock"  # in the temporary directory: see calibration_turn
@@ -248,24 +245,18 @@ async def reap_idle_sessions(engine: ModelEngine, idle_timeout_s: float) -> None
             log.info("freed idle session %s", request_id)
 
 
-async def create_model_server(config: ReplicaConfig, engine: ModelEngine, *,
-                              tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
-                              max_concurrent_rpcs: int | None = None,
-                              ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """The role's gRPC server over a loaded engine, bound to config.service's host and port.
+class ReplicaServerFactory(Protocol):
+    """Creates a role's gRPC server over a loaded engine, bound to config.service's host and port.
 
-    Every way of running a model service goes through here: `specmesh serve`'s child
-    processes, the Ray replica actors, `python -m draft_service|target_service`, and tests.
+    The runtime starts, drains and stops a model service without knowing which one it is: the
+    role's own package makes its server (draft_service.server, target_service.server), and a
+    deployment that runs either picks by role (orchestrator.deployment.replicas).
     """
-    options = config.service
-    address = f"{options.host}:{options.port}"
-    common = dict(tracer_provider=tracer_provider, metrics=metrics, tls=options.tls,
-                  max_concurrent_rpcs=max_concurrent_rpcs, internal_token=options.internal_token)
-    if role(config.role) is DRAFT:
-        return await create_draft_server(engine, address, **common,
-                                         **{"greedy_proposals": config.greedy_proposals, **config.extra})
-    disagreements = DisagreementLog(*config.disagreement_log) if config.disagreement_log else None
-    return await create_target_server(engine, address, **common, **{"disagreements": disagreements, **config.extra})
+
+    async def __call__(self, config: ReplicaConfig, engine: ModelEngine, *,
+                       tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
+                       max_concurrent_rpcs: int | None = None,
+                       ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]: ...
 
 
 @dataclass
@@ -286,13 +277,14 @@ class RunningService:
             self.provider.shutdown()  # flush the spans still batched
 
 
-async def start_model_service(config: ReplicaConfig, engine: ModelEngine) -> RunningService:
+async def start_model_service(config: ReplicaConfig, engine: ModelEngine,
+                              create_server: ReplicaServerFactory) -> RunningService:
     """Tracing, metrics, the gRPC server and the idle-session reaper of one model service."""
     options = config.service
     provider = make_tracer_provider(f"specmesh-{config.role}", options.trace_exporter, options.trace_sample_ratio)
     metrics = ServiceMetrics.for_engine(config.role, engine)
     metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
-    server, port, health = await create_model_server(config, engine, tracer_provider=provider, metrics=metrics)
+    server, port, health = await create_server(config, engine, tracer_provider=provider, metrics=metrics)
     # On SIGTERM: new sessions refused, open ones served until their orchestrator closes them (or the grace ends).
     drain_of(server).hold_sessions(lambda: len(engine.sessions))
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
@@ -300,10 +292,10 @@ async def start_model_service(config: ReplicaConfig, engine: ModelEngine) -> Run
     return RunningService(server, port, metrics_port, health, reaper, provider)
 
 
-async def run_model_service(config: ReplicaConfig, engine: ModelEngine,
+async def run_model_service(config: ReplicaConfig, engine: ModelEngine, create_server: ReplicaServerFactory,
                             on_ready: Callable[[int, int | None], None]) -> None:
     """Serve until SIGINT/SIGTERM; on_ready(grpc port, metrics port or None) once listening."""
-    service = await start_model_service(config, engine)
+    service = await start_model_service(config, engine, create_server)
     on_ready(service.port, service.metrics_port)
     try:
         await serve_until_signal(service.server, service.health, config.service.shutdown_grace_s)

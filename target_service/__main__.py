@@ -10,6 +10,7 @@ from specmesh.roles import TARGET
 from specmesh.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args,
                               run_model_service)
 from target_service.disagreements import add_disagreement_log_arguments, disagreement_log_settings
+from target_service.server import create_replica_server
 
 
 def main() -> None:
@@ -20,7 +21,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s target %(levelname)s %(message)s")
     config = ReplicaConfig(TARGET.name, options_from_args(args), disagreement_log=disagreement_log_settings(args))
     engine = load_engine(config.service, config.role)
-    asyncio.run(run_model_service(config, engine, lambda port, metrics_port: announce(
+    asyncio.run(run_model_service(config, engine, create_replica_server, lambda port, metrics_port: announce(
         "target", config.service.host, port, metrics_port)))
 
 

@@ -10,7 +10,6 @@ import torch
 from specmesh.distributions import decode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
-from specmesh.kv_budget import admit_session
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
 from specmesh.v1 import common_pb2
@@ -45,8 +44,7 @@ class TargetEngine:
 
     async def open(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                    caller: str = "", max_new_tokens: int = 0, admission_timeout_s: float | None = None) -> Opened:
-        session = await admit_session(self.engine, request_id, prompt, sampling, caller, max_new_tokens,
-                                      admission_timeout_s)
+        session = await self.engine.admit(request_id, prompt, sampling, caller, max_new_tokens, admission_timeout_s)
         try:
             return await self.engine.submit(session, self._prefill(session))
         except BaseException:
@@ -60,8 +58,7 @@ class TargetEngine:
         The cache covers all but the last committed token, as after any round, so the
         next Verify at position len(committed) feeds that token with its drafts.
         """
-        session = await admit_session(self.engine, request_id, committed, sampling, caller, max_new_tokens,
-                                      admission_timeout_s)
+        session = await self.engine.admit(request_id, committed, sampling, caller, max_new_tokens, admission_timeout_s)
         # A seeded stream restarted from the seed would reuse the uniforms that already
         # decided earlier tokens; salting it with the position keeps the draws fresh.
         session.generator = make_generator(sampling.seed, salt=len(committed))

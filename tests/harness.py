@@ -14,6 +14,7 @@ import grpc
 from orchestrator.deployment.clients import open_channel
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.deployment.replicas import create_model_server
 from orchestrator.frontend.server import create_server as create_orchestrator_server
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.metrics import OrchestratorMetrics
@@ -21,7 +22,7 @@ from specmesh.cpu_linear import choose_cpu_linear
 from specmesh.precision import load_model_in
 from specmesh.roles import role
 from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
-from specmesh.service import ReplicaConfig, ServiceOptions, create_model_server
+from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.step_costs import StepCosts
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
@@ -46,15 +47,30 @@ class FixedStepCosts(StepCosts):
         pass
 
 
+class RowMultipleCosts(FixedStepCosts):
+    """Step costs under which a forward of n > 1 rows is padded to a multiple of `multiple` rows, as
+    on a CPU whose GEMM costs one weight pass for 4 or 8 rows and one per row for 2, 3 or 5-7."""
+
+    def __init__(self, multiple: int):
+        super().__init__({rows: 1.0 for rows in (1, 2, 4, 8, 16, 32, 64)})
+        self.multiple = multiple
+
+    def padding(self, rows: int) -> int:
+        return 0 if rows <= 1 else -rows % self.multiple
+
+
 class TargetHold:
     """Lets the engine's next job (a new session's prefill) run, then holds its worker until
-    released, so a generation stays mid-way however fast the tiny models are. The hold is queued on the
-    worker as that job ends, ahead of the next step: no window in which the generation runs on."""
+    released, so a generation stays mid-way however fast the tiny models are. The hold is armed on
+    the worker as that job ends and taken as the next step starts: no window in which the generation
+    runs on."""
 
     def __init__(self, engine) -> None:
         self.engine, self.gate, self.held = engine, threading.Event(), threading.Event()
-        self._submit = engine.submit
+        self._submit, self._run_step = engine.submit, engine.scheduler.run_step
+        self._armed = False
         engine.submit = self._first_submit
+        engine.scheduler.run_step = self._step
 
     async def _first_submit(self, session, job):
         self.engine.submit = self._submit
@@ -63,18 +79,22 @@ class TargetHold:
             try:
                 return (yield from job)
             finally:
-                self.engine.scheduler.call_from_worker(self._hold)
+                self._armed = True
         return await self._submit(session, job_then_hold())
 
-    def _hold(self) -> None:
-        self.held.set()
-        self.gate.wait(60)
+    def _step(self, parts):
+        if self._armed:
+            self._armed = False
+            self.held.set()
+            self.gate.wait(60)
+        return self._run_step(parts)
 
     async def wait_held(self) -> None:
         assert await asyncio.to_thread(self.held.wait, 30), "the engine's next forward never ran"
 
     def release(self) -> None:
         self.engine.submit = self._submit
+        self.engine.scheduler.run_step = self._run_step
         self.gate.set()
 
     async def __aenter__(self) -> "TargetHold":
@@ -95,10 +115,13 @@ def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
                 row_multiple: int = 1, dtype: str = "float32", cpu_linear: str = "torch") -> ModelEngine:
+    """`row_multiple` > 1: every forward of more rows than one is padded to a multiple of it (RowMultipleCosts)."""
     model, tokenizer = load(str(model_dir), device, dtype, cpu_linear)
-    return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
-                                                      generator_salt=role(role_name).generator_salt,
-                                                      row_multiple=row_multiple))
+    engine = ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
+                                                        generator_salt=role(role_name).generator_salt))
+    if row_multiple > 1:
+        engine.costs = RowMultipleCosts(row_multiple)
+    return engine
 
 
 async def start_model_server(role_name: str, engine: ModelEngine, tls: TLSConfig | None = None,

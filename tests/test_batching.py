@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from engine_helpers import next_logits_fresh
 from harness import eventually, load, make_engine, start_stack
 from specmesh.batching import Part
 from specmesh.engine import Session
 from specmesh.sampling import SamplingParams
 from test_greedy_parity import target_greedy
-from test_rollback import next_logits_fresh
 from tiny_models import TINY_PROMPTS
 
 MAX_ABS_LOGIT_DELTA = 1e-4  # fp32: batched kernels reorder sums, nothing more (measured 6.2e-6: docs/design/continuous-batching.md)

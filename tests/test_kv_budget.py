@@ -12,6 +12,7 @@ import threading
 import grpc
 import pytest
 
+from engine_helpers import feed_uncached
 from front_door import assert_openai_error, open_front_door
 from harness import TargetHold, eventually, load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.failover import PooledTargetClient
@@ -83,7 +84,7 @@ def test_bytes_per_token_is_what_the_cache_holds(request, model_fixture, device)
     """The formula against a real cache: n tokens fed hold n x bytes-per-token of keys and values."""
     engine = budget_engine(request.getfixturevalue(model_fixture), device, tokens=1000)
     session = engine.new_session("r", PROMPT, SamplingParams())
-    engine.feed_uncached(session)
+    feed_uncached(engine, session)
     held = sum(t.nelement() * t.element_size() for layer in session.cache.layers for t in (layer.keys, layer.values))
     assert held == session.cached_length * engine.kv.bytes_per_token and session.cached_length == len(PROMPT)
     assert engine.kv.capacity == 1000

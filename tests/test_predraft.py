@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from draft_service.engine import CommitSpec, DraftEngine
+from engine_helpers import commit_alone, next_logits_cached, next_logits_fresh
 from harness import make_engine
 from orchestrator.decoding.pipelined import CostMeter, Predraft, pipeline_enabled, separate_compute
 from orchestrator.decoding.timing import RoundClock
 from specmesh.sampling import SamplingParams
 from specmesh.service import parse_cpu_list
 from specmesh.v1 import common_pb2, draft_pb2
-from test_rollback import next_logits_cached, next_logits_fresh
 
 
 class BranchStream:
@@ -75,18 +75,18 @@ async def test_commit_adopts_the_matching_branch_and_drops_the_rest(tiny_llama_p
     accepted = proposal.token_ids[: rejection.accepted_count]
     commit = CommitSpec(5, tuple(accepted) + (rejection.next_token_id,))
     # The branch's tokens are exactly what a fresh proposal after that commit draws.
-    await reference.commit("r", 1, commit)
+    await commit_alone(reference, "r", 1, commit)
     fresh = await reference.propose("r", 2, None, rejection.proposal.position, 3)
     assert fresh.token_ids == rejection.proposal.token_ids
     # Adopting it keeps its cache; an outcome nobody pre-drafted rolls back to a clean state.
     wanted = prompt + list(commit.token_ids) + rejection.proposal.token_ids
-    await engine.commit("r", 3, CommitSpec(5, tuple(wanted[5:])))
+    await commit_alone(engine, "r", 3, CommitSpec(5, tuple(wanted[5:])))
     session = engine.engine.get("r")
     assert session.token_ids == wanted and session.cached_length == len(wanted) - 1
     assert session.ahead.branches == []
     assert torch.allclose(next_logits_cached(engine.engine, "r"), next_logits_fresh(engine.engine, wanted), atol=1e-4)
     other = CommitSpec(6, (311,))
-    await engine.commit("r", 4, other)
+    await commit_alone(engine, "r", 4, other)
     assert torch.allclose(next_logits_cached(engine.engine, "r"), next_logits_fresh(engine.engine, wanted[:6] + [311]),
                           atol=1e-4)
 

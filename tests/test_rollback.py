@@ -8,22 +8,10 @@ import pytest
 import torch
 
 from draft_service.engine import CommitSpec, DraftEngine
+from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
 from harness import make_engine
 from specmesh.sampling import SamplingParams
 from target_service.engine import TargetEngine
-
-
-def next_logits_cached(engine, request_id: str) -> torch.Tensor:
-    session = engine.get(request_id)
-    return engine.feed_uncached(session)[0][-1]  # [V]
-
-
-def next_logits_fresh(engine, token_ids: list[int]) -> torch.Tensor:
-    session = engine.new_session("fresh", token_ids, SamplingParams(0.0))
-    try:
-        return engine.feed_uncached(session)[0][-1]  # [V]
-    finally:
-        engine.close("fresh")
 
 
 @pytest.mark.parametrize("row_multiple", [1, 4], ids=["unpadded", "rows-padded-to-4"])
@@ -42,7 +30,7 @@ async def test_caches_match_fresh_prefill(tiny_llama_dir, tiny_llama_perturbed_d
     for round_number in range(1, 12):
         commit = CommitSpec(agreed, tuple(sequence[agreed:]))
         if rng.random() < 0.3:  # a stand-alone commit, then a proposal without one
-            await draft.commit("r", round_number, commit)
+            await commit_alone(draft, "r", round_number, commit)
             commit = None
         proposal = await draft.propose("r", round_number, commit, len(sequence), rng.randrange(1, 7))
         result = await target.verify("r", round_number, len(sequence), proposal.token_ids,
@@ -51,7 +39,7 @@ async def test_caches_match_fresh_prefill(tiny_llama_dir, tiny_llama_perturbed_d
         agreed = len(sequence) + accepted
         sequence += proposal.token_ids[:accepted] + [result.verdict.next_token_id]
         assert result.committed_length == len(sequence)
-    await draft.commit("r", 99, CommitSpec(agreed, tuple(sequence[agreed:])))
+    await commit_alone(draft, "r", 99, CommitSpec(agreed, tuple(sequence[agreed:])))
     for engine in (target.engine, draft.engine):
         assert engine.get("r").token_ids == sequence
         assert torch.allclose(next_logits_cached(engine, "r"), next_logits_fresh(engine, sequence), atol=1e-4)
@@ -60,11 +48,11 @@ async def test_caches_match_fresh_prefill(tiny_llama_dir, tiny_llama_perturbed_d
 async def test_rollback_to_earlier_position(tiny_llama_dir, device):
     engine = make_engine(tiny_llama_dir, device, row_multiple=4)
     session = engine.new_session("r", [5, 6, 7, 8, 9, 10], SamplingParams(0.0))
-    engine.feed_uncached(session)  # caches all six
+    feed_uncached(engine, session)  # caches all six
     engine.rollback(session, 3, [42, 43])
     assert session.token_ids == [5, 6, 7, 42, 43]
     assert session.cached_length == 3  # positions below 3 kept, the newest token never cached
-    assert torch.allclose(engine.feed_uncached(session)[0][-1], next_logits_fresh(engine, [5, 6, 7, 42, 43]),
+    assert torch.allclose(feed_uncached(engine, session)[0][-1], next_logits_fresh(engine, [5, 6, 7, 42, 43]),
                           atol=1e-4)
 
 
@@ -73,11 +61,11 @@ async def test_rollback_keeps_the_accepted_drafts_cached(tiny_llama_dir, device)
     the next forward feeds 42 alone, and its logits are a fresh run's."""
     engine = make_engine(tiny_llama_dir, device)
     session = engine.new_session("r", [5, 6, 7, 8, 9, 10], SamplingParams(0.0))
-    engine.feed_uncached(session)
+    feed_uncached(engine, session)
     engine.rollback(session, 3, [8, 9, 42], cached=2)
     assert session.token_ids == [5, 6, 7, 8, 9, 42]
     assert session.cached_length == 5 and session.uncached_tail == [42]
-    assert torch.allclose(engine.feed_uncached(session)[0][-1], next_logits_fresh(engine, [5, 6, 7, 8, 9, 42]),
+    assert torch.allclose(feed_uncached(engine, session)[0][-1], next_logits_fresh(engine, [5, 6, 7, 8, 9, 42]),
                           atol=1e-4)
 
 

@@ -25,8 +25,8 @@ import grpc
 
 from opentelemetry import trace
 
-from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.decoding.background import retrieve_outcome, spawn_background
+from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.lookup import PromptLookup
 from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
@@ -120,7 +120,7 @@ class LoopStats:
 class SpeculativeGeneration:
     """Yields committed tokens, a list per round, until max_tokens or an EOS token."""
 
-    def __init__(self, request: GenerationRequest, target: TargetClient, draft: DraftClient | None,
+    def __init__(self, request: GenerationRequest, target: TargetEndpoint, draft: DraftEndpoint | None,
                  eos_token_ids: set[int], config: LoopConfig,
                  on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
                  tracer: trace.Tracer | None = None, switch: SpeculationSwitch | None = None,

@@ -23,8 +23,9 @@ import time
 
 import grpc
 
+from orchestrator.decoding.endpoints import BranchStream
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.costs import Ewma
+from specmesh.ewma import Ewma
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ PIPELINE_MODES = ("auto", "on", "off")
 class Predraft:
     """One PreDraft stream, its branches collected in the background by key."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, round_number: int, request_id: str, position: int,
+    def __init__(self, call: BranchStream, round_number: int, request_id: str, position: int,
                  assumed_count: int, extra_branches: int):
         self.call = call
         self.round = round_number

@@ -1,6 +1,6 @@
 """Draft and target clients over replica pools: a session sticks to one replica and moves when it dies.
 
-They keep the `DraftClient` / `TargetClient` interface, so the loop never sees
+They are the loop's Draft/TargetEndpoint (orchestrator.decoding.endpoints), so it never sees
 replicas. Each remembers the sequence its session holds on its replica — the
 target's committed tokens (prompt, first token, each round's accepted prefix plus
 recovered or bonus token), the draft's tokens (commits applied, proposals appended)

@@ -30,6 +30,7 @@ from orchestrator.decoding.options import add_loop_arguments
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
 from orchestrator.deployment.pool import PoolSpec
+from orchestrator.deployment.replicas import create_model_server
 from orchestrator.deployment.options import PoolsOptions, RestartPolicy
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
@@ -209,7 +210,7 @@ def run_service(config: ReplicaConfig, ready: "mp.Queue[Ready]") -> None:
     _configure_logging()
     try:
         engine = load_engine(config.service, config.role)
-        asyncio.run(run_model_service(config, engine, lambda port, metrics_port: ready.put(
+        asyncio.run(run_model_service(config, engine, create_model_server, lambda port, metrics_port: ready.put(
             Ready(config.role, port, metrics_port))))
     except Exception as error:  # noqa: BLE001 - reported to the parent, then exit
         ready.put(Ready(config.role, None, error=f"{type(error).__name__}: {error}"))

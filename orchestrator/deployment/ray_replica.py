@@ -15,6 +15,7 @@ import logging
 
 from transformers.utils import logging as hf_logging
 
+from orchestrator.deployment.replicas import create_model_server
 from specmesh.roles import role
 from specmesh.service import ReplicaConfig, RunningService, load_engine, start_model_service
 
@@ -51,7 +52,7 @@ class ReplicaActor:
         config = dataclasses.replace(self.config, service=dataclasses.replace(
             self.config.service, host=advertised_host(self.config.service.host)))
         self._engine = await asyncio.to_thread(load_engine, config.service, config.role)
-        self._service = await start_model_service(config, self._engine)
+        self._service = await start_model_service(config, self._engine, create_model_server)
         address = f"{config.service.host}:{self._service.port}"
         log.info("%s replica serving on %s", config.role, address)
         return address

@@ -29,6 +29,7 @@ from typing import Callable
 
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
+from orchestrator.deployment.replicas import create_model_server
 from specmesh import openmp
 from specmesh.roles import START_TIMEOUT_S, role
 from specmesh.service import ReplicaConfig, load_engine, run_model_service
@@ -54,7 +55,7 @@ def run_replica(config: ReplicaConfig, report: Connection) -> None:
                         format=f"%(asctime)s {config.role} %(process)d %(levelname)s %(message)s")
     try:
         engine = load_engine(config.service, config.role)
-        asyncio.run(run_model_service(config, engine, lambda port, metrics_port: report.send(
+        asyncio.run(run_model_service(config, engine, create_model_server, lambda port, metrics_port: report.send(
             Started(port, metrics_port))))
     except Exception as error:  # noqa: BLE001 - reported to the supervisor, then exit
         report.send(Started(None, error=f"{type(error).__name__}: {error}"))

@@ -11,10 +11,10 @@ import grpc
 from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.detokenizer import IncrementalDetokenizer
 from orchestrator.decoding.costs import RoundCosts
+from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
@@ -29,8 +29,8 @@ FINISH_REASON_NAMES = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2
 
 @dataclass
 class Backends:
-    target: TargetClient
-    draft: DraftClient | None  # None: target-only serving
+    target: TargetEndpoint  # a service's client or a pool's (orchestrator.deployment.clients, .failover)
+    draft: DraftEndpoint | None  # None: target-only serving
     eos_token_ids: set[int]
     limits: ModelLimits
     model: str  # the target model's name, for metrics and traces

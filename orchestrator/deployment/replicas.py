@@ -1,0 +1,29 @@
+"""A model replica's gRPC server, whichever its role: the one place that knows both services.
+
+Every way of running either role goes through here (`specmesh serve`'s child processes,
+the Ray replica actors, tests); `python -m draft_service|target_service` call their own
+role's `create_replica_server`.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+from opentelemetry.sdk.trace import TracerProvider
+
+from draft_service.server import create_replica_server as create_draft_replica_server
+from specmesh.engine import ModelEngine
+from specmesh.metrics import ServiceMetrics
+from specmesh.roles import DRAFT, role
+from specmesh.service import ReplicaConfig
+from target_service.server import create_replica_server as create_target_replica_server
+
+
+async def create_model_server(config: ReplicaConfig, engine: ModelEngine, *,
+                              tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
+                              max_concurrent_rpcs: int | None = None,
+                              ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """The role's gRPC server over a loaded engine (a specmesh.service.ReplicaServerFactory)."""
+    create = create_draft_replica_server if role(config.role) is DRAFT else create_target_replica_server
+    return await create(config, engine, tracer_provider=tracer_provider, metrics=metrics,
+                        max_concurrent_rpcs=max_concurrent_rpcs)
