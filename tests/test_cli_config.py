@@ -104,7 +104,8 @@ def options_land_where_they_are_used(args: argparse.Namespace) -> None:
             args.trace_exporter, 0.25, 0.25)
     assert local.draft.replica.greedy_proposals and local.target.replica.disagreement_log == (
         "value-of-disagreement-log", 0.25, True)
-    assert (local.restart_policy.max_restarts, local.restart_policy.window_s, local.max_replica_failures) == (3, 0.25, 3)
+    restarts = local.restart_policy
+    assert (restarts.max_restarts, restarts.window_s, local.max_replica_failures) == (3, 0.25, 3)
     assert (local.target.replicas, local.draft.replicas) == (3, 3)
     ray = ray_cli.pools_options(args, security, "token")
     assert ray.namespace == "value-of-ray-namespace"

@@ -66,7 +66,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model pair and where it runs: shared by `specmesh serve` and `specmesh bench`."""
     parser.add_argument("--target", default=TARGET.default_model, metavar="MODEL",
                         help="target model: alias, directory, .gguf or hub id")
-    parser.add_argument("--draft", default=DRAFT.default_model, metavar="MODEL", help="draft model, or 'none' for target-only")
+    parser.add_argument("--draft", default=DRAFT.default_model, metavar="MODEL",
+                        help="draft model, or 'none' for target-only")
     add_loop_arguments(parser)
     parser.add_argument("--target-cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the target service to these CPU cores, e.g. 0 or 0-3")
