@@ -28,6 +28,7 @@ import torch
 
 from orchestrator.bench.peer import PeerPair, hf_generate
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.frontend.options import FrontendOptions
 from orchestrator.decoding.loop import LoopConfig
 from specmesh.precision import DTYPE_CHOICES
 from specmesh.service import ServiceOptions
@@ -87,7 +88,7 @@ def phase_specmesh(args) -> tuple[Run, list[Run]]:
         options = StackOptions(
             target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype),
             draft=ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype),
-            loop=LoopConfig(), address="127.0.0.1:0", orchestrator=ServiceOptions(model=args.target))
+            loop=LoopConfig(), address="127.0.0.1:0", orchestrator=FrontendOptions())
         endpoint = f"127.0.0.1:{start_stack(group, options)['orchestrator'].port}"
         asyncio.run(run_specmesh(endpoint, PROMPTS[:1], 8, True, args.k[0]))  # warm-up
         baseline = asyncio.run(run_specmesh(endpoint, args.prompts, args.max_tokens, False, 0))

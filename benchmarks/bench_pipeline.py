@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench_core import PROMPTS
 from orchestrator.deployment.launch import ProcessGroup, run_orchestrator, run_service
+from orchestrator.frontend.options import FrontendOptions
 from specmesh.roles import START_TIMEOUT_S
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
@@ -124,7 +125,7 @@ def start_services(group: ProcessGroup, args) -> dict:
                                       LoopConfig(num_speculative_tokens=args.k, pipeline=pipeline,
                                                  extra_branches=args.extra_branches))
         group.start(mode, run_orchestrator, args.target, options, "127.0.0.1:0",
-                    ServiceOptions(model=args.target, metrics_port=0))
+                    FrontendOptions(metrics_port=0))
         ready[mode] = group.wait_ready({"orchestrator"}, START_TIMEOUT_S)["orchestrator"]  # one at a time
     return ready
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
+from orchestrator.frontend.options import FrontendOptions  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
@@ -126,7 +127,7 @@ def main() -> None:
             ready = start_stack(group, StackOptions(
                 target=ServiceOptions(model=target), draft=ServiceOptions(model=draft) if draft else None,
                 loop=LoopConfig(num_speculative_tokens=3), address="127.0.0.1:0",
-                orchestrator=ServiceOptions(model=target, http_port=0, max_request_bytes=args.max_request_bytes)))
+                orchestrator=FrontendOptions(http_port=0, max_request_bytes=args.max_request_bytes)))
             orchestrator = ready["orchestrator"]
             text = "x" * int(args.prompt_mb * 1024 * 1024)
             prompt_grpc = generation_pb2.GenerateRequest(prompt=text, max_tokens=4).SerializeToString()

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
+from orchestrator.frontend.options import FrontendOptions  # noqa: E402
 from specmesh.kv_budget import parse_kv_cache_memory  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                 target=ServiceOptions(model=target, **budget, **dict(args.target_option)),
                 draft=ServiceOptions(model=draft, **budget, **dict(args.draft_option)) if draft else None,
                 loop=LoopConfig(num_speculative_tokens=args.k), address="127.0.0.1:0",
-                orchestrator=ServiceOptions(model=target)))["orchestrator"]
+                orchestrator=FrontendOptions()))["orchestrator"]
             processes = service_processes(group.processes[0].pid, ready.replica_addresses or {})
             print(f"{args.requests} concurrent requests, prompts {args.prompt_tokens[0]}..{args.prompt_tokens[1]} "
                   f"tokens, max_tokens {args.max_tokens[0]}..{args.max_tokens[1]}; processes {sorted(processes)}")

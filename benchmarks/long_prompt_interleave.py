@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from orchestrator.decoding.loop import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
+from orchestrator.frontend.options import FrontendOptions  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> bool:
                 target=ServiceOptions(model=target, **tuning),
                 draft=ServiceOptions(model=draft, **tuning) if draft else None,
                 loop=LoopConfig(num_speculative_tokens=args.k), address="127.0.0.1:0",
-                orchestrator=ServiceOptions(model=target)))
+                orchestrator=FrontendOptions()))
             met = []
             for run in range(args.runs):
                 print(f"run {run + 1}: {args.streams} greedy streams (speculation {args.speculation}), "

@@ -1,6 +1,6 @@
 """Run the orchestrator alone against running services:
 python -m orchestrator --target HOST:PORT [--draft HOST:PORT] --port 50051, or against the
-replica pools that `specmesh serve --target-replicas N` runs on a Ray cluster:
+replica pools that `specmesh serve --backend ray` runs on a Ray cluster:
 python -m orchestrator --ray-address HEAD:6379 --tokenizer MODEL --port 50052.
 
 The --tls-cert/--tls-key/--tls-ca flags secure the client-facing port; --tls-root-ca and
@@ -23,7 +23,8 @@ from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_c
                                add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
                                client_tls_from_args, internal_token_from_args, server_tls_from_args)
 from specmesh.drain import add_shutdown_arguments
-from specmesh.service import ServiceOptions, add_request_limit_argument, add_telemetry_arguments, announce
+from orchestrator.frontend.options import FrontendOptions
+from specmesh.service import add_request_limit_argument, add_telemetry_arguments, announce
 
 
 def main() -> None:
@@ -57,12 +58,11 @@ def main() -> None:
     options = OrchestratorOptions(args.target or "", args.draft, loop_config(args), channel_tls,
                                   pools=_join_pools(args.ray_address, args.ray_namespace) if args.ray_address else None,
                                   internal_token=internal_token)
-    telemetry = ServiceOptions(model=args.tokenizer, host=args.host, metrics_port=args.metrics_port,
+    frontend = FrontendOptions(host=args.host, http_port=args.http_port, metrics_port=args.metrics_port,
                                trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
-                               http_port=args.http_port, tls=tls, api_key=api_key,
-                               shutdown_grace_s=args.shutdown_grace,
+                               tls=tls, api_key=api_key, shutdown_grace_s=args.shutdown_grace,
                                max_request_bytes=args.max_request_bytes)
-    run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", telemetry, _Announce(args.host))
+    run_orchestrator(args.tokenizer, options, f"{args.host}:{args.port}", frontend, _Announce(args.host))
 
 
 def _join_pools(address: str, namespace: str):

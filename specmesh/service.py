@@ -39,6 +39,8 @@ CALIBRATION_LOCK = "specmesh-calibration.lock"  # in the temporary directory: se
 
 @dataclass(frozen=True)
 class ServiceOptions:
+    """One model service's (a draft's or a target's) settings; the orchestrator's are its FrontendOptions."""
+
     model: str
     host: str = "127.0.0.1"
     port: int = 0
@@ -52,14 +54,11 @@ class ServiceOptions:
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     trace_exporter: str | None = None  # otlp, console or none; None = from OTEL_* environment variables
     trace_sample_ratio: float | None = None  # None = from OTEL_TRACES_SAMPLER[_ARG], else every trace
-    http_port: int | None = None  # the orchestrator's OpenAI-compatible HTTP API (0 = any free port); None = off
     tls: TLSConfig | None = None  # serve TLS (mutual TLS with a client CA); None = plaintext
-    api_key: str | None = None  # the orchestrator's client-facing API requires it; None = open
     cpus: tuple[int, ...] | None = None  # pin the process to these CPU cores (and as many torch threads)
     # draft/target: calls must carry it (from the orchestrator); None = open. Kept out of reprs and logs.
     internal_token: str | None = field(default=None, repr=False)
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
-    max_request_bytes: int | None = None  # the orchestrator's client-facing cap; None = sized to the context window
     max_step_tokens: int = EngineConfig.max_step_tokens  # rows one batched step may feed
     prefill_slowdown: float | None = None  # a prefill chunk's step costs <= this x decode alone; None: the role's
     kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
@@ -138,7 +137,7 @@ def positive_int(text: str) -> int:
 
 
 def add_telemetry_arguments(parser: argparse.ArgumentParser, default_metrics_port: int | None) -> None:
-    parser.add_argument("--metrics-port", type=int, default=default_metrics_port,
+    parser.add_argument("--metrics-port", type=int, default=default_metrics_port, metavar="PORT",
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 = any free port, "
                              "-1 = off)")
     parser.add_argument("--trace-exporter", choices=["otlp", "console", "none"], default=None,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import yaml
 
 from orchestrator.deployment.clients import open_channel
 from orchestrator.decoding.loop import LoopConfig
@@ -25,6 +26,13 @@ from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.step_costs import StepCosts
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
+
+
+def serve_config(directory: Path, **settings) -> list[str]:
+    """`specmesh serve`'s `--config FILE` arguments for settings only a config file sets (given by dest)."""
+    path = Path(directory) / "serve.yaml"
+    path.write_text(yaml.safe_dump({name.replace("_", "-"): value for name, value in settings.items()}))
+    return ["--config", str(path)]
 
 
 async def eventually(probe, wanted=True, timeout_s: float = 30.0) -> None:

@@ -79,6 +79,24 @@ def serve_args() -> list[str]:
     return driver["args"]
 
 
+def serve_config_text() -> str:
+    """The driver's --config file: the ConfigMap mounted where its --config points."""
+    head = raycluster()["spec"]["headGroupSpec"]["template"]
+    args, mounts = serve_args(), {m["name"]: m["mountPath"] for m in container(head, "specmesh")["volumeMounts"]}
+    path = Path(args[args.index("--config") + 1])
+    volume = next(v for v in head["spec"]["volumes"] if mounts.get(v["name"]) == str(path.parent))
+    return DOCUMENTS[("ConfigMap", volume["configMap"]["name"])]["data"][path.name]
+
+
+def parsed_serve_args(tmp_path: Path):
+    """The driver's command line through the real parser, its config file copied out of the ConfigMap."""
+    args = serve_args()
+    config = tmp_path / "serve.yaml"
+    config.write_text(serve_config_text())
+    return build_parser().parse_args([str(config) if arg == args[args.index("--config") + 1] else arg
+                                      for arg in args])
+
+
 def test_manifests_exist_and_the_kustomization_lists_them():
     kustomization = yaml.safe_load((KUBERAY / "kustomization.yaml").read_text())
     assert all((KUBERAY / resource).is_file() for resource in kustomization["resources"])
@@ -124,18 +142,18 @@ def test_pools_are_separate_worker_groups_with_their_own_sizes():
 
 
 def test_replicas_request_the_custom_resource_their_group_offers():
-    args = serve_args()
+    settings = yaml.safe_load(serve_config_text())
     groups = {group["groupName"]: group for group in raycluster()["spec"]["workerGroupSpecs"]}
     for pool in ("draft", "target"):
-        requested = json.loads(args[args.index(f"--{pool}-resources") + 1])
+        requested = settings[f"{pool}-resources"]
         offered_text = groups[pool]["rayStartParams"]["resources"]  # KubeRay form: '"{...}"'
         offered = json.loads(offered_text.strip('"').replace('\\"', '"'))
         assert set(requested) == {f"specmesh_{pool}"} and requested.items() <= offered.items(), pool
     assert raycluster()["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
 
 
-def test_serve_command_parses_with_the_cli():
-    args = build_parser().parse_args(serve_args())
+def test_serve_command_parses_with_the_cli(tmp_path):
+    args = parsed_serve_args(tmp_path)
     assert args.address == "auto" and args.draft_resources == {"specmesh_draft": 1}
     assert args.command == "serve" and args.host == "0.0.0.0" and args.port == 50051 and args.http_port == 8000
     assert args.tls_server_name == "specmesh-internal"
@@ -181,11 +199,11 @@ def pre_stop_sleep_s(container_: dict) -> float:
     return float(command[1])
 
 
-def test_pods_outlive_the_drivers_drain():
+def test_pods_outlive_the_drivers_drain(tmp_path):
     """The driver drains within its bound after its preStop; Ray and the replicas stay up that long,
     and Kubernetes waits for all of it before SIGKILL."""
-    grace = build_parser().parse_args(serve_args()).shutdown_grace
-    assert "--shutdown-grace" in serve_args() and grace > 0
+    grace = parsed_serve_args(tmp_path).shutdown_grace
+    assert "shutdown-grace" in yaml.safe_load(serve_config_text()) and grace > 0
     templates = pod_templates(raycluster())
     driver_done_s = pre_stop_sleep_s(container(templates["head"], "specmesh")) + stop_bound_s(grace)
     assert pre_stop_sleep_s(container(templates["head"], "specmesh")) > 0  # endpoints go before the drain

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import TargetHold, eventually, load, make_engine, start_stack
+from harness import TargetHold, eventually, load, make_engine, serve_config, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
@@ -210,11 +210,12 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
 class Serve:
     """`specmesh serve` on the tiny pair, with the target process's pid (to freeze it)."""
 
-    def __init__(self, target_dir, draft_dir, grace_s: float):
+    def __init__(self, target_dir, draft_dir, grace_s: float, config_dir):
         self.output: list[str] = []  # what it prints after the ready lines: the drain logs there
         self.process, self.endpoint, lines = start_serve(
             "--target", str(target_dir), "--draft", str(draft_dir), "--num-speculative-tokens", "3",
-            "--metrics-port", "0", "--shutdown-grace", str(grace_s), expect_metrics=True, output=self.output)
+            "--metrics-port", "0", *serve_config(config_dir, shutdown_grace=grace_s), expect_metrics=True,
+            output=self.output)
         self.http = re.search(r"OpenAI API (http://[^/\s]+)", "\n".join(lines)).group(1)
         metrics = dict(part.strip().split(" ") for part in lines[-1].removeprefix("metrics: ").split(","))
         target_metrics_port = int(re.search(r":(\d+)/metrics", metrics["target"]).group(1))
@@ -240,8 +241,8 @@ class Serve:
             self.process.wait(timeout=30)
 
 
-async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_perturbed_dir):
-    serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 60.0)
+async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_perturbed_dir, tmp_path):
+    serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 60.0, tmp_path)
     try:
         async with grpc.aio.insecure_channel(serve.endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
@@ -266,8 +267,9 @@ async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_p
         serve.kill()
 
 
-async def test_sigterm_with_a_short_grace_cuts_the_stream_off_and_exits_0(tiny_llama_dir, tiny_llama_perturbed_dir):
-    serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 0.5)
+async def test_sigterm_with_a_short_grace_cuts_the_stream_off_and_exits_0(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                           tmp_path):
+    serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 0.5, tmp_path)
     try:
         async with grpc.aio.insecure_channel(serve.endpoint) as channel:
             call = generation_pb2_grpc.GenerationStub(channel).Generate(request(LONG), timeout=120)
@@ -288,15 +290,15 @@ def listening_process(port: int) -> psutil.Process:
                 if c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid)
 
 
-async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_llama_dir, tiny_llama_perturbed_dir):
+async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_llama_dir, tiny_llama_perturbed_dir,
+                                                                          tmp_path):
     """Ray mode: the driver drains while the replica actors still serve, then takes them down."""
     pytest.importorskip("ray")
     process, endpoint, _ = await asyncio.to_thread(
         start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-        "--num-speculative-tokens", "3", "--metrics-port", "-1", "--shutdown-grace", "60",
-        "--backend", "ray", "--target-replicas", "1", "--draft-replicas", "1",
-        "--target-num-cpus", "0.5", "--draft-num-cpus", "0.5",
-        "--ray-namespace", "specmesh-drain-test")
+        "--num-speculative-tokens", "3", "--metrics-port", "-1", "--backend", "ray",
+        *serve_config(tmp_path, shutdown_grace=60, target_replicas=1, draft_replicas=1, target_num_cpus=0.5,
+                      draft_num_cpus=0.5, ray_namespace="specmesh-drain-test"))
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:
             pools = (await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(),

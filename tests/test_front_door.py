@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from front_door import assert_openai_error, bad_request_fields, open_front_door
-from harness import start_stack
+from harness import serve_config, start_stack
 from orchestrator.frontend import http_api
 from orchestrator.frontend.cli import build_parser
+from orchestrator.frontend.config_file import ConfigError
 from orchestrator.frontend.request_limits import request_size_limit
 from specmesh.v1 import generation_pb2
 from tiny_models import TINY_PROMPTS
@@ -195,10 +196,11 @@ async def test_prompts_are_tokenized_off_the_event_loop(door, monkeypatch):
     assert len(threads) == 3 and loop_thread not in threads
 
 
-@pytest.mark.parametrize("value, accepted", [("4096", True), ("0", False), ("-5", False), ("1e6", False)])
-def test_the_size_limit_flag_takes_a_positive_byte_count(value, accepted):
+@pytest.mark.parametrize("value, accepted", [(4096, True), (0, False), (-5, False), (1e6, False)])
+def test_the_size_limit_setting_takes_a_positive_byte_count(value, accepted, tmp_path):
+    config = serve_config(tmp_path, max_request_bytes=value)
     if accepted:
-        assert build_parser().parse_args(["serve", "--max-request-bytes", value]).max_request_bytes == int(value)
+        assert build_parser().parse_args(["serve", *config]).max_request_bytes == value
     else:
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", "--max-request-bytes", value])
+        with pytest.raises(ConfigError, match="max-request-bytes"):
+            build_parser().parse_args(["serve", *config])

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from draft_service.server import create_server as create_draft_server
-from harness import load, start_stack
+from harness import load, serve_config, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
 from specmesh.engine import EngineConfig, ModelEngine
@@ -292,8 +292,8 @@ async def test_serve_on_ray_with_an_api_key_refuses_unauthenticated_calls(tiny_l
     (tmp_path / "api-key").write_text("ray-api-key")
     process, endpoint, lines = await asyncio.to_thread(
         start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-        "--backend", "ray", "--target-replicas", "1", "--draft-replicas", "1", "--metrics-port", "-1",
-        "--api-key-file", str(tmp_path / "api-key"))
+        "--backend", "ray", "--metrics-port", "-1", "--api-key-file", str(tmp_path / "api-key"),
+        *serve_config(tmp_path, target_replicas=1, draft_replicas=1))
     keyed = bearer_metadata("ray-api-key")
     try:
         async with grpc.aio.insecure_channel(endpoint) as channel:

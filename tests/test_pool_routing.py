@@ -241,9 +241,9 @@ def test_autoscale_steps_towards_the_load_per_replica_target(desired, loads, exp
     assert autoscale(desired, 1, 4, loads, load_per_replica=4.0) == expected
 
 
-def test_the_autoscaling_target_keeps_its_old_flag():
+def test_the_autoscaling_target_has_one_name():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     assert parser.parse_args([]).load_per_replica == 4.0
     assert parser.parse_args(["--load-per-replica", "2.5"]).load_per_replica == 2.5
-    assert parser.parse_args(["--sessions-per-replica", "3"]).load_per_replica == 3.0
+    assert parser.parse_known_args(["--sessions-per-replica", "3"])[1] == ["--sessions-per-replica", "3"]

@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import load, start_stack
+from harness import load, serve_config, start_stack
 from orchestrator.frontend.cli import build_parser, main as cli_main
 from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
@@ -202,12 +202,12 @@ def test_unreadable_files_fail_at_start_naming_the_flag(pki, tmp_path, capsys):
     assert "--api-key-file: cannot read" in capsys.readouterr().err
 
 
-def test_serve_security_needs_matching_channel_settings(pki):
+def test_serve_security_needs_matching_channel_settings(pki, tmp_path):
     server = ["serve", "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key), "--tls-ca", str(pki.ca)]
     with pytest.raises(SecurityConfigError, match="--tls-client-cert"):
         security_from_args(build_parser().parse_args(server))
     security = security_from_args(build_parser().parse_args(
-        server + ["--tls-client-cert", str(pki.client.cert), "--tls-client-key", str(pki.client.key)]))
+        server + serve_config(tmp_path, tls_client_cert=str(pki.client.cert), tls_client_key=str(pki.client.key))))
     assert security.server_tls.mutual and security.channel_tls.ca == pki.ca.read_bytes()  # root CA from --tls-ca
 
 
@@ -220,8 +220,8 @@ async def test_serve_processes_with_mutual_tls_and_api_key(pki, tiny_llama_dir, 
     process, endpoint, _ = await asyncio.to_thread(
         start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir), "--metrics-port", "-1",
         "--http-port", "-1", "--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key),
-        "--tls-ca", str(pki.ca), "--tls-client-cert", str(pki.client.cert), "--tls-client-key", str(pki.client.key),
-        "--api-key-file", str(key_file))
+        "--tls-ca", str(pki.ca), "--api-key-file", str(key_file),
+        *serve_config(tmp_path, tls_client_cert=str(pki.client.cert), tls_client_key=str(pki.client.key)))
     for name, value in (("SPECMESH_TLS_ROOT_CA", pki.ca), ("SPECMESH_TLS_CLIENT_CERT", pki.client.cert),
                         ("SPECMESH_TLS_CLIENT_KEY", pki.client.key), ("SPECMESH_API_KEY", API_KEY)):
         monkeypatch.setenv(name, str(value))

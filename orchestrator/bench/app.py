@@ -27,10 +27,11 @@ from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool
 from orchestrator.bench.report import machine_info, print_report, write_json
 from orchestrator.bench.runner import Configuration, LoadSettings, run_modes, warm_up
 from orchestrator.bench.sweep import draft_length_sweep
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, model_service_options, start_stack
 from orchestrator.decoding.options import loop_config
+from orchestrator.frontend.options import FrontendOptions
+from specmesh.roles import DRAFT, TARGET
 from specmesh.security import new_internal_token
-from specmesh.service import ServiceOptions
 
 # (configuration, mode) -> (records, seconds of each pass over the prompts)
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], list[float]]]
@@ -91,13 +92,11 @@ def start_own_stack(group: ProcessGroup, args) -> str:
     http = args.protocol == "http"
     token = new_internal_token()  # as under `specmesh serve`: only this orchestrator may call the pair
     options = StackOptions(
-        target=ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, trace_exporter="none",
-                              internal_token=token, cpu_linear=args.cpu_linear),
-        draft=ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                             trace_exporter="none", internal_token=token, cpu_linear=args.cpu_linear),
+        target=model_service_options(args, TARGET.name, trace_exporter="none", internal_token=token),
+        draft=model_service_options(args, DRAFT.name, trace_exporter="none", internal_token=token),
         loop=loop_config(args),
         address="127.0.0.1:0",
-        orchestrator=ServiceOptions(model=args.target, http_port=0 if http else -1, trace_exporter="none"))
+        orchestrator=FrontendOptions(http_port=0 if http else -1, trace_exporter="none"))
     print(f"specmesh bench: starting target {args.target} and draft {args.draft} ...", file=sys.stderr, flush=True)
     ready = start_stack(group, options)["orchestrator"]
     return f"127.0.0.1:{ready.http_port if http else ready.port}"

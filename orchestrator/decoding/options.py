@@ -10,7 +10,7 @@ from orchestrator.decoding.pipelined import PIPELINE_MODES
 
 def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     """The speculative loop's flags, shared by `specmesh serve` and `python -m orchestrator`."""
-    parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens,
+    parser.add_argument("--num-speculative-tokens", type=int, default=LoopConfig.num_speculative_tokens, metavar="K",
                         help="draft tokens per round; with the adaptive policy, the most per round")
     parser.add_argument("--speculation-policy", choices=("adaptive", "fixed"), default="adaptive",
                         help="adaptive: choose k per round from measured acceptance and costs, 0 when "

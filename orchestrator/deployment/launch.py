@@ -33,6 +33,7 @@ from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.replicas import create_model_server
 from orchestrator.deployment.options import PoolsOptions, RestartPolicy
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.frontend.options import FrontendOptions
 from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
 from specmesh.metrics import OrchestratorMetrics, serve_metrics
 from specmesh.models import load_tokenizer
@@ -64,9 +65,10 @@ class Ready:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model pair and where it runs: shared by `specmesh serve` and `specmesh bench`."""
-    parser.add_argument("--target", default=TARGET.default_model,
+    parser.add_argument("--target", default=TARGET.default_model, metavar="MODEL",
                         help="target model: alias, directory, .gguf or hub id")
-    parser.add_argument("--draft", default=DRAFT.default_model, help="draft model, or 'none' for target-only")
+    parser.add_argument("--draft", default=DRAFT.default_model, metavar="MODEL",
+                        help="draft model, or 'none' for target-only")
     add_loop_arguments(parser)
     parser.add_argument("--target-cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the target service to these CPU cores, e.g. 0 or 0-3")
@@ -74,7 +76,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pin the draft service to these CPU cores, e.g. 4-5")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both models)")
     parser.add_argument("--draft-device", default=None, help="device of the draft (default: --device)")
-    parser.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES)
+    parser.add_argument("--target-dtype", default="float32", choices=DTYPE_CHOICES,
+                        help="precision of the target's weights and compute")
     parser.add_argument("--draft-dtype", default="auto", choices=DTYPE_CHOICES,
                         help=DTYPE_HELP + "; the draft's precision never changes the output, only acceptance and speed")
     parser.add_argument("--cpu-linear", default="auto", choices=KERNEL_CHOICES, help=KERNEL_HELP + " (both models)")
@@ -86,7 +89,8 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                        help="restarts of one replica within --restart-window before it is given up; a role "
                             "whose replicas are all given up is failed (health NOT_SERVING, specmesh_role_failed)")
-    group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS")
+    group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
+                       help="seconds over which --max-restarts counts")
 
 
 def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_replicas: int = 1,
@@ -105,6 +109,15 @@ def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_
                         restart_policy=restart_policy)
 
 
+def model_service_options(args: argparse.Namespace, role_name: str, **common) -> ServiceOptions:
+    """One role's model service from the `add_model_arguments` settings (`specmesh serve` and `specmesh bench`)."""
+    if role_name == TARGET.name:
+        return ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, cpus=args.target_cpus,
+                              cpu_linear=args.cpu_linear, **common)
+    return ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
+                          cpus=args.draft_cpus, cpu_linear=args.cpu_linear, **common)
+
+
 def local_pools_options(args: argparse.Namespace, security, metrics_ports, internal_token: str) -> PoolsOptions:
     """`specmesh serve --backend local`: the first replica of each role serves its role's metrics port;
     the replicas accept only callers holding `internal_token`."""
@@ -113,14 +126,12 @@ def local_pools_options(args: argparse.Namespace, security, metrics_ports, inter
     common = dict(host=args.host, trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                   tls=security.server_tls, internal_token=internal_token, shutdown_grace_s=args.shutdown_grace,
                   kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions,
-                  cpu_linear=args.cpu_linear)
+                  max_step_tokens=args.max_step_tokens, prefill_slowdown=args.prefill_slowdown)
     draft = None
     if args.draft.lower() != "none":
-        draft = ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
-                               metrics_port=metrics_ports["draft"], cpus=args.draft_cpus, **common)
+        draft = model_service_options(args, DRAFT.name, metrics_port=metrics_ports["draft"], **common)
     return local_pools(
-        ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype,
-                       metrics_port=metrics_ports["target"], cpus=args.target_cpus, **common),
+        model_service_options(args, TARGET.name, metrics_port=metrics_ports["target"], **common),
         draft, target_replicas=1 if args.target_replicas is None else args.target_replicas,
         draft_replicas=1 if args.draft_replicas is None else args.draft_replicas, greedy_draft=args.greedy_draft,
         disagreement_log=disagreement_log_settings(args),
@@ -136,7 +147,7 @@ class StackOptions:
     draft: ServiceOptions | None  # None: target-only
     loop: LoopConfig
     address: str  # the orchestrator's client-facing host:port
-    orchestrator: ServiceOptions  # its metrics and HTTP ports and tracing settings
+    orchestrator: FrontendOptions  # its metrics and HTTP ports and tracing settings
     greedy_draft: bool = False
     disagreement_log: tuple[str, float, bool] | None = None  # DisagreementLog(path, records per second, context)
     channel_tls: TLSConfig | None = None  # the orchestrator's channels to the draft and target
@@ -147,23 +158,20 @@ class StackOptions:
 
 
 def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address: str,
-                     telemetry: ServiceOptions, ready) -> None:
-    """Serve until SIGINT/SIGTERM; `ready.put(Ready)` once listening, or with the start-up error.
-
-    `telemetry` carries the orchestrator's metrics port, tracing settings, TLS and API key.
-    """
+                     frontend: FrontendOptions, ready) -> None:
+    """Serve until SIGINT/SIGTERM; `ready.put(Ready)` once listening, or with the start-up error."""
     _configure_logging()
     try:
-        asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, telemetry, ready))
+        asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, frontend, ready))
     except Exception as error:  # noqa: BLE001
         ready.put(Ready("orchestrator", None, error=f"{type(error).__name__}: {error}"))
         sys.exit(1)
 
 
-async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: ServiceOptions, ready) -> None:
-    provider = make_tracer_provider("specmesh-orchestrator", telemetry.trace_exporter, telemetry.trace_sample_ratio)
+async def _serve_orchestrator(tokenizer_spec, options, address, frontend: FrontendOptions, ready) -> None:
+    provider = make_tracer_provider("specmesh-orchestrator", frontend.trace_exporter, frontend.trace_sample_ratio)
     metrics = OrchestratorMetrics()
-    metrics_port = serve_metrics(metrics.registry, telemetry.host, telemetry.metrics_port)
+    metrics_port = serve_metrics(metrics.registry, frontend.host, frontend.metrics_port)
     try:
         tokenizer = load_tokenizer(tokenizer_spec)  # the target's: a bad target fails here, before any child starts
     except Exception as error:
@@ -171,14 +179,14 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
     servicer = await create_servicer(tokenizer, options, tracer_provider=provider, metrics=metrics)
     http = None
     try:
-        server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=telemetry.tls,
-                                                api_key=telemetry.api_key,
-                                                max_request_bytes=telemetry.max_request_bytes)
+        server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=frontend.tls,
+                                                api_key=frontend.api_key,
+                                                max_request_bytes=frontend.max_request_bytes)
         if servicer.pools is not None:
             servicer.pools.attach_health(health, (SERVICE_NAME,))
-        if telemetry.http_port is not None and telemetry.http_port >= 0:
-            app = create_app(servicer, telemetry.api_key, drain_of(server), telemetry.max_request_bytes)
-            http = await start_http_server(app, telemetry.host, telemetry.http_port, telemetry.tls)
+        if frontend.http_port is not None and frontend.http_port >= 0:
+            app = create_app(servicer, frontend.api_key, drain_of(server), frontend.max_request_bytes)
+            http = await start_http_server(app, frontend.host, frontend.http_port, frontend.tls)
         pools = servicer.pools
         freeze_start_up_heap("orchestrator")
         ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None,
@@ -186,7 +194,7 @@ async def _serve_orchestrator(tokenizer_spec, options, address, telemetry: Servi
                         replica_addresses=pools.local_addresses() if pools is not None else {}))
         # Returns after the drain on SIGTERM/SIGINT (specmesh.drain; HTTP shares it), while the replicas
         # still serve: they are stopped below, last.
-        await serve_until_signal(server, health, telemetry.shutdown_grace_s)
+        await serve_until_signal(server, health, frontend.shutdown_grace_s)
     finally:
         if http is not None:
             await stop_http_server(http[0], http[2])

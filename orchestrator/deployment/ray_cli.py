@@ -46,11 +46,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{role}-resources", type=_resources, default={}, metavar="JSON",
                            help=f"custom Ray resources per {role} replica, e.g. '{{\"specmesh_{role}\": 1}}', "
                                 "to place the pool on its own worker group")
-    group.add_argument("--load-per-replica", "--sessions-per-replica", dest="load_per_replica", type=float,
-                       default=4.0,
+    group.add_argument("--load-per-replica", type=float, default=4.0,
                        help="autoscaling target: mean load per serving replica, in sessions' worth of work "
-                            "(open and waiting sessions plus queued token rows / 8); --sessions-per-replica "
-                            "is its old name")
+                            "(open and waiting sessions plus queued token rows / 8)")
     group.add_argument("--drain-grace", type=float, default=60.0,
                        help="seconds a removed replica waits for its sessions before it is killed")
     group.add_argument("--max-replica-failures", type=int, default=2,
@@ -88,7 +86,8 @@ def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtyp
                              num_threads=max(1, math.floor(num_cpus)), trace_exporter=args.trace_exporter,
                              trace_sample_ratio=args.trace_sample_ratio, tls=tls, internal_token=internal_token,
                              kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions,
-                             cpu_linear=args.cpu_linear)
+                             cpu_linear=args.cpu_linear, max_step_tokens=args.max_step_tokens,
+                             prefill_slowdown=args.prefill_slowdown)
     replicas = 1 if get("replicas") is None else get("replicas")
     return PoolSpec(ReplicaConfig(role, service, **replica), replicas=replicas, min_replicas=get("min_replicas"),
                     max_replicas=get("max_replicas"), num_cpus=num_cpus, num_gpus=num_gpus,

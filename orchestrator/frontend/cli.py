@@ -15,39 +15,20 @@ from orchestrator.distill import args as distill_args
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment import ray_cli as pools_cli
 from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.launch import (Ready, add_model_arguments, add_supervision_arguments,
-                                            local_pools_options, ready_message, run_orchestrator)
+from orchestrator.deployment.launch import Ready, local_pools_options, ready_message, run_orchestrator
 from orchestrator.decoding.options import loop_config
+from orchestrator.frontend.config_file import ConfigError, ConfigurableParser
+from orchestrator.frontend.options import FrontendOptions
+from orchestrator.frontend.serve_args import add_serve_parser
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES
-from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
-                               add_server_tls_arguments, new_internal_token, security_from_args)
-from specmesh.drain import add_shutdown_arguments
-from specmesh.service import (ServiceOptions, add_kv_cache_arguments, add_request_limit_argument,
-                              add_telemetry_arguments)
-from target_service.disagreements import add_disagreement_log_arguments
+from specmesh.security import Security, SecurityConfigError, new_internal_token, security_from_args
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start the draft, target and orchestrator services")
-    add_model_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    serve.add_argument("--port", type=int, default=50051, help="client-facing gRPC port")
-    serve.add_argument("--http-port", type=int, default=8000,
-                       help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
-    add_request_limit_argument(serve)
-    add_kv_cache_arguments(serve)  # each model service's own budget (a fraction: of its device)
-    serve.add_argument("--greedy-draft", action="store_true",
-                       help="the draft proposes its argmax tokens (point masses) even when sampling")
-    add_telemetry_arguments(serve, default_metrics_port=9400)
-    add_disagreement_log_arguments(serve)
-    add_server_tls_arguments(serve)
-    add_client_tls_arguments(serve)
-    add_api_key_arguments(serve, serving=True)
-    add_shutdown_arguments(serve)
-    pools_cli.add_serve_arguments(serve)
-    add_supervision_arguments(serve)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ConfigurableParser)
+    add_serve_parser(commands)
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=128)
@@ -74,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     """Both backends: build the pools' options, then run the orchestrator (and through it the pools) here."""
     security = security_from_args(args)  # before anything starts: a bad TLS file fails here, naming its flag
-    metrics_ports = _metrics_ports(args.metrics_port)
+    metrics_ports = metrics_ports_of(args.metrics_port)
     backend = pools_cli.backend_of(args)
     if backend == "ray":
         # The API key where one is configured: orchestrators that join these pools hold it too.
@@ -85,14 +66,10 @@ def serve(args: argparse.Namespace) -> int:
         internal_token = new_internal_token()  # only this deployment's orchestrator may call its replicas
         pools = local_pools_options(args, security, metrics_ports, internal_token)
     orchestrator = OrchestratorOptions("", None, loop_config(args), pools=pools, internal_token=internal_token)
-    telemetry = ServiceOptions(model=args.target, host=args.host, metrics_port=metrics_ports["orchestrator"],
-                               http_port=args.http_port, trace_exporter=args.trace_exporter,
-                               trace_sample_ratio=args.trace_sample_ratio, tls=security.server_tls,
-                               api_key=security.api_key, shutdown_grace_s=args.shutdown_grace,
-                               max_request_bytes=args.max_request_bytes)
+    frontend = frontend_options(args, security, metrics_ports["orchestrator"])
     ready = _ReadyLine(args.host, backend)
     try:
-        run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", telemetry, ready)
+        run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", frontend, ready)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     finally:
@@ -100,6 +77,14 @@ def serve(args: argparse.Namespace) -> int:
             import ray  # only with --backend ray: plain serving never loads Ray
             ray.shutdown()  # the replica actors belong to this driver and go with it
     return 0
+
+
+def frontend_options(args: argparse.Namespace, security: Security, metrics_port: int | None) -> FrontendOptions:
+    """The orchestrator's client-facing servers under `specmesh serve`."""
+    return FrontendOptions(host=args.host, http_port=args.http_port, metrics_port=metrics_port,
+                           trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
+                           tls=security.server_tls, api_key=security.api_key, shutdown_grace_s=args.shutdown_grace,
+                           max_request_bytes=args.max_request_bytes)
 
 
 class _ReadyLine:
@@ -125,7 +110,7 @@ class _ReadyLine:
                                           for name, port in sorted(ports.items())), flush=True)
 
 
-def _metrics_ports(base: int | None) -> dict[str, int | None]:
+def metrics_ports_of(base: int | None) -> dict[str, int | None]:
     """The orchestrator on `base`, the target and the draft on the next two (0: any free ports)."""
     if base is None or base < 0:
         return dict.fromkeys(("orchestrator", "target", "draft"))
@@ -186,7 +171,11 @@ async def set_speculation(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ConfigError as error:  # before anything starts; one line, argparse's exit status
+        print(f"specmesh serve: error: {error}", file=sys.stderr)  # only serve reads a config file
+        return 2
     try:
         if args.command == "serve":
             return serve(args)

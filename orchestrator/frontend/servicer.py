@@ -173,7 +173,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def _require_pools(self):
         if self.pools is None:
             raise NotManagedHere("this orchestrator serves fixed endpoints, not replica pools "
-                          "(start it with 'specmesh serve --target-replicas N')")
+                          "(start it with 'specmesh serve', which runs them)")
         return self.pools
 
 
