@@ -16,6 +16,8 @@ import time
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
+from specmesh.hf_compat import cache_kwargs
+
 dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 cfg = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   intermediate_size=8960, vocab_size=14400, max_position_embeddings=4096)
@@ -34,7 +36,7 @@ def sync():
 @torch.inference_mode()
 def timed(ids, cache):
     sync(); t = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=ids.shape[1])
+    out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=ids.shape[1])
     out.logits.float().cpu(); sync()
     return 1000 * (time.perf_counter() - t)
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from specmesh import models  # noqa: E402
 from specmesh.batching import Part  # noqa: E402
 from specmesh.engine import EngineConfig, ModelEngine, Session  # noqa: E402
+from specmesh.hf_compat import cache_kwargs  # noqa: E402
 from specmesh.sampling import SamplingParams  # noqa: E402
 
 
@@ -90,7 +91,7 @@ def concatenated(engine: ModelEngine, work) -> None:
         ids += rows
         past_start, row = past_start + past, row + n
     engine.model(input_ids=torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([positions]),
-                 past_key_values=batch, use_cache=True)
+                 **cache_kwargs(engine.model, batch), use_cache=True)
     for layer_index, layer in enumerate(batch.layers):  # each session's new keys and values back to its cache
         start = total_past
         for cache, (_, rows) in zip(caches, work):
@@ -121,7 +122,8 @@ def padded(engine: ModelEngine, work) -> None:
         mask[row, past - length: past + len(rows)] = 1
         ids[row, : len(rows)] = torch.tensor(rows)
         positions[row] = torch.arange(length, length + width)
-    engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=batch, use_cache=True)
+    engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(engine.model, batch),
+                 use_cache=True)
 
 
 def time_layout(layout, engine: ModelEngine, work, repeats: int) -> float:

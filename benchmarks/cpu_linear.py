@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from specmesh.cpu_linear import use_onednn
+from specmesh.hf_compat import cache_kwargs
 from specmesh.precision import load_model_in
 
 PROMPTS = ["def quicksort(arr):", "Write a short poem about the sea.", "Explain what a hash map is."]
@@ -29,11 +30,11 @@ def step_ms(model, rows: int, repeats: int = 8) -> float:
     """Median ms of one session's step of `rows` new rows over a 100-token cache."""
     ids = torch.randint(1, min(5000, model.config.vocab_size), (1, 100 + rows))  # [1, 100 + rows]
     cache = DynamicCache()
-    model(ids[:, :100], past_key_values=cache, use_cache=True)
+    model(ids[:, :100], **cache_kwargs(model, cache), use_cache=True)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model(ids[:, 100:], past_key_values=cache, use_cache=True)
+        model(ids[:, 100:], **cache_kwargs(model, cache), use_cache=True)
         samples.append(time.perf_counter() - start)
         cache.crop(-rows)
     return statistics.median(samples) * 1e3

@@ -18,6 +18,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from specmesh.hf_compat import cache_kwargs
 from specmesh.precision import load_model_in
 
 PROMPTS = ["def quicksort(arr):", "Write a short poem about the sea.", "Explain what a hash map is.",
@@ -29,11 +30,11 @@ def step_ms(model, rows: int, repeats: int = 12) -> float:
     """Median ms of one decode step of `rows` rows over a 100-token cache."""
     ids = torch.randint(1, min(5000, model.config.vocab_size), (rows, 100))  # [rows, 100]
     cache = DynamicCache()
-    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        model(ids[:, -1:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         samples.append(time.perf_counter() - start)
         cache.crop(-1)
     return statistics.median(samples) * 1e3

@@ -16,6 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from specmesh.hf_compat import cache_kwargs
 from specmesh.precision import DTYPE_CHOICES, load_model_in, resolve_dtype
 
 CONTEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
@@ -27,9 +28,9 @@ def forward_ms(model, prompt_ids: list[int], rows: int, repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):
         cache = DynamicCache()
-        model(torch.tensor([prompt_ids], device=model.device), past_key_values=cache, use_cache=True)
+        model(torch.tensor([prompt_ids], device=model.device), **cache_kwargs(model, cache), use_cache=True)
         start = time.perf_counter()
-        model(torch.full((1, rows), 100, device=model.device), past_key_values=cache, use_cache=True)
+        model(torch.full((1, rows), 100, device=model.device), **cache_kwargs(model, cache), use_cache=True)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:])  # the first pass also pages the weights in
 

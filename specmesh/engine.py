@@ -28,6 +28,7 @@ from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.hf_compat import cache_kwargs
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
                                 reservation, wait_limit)
 from specmesh.penalties import check_penalties, penalize_logits
@@ -371,7 +372,7 @@ class ModelEngine:
         keep = n if keep_rows is None else max(1, min(keep_rows, n))
         input_ids = torch.tensor([list(token_ids) + [token_ids[-1]] * padding], dtype=torch.long,
                                  device=self.device)  # [1, n + padding]
-        output = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
+        output = self.model(input_ids=input_ids, **cache_kwargs(self.model, session.cache), use_cache=True,
                             logits_to_keep=self._logit_rows(n, keep))
         if padding:
             session.cache.crop(-padding)

@@ -22,6 +22,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+import own_warnings  # noqa: E402
 from tiny_models import (  # noqa: E402
     OTHER_CORPUS,
     TINY_CORPUS,
@@ -50,6 +51,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # Deprecations our code causes count as ours, for pyproject's filterwarnings (tests/own_warnings.py).
+    own_warnings.install()
     # Tiny models: one intra-op thread beats two (thread hand-off costs more than
     # the matmuls), and the servers under test share the process anyway.
     torch.set_num_threads(int(os.environ.get("SPECMESH_TORCH_THREADS", "1")))
@@ -62,6 +65,10 @@ def pytest_configure(config):
     dev = config.getoption("--device")
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise pytest.UsageError(f"--device {dev} requested but CUDA is not available")
+
+
+def pytest_unconfigure(config):
+    own_warnings.uninstall()
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,10 @@ from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.step_costs import StepCosts
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
+# The deadline of a wait on work finishing (a generation, a session closing, a server stopping):
+# sized for a 2-core machine that runs other jobs beside the suite, where work the tiny models do
+# in a second can take tens. A wait ends at its event; only a test that fails waits this long.
+WORK_TIMEOUT_S = 120.0
 
 def serve_config(directory: Path, **settings) -> list[str]:
     """`specmesh serve`'s `--config FILE` arguments for settings only a config file sets (given by dest)."""
@@ -35,7 +39,7 @@ def serve_config(directory: Path, **settings) -> list[str]:
     return ["--config", str(path)]
 
 
-async def eventually(probe, wanted=True, timeout_s: float = 30.0) -> None:
+async def eventually(probe, wanted=True, timeout_s: float = WORK_TIMEOUT_S) -> None:
     """Until `probe()` (awaited when it returns an awaitable) gives `wanted`; fails the test at the
     deadline. It polls: what it waits on lives in another thread or process, with no event to await."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -94,11 +98,11 @@ class TargetHold:
         if self._armed:
             self._armed = False
             self.held.set()
-            self.gate.wait(60)
+            self.gate.wait(2 * WORK_TIMEOUT_S)  # release() ends it; this only bounds a test that never does
         return self._run_step(parts)
 
     async def wait_held(self) -> None:
-        assert await asyncio.to_thread(self.held.wait, 30), "the engine's next forward never ran"
+        assert await asyncio.to_thread(self.held.wait, WORK_TIMEOUT_S), "the engine's next forward never ran"
 
     def release(self) -> None:
         self.engine.submit = self._submit
@@ -165,7 +169,7 @@ class Stack:
     async def generate(self, **fields) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
         """Run one Generate stream; return (token ids, text, last response)."""
         token_ids, text, last = [], [], None
-        async for response in self.stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=120,
+        async for response in self.stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=WORK_TIMEOUT_S,
                                                  metadata=bearer_metadata(self.api_key)):
             token_ids.extend(response.token_ids)
             text.append(response.text)
@@ -178,7 +182,7 @@ class Stack:
         draft_count = len(self.draft_engine.sessions) if self.draft_engine else 0
         return info.open_sessions, draft_count
 
-    async def wait_sessions_freed(self, timeout_s: float = 10.0) -> tuple[int, int]:
+    async def wait_sessions_freed(self, timeout_s: float = WORK_TIMEOUT_S) -> tuple[int, int]:
         deadline = asyncio.get_running_loop().time() + timeout_s
         counts = await self.open_sessions()
         while counts != (0, 0) and asyncio.get_running_loop().time() < deadline:

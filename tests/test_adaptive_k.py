@@ -11,7 +11,7 @@ import time
 import grpc
 import torch
 
-from harness import load, make_engine, start_model_server, start_stack
+from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
 from orchestrator.decoding.policy import Speculation
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
@@ -120,11 +120,11 @@ async def test_first_tokens_never_wait_for_the_drafts_prefill(tiny_llama_deep_di
     held = asyncio.ensure_future(stack.draft_engine.run(hold_the_draft))
     max_tokens, token_ids, rounds = 64, [], []
     try:
-        assert await asyncio.to_thread(holding.wait, 30)
+        assert await asyncio.to_thread(holding.wait, WORK_TIMEOUT_S)
         request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[2], max_tokens=max_tokens, temperature=0.0)
-        responses = stack.stub.Generate(request, timeout=120)
+        responses = stack.stub.Generate(request, timeout=WORK_TIMEOUT_S)
         while len(rounds) < 6:  # the old loop waited for the draft's session from round 1 on
-            response = await asyncio.wait_for(responses.read(), 20)
+            response = await asyncio.wait_for(responses.read(), WORK_TIMEOUT_S)
             token_ids.extend(response.token_ids)
             rounds.append(len(response.token_ids))
         gate.set()
@@ -171,7 +171,7 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
         return tokens
 
     try:
-        outputs = await asyncio.wait_for(asyncio.gather(*(run(g) for g in generations)), 60)
+        outputs = await asyncio.wait_for(asyncio.gather(*(run(g) for g in generations)), WORK_TIMEOUT_S)
     finally:
         for server, _ in drafts + [(target_server, target_port)]:
             if server is not None:

@@ -164,7 +164,10 @@ async def test_a_long_prompt_is_chunked_between_steps_of_running_streams(tiny_ll
     try:
         running = [asyncio.ensure_future(stack.generate(prompt=p, max_tokens=150, temperature=0.0))
                    for p in TINY_PROMPTS[:3]]
-        await eventually(lambda: len(target.sessions) == 3)  # the streams are decoding
+        # the streams are decoding: open, their prompts in (on a loaded machine a session can be open
+        # with its prompt still queued, and four new prompts go in together, unchunked)
+        await eventually(lambda: len(sessions := list(target.sessions.values())) == 3
+                         and all(s.cached_length >= s.output_start - 1 for s in sessions))
         long_ids, _, _ = await stack.generate(prompt=long_prompt, max_tokens=4, temperature=0.0)
         await asyncio.gather(*running)
     finally:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import TargetHold, eventually, load, make_engine, serve_config, start_stack
+from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, serve_config, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
@@ -43,7 +43,8 @@ def request(max_tokens: int = MAX_TOKENS) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, temperature=0.0)
 
 
-async def wait_for_health(channel: grpc.aio.Channel, service: str, wanted: int, timeout_s: float = 30.0) -> None:
+async def wait_for_health(channel: grpc.aio.Channel, service: str, wanted: int,
+                          timeout_s: float = WORK_TIMEOUT_S) -> None:
     """Until `service` reports `wanted` (a Watch stream: no polling); DEADLINE_EXCEEDED otherwise."""
     watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service),
                                                       timeout=timeout_s)
@@ -118,7 +119,7 @@ async def orchestrator(tiny_llama_dir, tiny_llama_perturbed_dir):
 
 async def test_in_flight_stream_finishes_while_new_requests_are_refused(orchestrator, tiny_llama_dir):
     async with TargetHold(orchestrator.stack.target_engine) as hold:  # the stream stalls after its prefill
-        call = orchestrator.stub.Generate(request(), timeout=60)
+        call = orchestrator.stub.Generate(request(), timeout=WORK_TIMEOUT_S)
         tokens = list((await call.read()).token_ids)
         await hold.wait_held()
         stopping = asyncio.ensure_future(stop_server(orchestrator.server, orchestrator.health, 60.0))
@@ -134,7 +135,7 @@ async def test_in_flight_stream_finishes_while_new_requests_are_refused(orchestr
         assert not stopping.done()  # the held stream is still in flight
     tokens += await read_rest(call)
     assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
-    await asyncio.wait_for(stopping, 30)
+    await asyncio.wait_for(stopping, WORK_TIMEOUT_S)
     assert await orchestrator.stack.wait_sessions_freed() == (0, 0)
 
 
@@ -146,7 +147,7 @@ async def test_streams_still_running_at_the_end_of_the_grace_are_cut_off(orchest
                                                       temperature=0, stream=True)
         await anext(http_stream)  # streaming: the SSE error event path
         async with orchestrator.target_held():  # from here on no request can finish
-            call = orchestrator.stub.Generate(request(), timeout=60)
+            call = orchestrator.stub.Generate(request(), timeout=WORK_TIMEOUT_S)
             whole = asyncio.ensure_future(client.completions.create(model="", prompt=PROMPT, max_tokens=MAX_TOKENS,
                                                                      temperature=0))
 
@@ -183,7 +184,7 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
                 grpc.aio.insecure_channel(f"127.0.0.1:{target_port}") as target_channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             hold = TargetHold(engine)  # the stream stalls in flight after its prefill
-            call = stub.Generate(request(), timeout=60)
+            call = stub.Generate(request(), timeout=WORK_TIMEOUT_S)
             tokens = list((await call.read()).token_ids)
             await hold.wait_held()
             stopping = asyncio.ensure_future(stop_server(target, target_health, 60.0))
@@ -197,7 +198,7 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
                 hold.release()
             tokens += await read_rest(call)
         assert tuple(tokens) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
-        await asyncio.wait_for(stopping, 30)  # done once the orchestrator closed the session
+        await asyncio.wait_for(stopping, WORK_TIMEOUT_S)  # done once the orchestrator closed the session
         assert not engine.sessions
     finally:
         await server.stop(None)
@@ -246,7 +247,7 @@ async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_p
     try:
         async with grpc.aio.insecure_channel(serve.endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(request(LONG), timeout=120)
+            call = stub.Generate(request(LONG), timeout=WORK_TIMEOUT_S)
             tokens = list((await call.read()).token_ids)
             with serve.target_frozen():
                 serve.process.send_signal(signal.SIGTERM)
@@ -272,7 +273,7 @@ async def test_sigterm_with_a_short_grace_cuts_the_stream_off_and_exits_0(tiny_l
     serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 0.5, tmp_path)
     try:
         async with grpc.aio.insecure_channel(serve.endpoint) as channel:
-            call = generation_pb2_grpc.GenerationStub(channel).Generate(request(LONG), timeout=120)
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(request(LONG), timeout=WORK_TIMEOUT_S)
             await call.read()
             with serve.target_frozen():
                 serve.process.send_signal(signal.SIGTERM)
@@ -306,7 +307,7 @@ async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_l
             target_address = next(p for p in pools if p.pool == "target").replicas[0].address
             target = listening_process(int(target_address.rsplit(":", 1)[1]))
             stub = generation_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(request(LONG), timeout=120)
+            call = stub.Generate(request(LONG), timeout=WORK_TIMEOUT_S)
             tokens = list((await call.read()).token_ids)
             target.suspend()  # the stream stays in flight until the checks below are done
             try:

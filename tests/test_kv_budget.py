@@ -14,7 +14,7 @@ import pytest
 
 from engine_helpers import feed_uncached
 from front_door import assert_openai_error, open_front_door
-from harness import TargetHold, eventually, load, make_engine, start_model_server, start_stack
+from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.failover import PooledTargetClient
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token,
@@ -298,7 +298,7 @@ async def test_a_session_moved_to_another_target_replica_reserves_the_same_room(
         servers[f"target-{index}"], port = await start_model_server("target", engine)
         addresses[f"target-{index}"] = f"127.0.0.1:{port}"
     replicas = Replicas("target", servers, addresses)
-    await replicas.pool.wait_serving(2, timeout=10)
+    await replicas.pool.wait_serving(2, timeout=WORK_TIMEOUT_S)
     target = PooledTargetClient(replicas.pool)
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     gen = generation(tokenizer, target, None, k=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draft_service.engine import DraftEngine
-from harness import draft_stub, load, start_stack
+from harness import WORK_TIMEOUT_S, draft_stub, load, start_stack
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.sampling import SamplingParams, logits_to_probs
 from specmesh.v1 import draft_pb2
@@ -137,9 +137,9 @@ async def test_draft_dying_mid_pipelined_round_completes_identically(
     prompt = TINY_PROMPTS[1]
     try:
         generation = asyncio.ensure_future(stack.generate(prompt=prompt, max_tokens=40, temperature=0.0))
-        await asyncio.wait_for(entered.wait(), 30)
+        await asyncio.wait_for(entered.wait(), WORK_TIMEOUT_S)
         await stack.servers.pop("draft").stop(None)
-        token_ids, _, last = await asyncio.wait_for(generation, 60)
+        token_ids, _, last = await asyncio.wait_for(generation, WORK_TIMEOUT_S)
     finally:
         await stack.stop()
     assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, 40)

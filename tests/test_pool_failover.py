@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from harness import load, make_engine, start_model_server
+from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server
 from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamError
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
@@ -42,7 +42,7 @@ class Replicas:
             server, port = await start_model_server(role, make_engine(model_dir, role_name=role))
             servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
         replicas = cls(role, servers, addresses)
-        await replicas.pool.wait_serving(count, timeout=10)
+        await replicas.pool.wait_serving(count, timeout=WORK_TIMEOUT_S)
         return replicas
 
     async def stop(self, name: str) -> None:
@@ -114,7 +114,7 @@ async def test_speculation_comes_back_mid_request_when_the_draft_does(tiny_llama
             elif gen.stats.rounds == 4 and drafted_when_back is None:
                 assert gen.stats.draft_fallback  # rounds 3 and 4 ran target-only
                 await drafts.restart("draft-0", tiny_llama_perturbed_dir)
-                await drafts.pool.wait_serving(1, timeout=10)
+                await drafts.pool.wait_serving(1, timeout=WORK_TIMEOUT_S)
                 drafted_when_back = gen.stats.draft_tokens
         assert tokens == expected
         assert gen.stats.draft_tokens > drafted_when_back  # speculating again within the same request

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from harness import make_engine, start_model_server
+from harness import WORK_TIMEOUT_S, make_engine, start_model_server
 from orchestrator.deployment.clients import TargetClient, open_channel
 from orchestrator.deployment.failover import PooledTargetClient
 from orchestrator.deployment.load import KV_FULL, ROWS_PER_SESSION, Load, replica_load
@@ -49,7 +49,7 @@ class Targets:
             self.servers[name], port = await start_model_server("target", self.engines[name])
             self.addresses[name] = f"127.0.0.1:{port}"
         self.pool = ReplicaPool("target", fixed_replicas(self.addresses), TargetClient, check_interval_s=3600)
-        await self.pool.wait_serving(count, timeout=10)
+        await self.pool.wait_serving(count, timeout=WORK_TIMEOUT_S)
         self.client = PooledTargetClient(self.pool, acquire_timeout_s=1.0)
         return self
 
@@ -79,11 +79,11 @@ class Targets:
         async with open_channel(self.addresses[name]) as channel:
             other = TargetClient(channel)
             for index in range(count):
-                await other.open(f"elsewhere-{name}-{index}", PROMPT, GREEDY, timeout=30)
+                await other.open(f"elsewhere-{name}-{index}", PROMPT, GREEDY, timeout=WORK_TIMEOUT_S)
 
     async def open(self, *request_ids: str) -> list[str]:
         """Open sessions through the pool at once (a burst); the replica each landed on."""
-        await asyncio.gather(*(self.client.open(r, PROMPT, GREEDY, timeout=30) for r in request_ids))
+        await asyncio.gather(*(self.client.open(r, PROMPT, GREEDY, timeout=WORK_TIMEOUT_S) for r in request_ids))
         return [self.client.sessions[r].replica.name for r in request_ids]
 
     async def stop(self) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from front_door import bad_request_fields
-from harness import load, make_engine, start_model_server, start_stack
+from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculativeGeneration
 from orchestrator.deployment.clients import TargetClient, open_channel
 from test_greedy_parity import target_greedy
@@ -129,14 +129,14 @@ async def test_an_unknown_draft_source_is_refused_naming_the_field(tiny_llama_di
     channel = open_channel(f"127.0.0.1:{port}")
     target = TargetClient(channel)
     try:
-        await target.open("s", [5, 6, 7], SamplingParams(0.0), timeout=30, max_new_tokens=8)
+        await target.open("s", [5, 6, 7], SamplingParams(0.0), timeout=WORK_TIMEOUT_S, max_new_tokens=8)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await target_pb2_grpc.TargetServiceStub(channel).Verify(target_pb2.VerifyRequest(
-                request_id="s", round=1, position=4, draft_token_ids=[9], draft_source=7), timeout=30)
+                request_id="s", round=1, position=4, draft_token_ids=[9], draft_source=7), timeout=WORK_TIMEOUT_S)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad_request_fields(raised.value) == ["draft_source"]
         # The session is untouched: the same round verifies as prompt lookup's.
-        verified = await target.verify("s", 1, 4, [9], [], timeout=30,
+        verified = await target.verify("s", 1, 4, [9], [], timeout=WORK_TIMEOUT_S,
                                        draft_source=target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP)
         assert verified.committed_length == 4 + verified.accepted_count + 1
     finally:

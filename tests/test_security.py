@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import load, serve_config, start_stack
+from harness import WORK_TIMEOUT_S, load, serve_config, start_stack
 from orchestrator.frontend.cli import build_parser, main as cli_main
 from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
@@ -56,7 +56,7 @@ async def generate_with(channel: grpc.aio.Channel, metadata=()) -> list[int]:
     stub = generation_pb2_grpc.GenerationStub(channel)
     request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
     token_ids = []
-    async for response in stub.Generate(request, timeout=30, metadata=metadata):
+    async for response in stub.Generate(request, timeout=WORK_TIMEOUT_S, metadata=metadata):
         token_ids.extend(response.token_ids)
     return token_ids
 
