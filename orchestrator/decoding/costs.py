@@ -117,17 +117,13 @@ class RoundCosts:
         """A round's wall clock as seen: measured, or no cheaper per row than the nearest larger one
         measured, or no dearer than the cheapest (an optimistic guess gets a shape measured)."""
         seen = {k: e.value for k, e in self.wall_by_k.items()}
-        if not seen:
-            return 1.0
-        if rows_beyond_one in seen:
-            return seen[rows_beyond_one]
-        larger = [k for k in seen if k > rows_beyond_one]
-        if larger:
-            nearest = min(larger)
+        if rows_beyond_one in seen or not seen:
+            return seen.get(rows_beyond_one, 1.0)
+        nearest = min((k for k in seen if k > rows_beyond_one), default=None)
+        if nearest is not None:
             return seen[nearest] * (rows_beyond_one + 1) / (nearest + 1)
         return min(seen.values())
 
 
 def _bounded(ratio: float) -> float:
-    low, high = RATIO_BOUNDS
-    return min(high, max(low, ratio))
+    return min(RATIO_BOUNDS[1], max(RATIO_BOUNDS[0], ratio))
