@@ -19,6 +19,7 @@ import math
 import time
 from typing import Callable, Iterable
 
+from specmesh.ewma import Ewma
 from specmesh.step_model import StepModel, StepShape
 from specmesh.v1 import common_pb2
 
@@ -186,27 +187,19 @@ class ChunkSteering:
     MAX_CORRECTION = 1.5
 
     def __init__(self, weight: float = 0.3):
-        self.weight = weight
-        self.decode_ratio: float | None = None
-        self.chunk_ratio: float | None = None
+        self.decode_ratio = Ewma(weight)
+        self.chunk_ratio = Ewma(weight)
 
     def observe(self, decode_rows: int, prefill_rows: int, seconds: float, table_seconds: float) -> None:
         if not decode_rows or not table_seconds > 0 or not seconds > 0:
             return
-        ratio = seconds / table_seconds
-        if prefill_rows:
-            self.chunk_ratio = self._moved(self.chunk_ratio, ratio)
-        else:
-            self.decode_ratio = self._moved(self.decode_ratio, ratio)
-
-    def _moved(self, current: float | None, ratio: float) -> float:
-        return ratio if current is None else current + self.weight * (ratio - current)
+        (self.chunk_ratio if prefill_rows else self.decode_ratio).update(seconds / table_seconds)
 
     @property
     def correction(self) -> float:
-        if self.decode_ratio is None or self.chunk_ratio is None:
+        if self.decode_ratio.value is None or self.chunk_ratio.value is None:
             return 1.0
-        return min(self.MAX_CORRECTION, self.decode_ratio / self.chunk_ratio)
+        return min(self.MAX_CORRECTION, self.decode_ratio.value / self.chunk_ratio.value)
 
 
 class PrefillThroughput:
