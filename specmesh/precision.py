@@ -8,7 +8,9 @@ computes in bfloat16 (torch's own `_weight_int8pack_mm` CPU kernel). Measured on
 other rows in a step (no activation scale shared across the batch), so batching stays as
 reproducible as in bfloat16. It changes the model, so it is for the draft: the draft's
 precision never changes the output, only acceptance and speed. `auto` picks it for a CPU
-with native bf16; elsewhere `auto` is bfloat16 where native, else float32.
+with native bf16; on another CPU it times a one-row step in int8 (bf16 emulated, but a quarter
+of the weight bytes) and in float32 on its faster kernel, and keeps the faster; on a GPU `auto`
+is bfloat16 where native, else float32.
 
 torchao's `Int8WeightOnlyConfig` is the library way to do this, but on this CPU it ran the
 same draft at 144 ms a step, slower than bfloat16; the kernel below is the one torch ships.
@@ -16,24 +18,32 @@ same draft at 144 ms a step, slower than bfloat16; the kernel below is the one t
 
 from __future__ import annotations
 
+import copy
 import logging
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from specmesh.cpu_linear import choose_cpu_linear
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INT8 = "int8"  # int8 weights, bfloat16 compute (CPU)
 DTYPE_CHOICES = ["auto", *DTYPES, INT8]
-DTYPE_HELP = ("auto: int8 weights on a CPU with native bf16, else bfloat16 where the device computes it "
-              "natively, else float32; int8: int8 weights with bfloat16 compute, CPU only")
+DTYPE_HELP = ("auto: on a CPU int8 weights (with native bf16, or where they run faster than float32), "
+              "else float32; on a GPU bfloat16 where native, else float32; int8: int8 weights with bfloat16 "
+              "compute, CPU only")
+PICK_GAIN = 0.9  # int8 where undecided only for a step at least 10 % faster: a smaller gap is timing noise
 
 
 @dataclass(frozen=True)
 class Precision:
     dtype: torch.dtype  # what activations (and unquantized weights) are in
-    int8_weights: bool = False  # Linear weights as int8 per output channel (Int8WeightLinear)
+    # Linear weights as int8 per output channel (Int8WeightLinear); None: whichever runs faster here
+    int8_weights: bool | None = False
 
 
 def native_bf16(device: str) -> bool:
@@ -53,7 +63,7 @@ def resolve_precision(name: str, device: str) -> Precision:
     on_cpu = device == "cpu"
     if name == "auto":
         if not native_bf16(device):
-            return Precision(torch.float32)
+            return Precision(torch.float32, int8_weights=None if on_cpu else False)
         return Precision(torch.bfloat16, int8_weights=on_cpu)
     if name == INT8:
         if not on_cpu:
@@ -102,16 +112,48 @@ def quantize_int8_weights(model: torch.nn.Module) -> int:
     return replaced
 
 
-def load_model_in(spec: str, device: str, dtype_name: str):
-    """(model, tokenizer) of `spec` on `device` in the precision `dtype_name` names."""
+def load_model_in(spec: str, device: str, dtype_name: str, cpu_linear: str | None = None):
+    """(model, tokenizer) of `spec` on `device` in the precision `dtype_name` names, its float32
+    Linear layers on the `cpu_linear` kernel (specmesh.cpu_linear; None: left to the caller)."""
     from specmesh import models
 
     precision = resolve_precision(dtype_name, device)
     model, tokenizer = models.load_model(spec, device=device, dtype=precision.dtype)
-    if precision.int8_weights:
+    if precision.int8_weights is None:
+        model = int8_if_faster(model, cpu_linear or "auto", device)
+    elif precision.int8_weights:
         layers = quantize_int8_weights(model)
         logger.info("%s: int8 weights in %d linear layers, computed in %s", spec, layers, precision.dtype)
+    if cpu_linear is not None:
+        choose_cpu_linear(model, cpu_linear, device)
     return model, tokenizer
+
+
+def int8_if_faster(model: torch.nn.Module, kernels: str, device: str,
+                   step_s: Callable[[torch.nn.Module], float] | None = None) -> torch.nn.Module:
+    """`model` (float32) on its faster kernel, or an int8-weight copy of it computed in bf16, whichever
+    runs a one-row step faster here by at least 1 - PICK_GAIN."""
+    step_s = step_s or one_row_step_s
+    int8 = copy.deepcopy(model)
+    quantize_int8_weights(int8)
+    int8 = int8.to(torch.bfloat16)
+    choose_cpu_linear(model, kernels, device)
+    seconds = {"float32": step_s(model), "int8": step_s(int8)}
+    logger.info("one-row step: float32 %.1f ms, int8 weights %.1f ms", seconds["float32"] * 1e3, seconds["int8"] * 1e3)
+    return int8 if seconds["int8"] < PICK_GAIN * seconds["float32"] else model
+
+
+@torch.inference_mode()
+def one_row_step_s(model: torch.nn.Module, repeats: int = 3) -> float:
+    """The fastest of `repeats` one-token forwards (after one to warm up): a decode step's weight pass."""
+    ids = torch.ones((1, 1), dtype=torch.long, device=output_device(model))
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=False)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def output_rows(model) -> int:

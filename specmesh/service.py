@@ -24,7 +24,7 @@ from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
                                 parse_kv_cache_memory)
 from specmesh.metrics import ServiceMetrics, serve_metrics
-from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP, choose_cpu_linear
+from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
 from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP, load_model_in
 from specmesh.roles import DRAFT, TARGET, role
 from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
@@ -198,9 +198,9 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
                           prefill_slowdown=options.prefill_slowdown or role(role_name).prefill_slowdown,
                           kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions)
     with calibration_turn():  # loading too: converting a draft to int8 takes seconds of both cores
-        model, tokenizer = load_model_in(options.model, options.device, options.dtype)
-        # Before the engine sizes its KV budget from free memory: a tied output projection gets its own copy.
-        choose_cpu_linear(model, options.cpu_linear, options.device)
+        # Kernels chosen before the engine sizes its KV budget from free memory: a tied output
+        # projection gets its own copy.
+        model, tokenizer = load_model_in(options.model, options.device, options.dtype, options.cpu_linear)
         engine = ModelEngine(model, tokenizer, config)
         engine.warm_up()
         costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs

@@ -11,8 +11,8 @@ import torch
 
 from harness import make_engine, start_stack
 from specmesh.batching import Part
-from specmesh.precision import (Int8WeightLinear, Precision, load_model_in, native_bf16, quantize_int8_weights,
-                                resolve_precision)
+from specmesh.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, native_bf16,
+                                one_row_step_s, quantize_int8_weights, resolve_precision)
 from test_batching import session_over
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
@@ -61,8 +61,8 @@ def test_precision_names():
     assert resolve_precision("float32", "cpu") == Precision(torch.float32)
     assert resolve_precision("bfloat16", "cpu") == Precision(torch.bfloat16)
     assert resolve_precision("int8", "cpu") == Precision(torch.bfloat16, int8_weights=True)
-    # auto: int8 weights exactly where the CPU computes bf16 natively (the kernel needs bf16 activations)
-    assert resolve_precision("auto", "cpu").int8_weights == native_bf16("cpu")
+    # auto: int8 weights where the CPU computes bf16 natively; elsewhere timed against float32 at load
+    assert resolve_precision("auto", "cpu").int8_weights == (True if native_bf16("cpu") else None)
     with pytest.raises(ValueError, match="CPU only"):
         resolve_precision("int8", "cuda")
 
@@ -105,3 +105,26 @@ async def test_an_int8_draft_is_lossless_under_batching(tiny_llama_dir, tiny_lla
     assert accepted > 0  # the int8 draft's proposals were used, not only the target's
     assert stack.draft_engine.scheduler.batched_steps > 0
     assert first[0] == again[0] and first[2].stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("float32_s, int8_s, picked", [(0.100, 0.060, "int8"), (0.100, 0.095, "float32"),
+                                                       (0.060, 0.100, "float32")])
+def test_auto_without_native_bf16_keeps_whichever_runs_a_step_faster(tiny_llama_dir, float32_s, int8_s, picked):
+    """Timings injected: int8 weights only for a step at least 10 % faster than float32 (a smaller gap is noise)."""
+    model, _ = load_model_in(str(tiny_llama_dir), "cpu", "float32")
+
+    def step_s(candidate) -> float:
+        return int8_s if isinstance(candidate.get_output_embeddings(), Int8WeightLinear) else float32_s
+
+    chosen = int8_if_faster(model, "torch", "cpu", step_s)
+    is_int8 = any(isinstance(m, Int8WeightLinear) for m in chosen.modules())
+    assert is_int8 == (picked == "int8")
+    assert (chosen is model) == (picked == "float32")  # the float32 model itself, not a copy
+    if is_int8:
+        assert not any(isinstance(m, torch.nn.Linear) for m in chosen.modules())
+        assert chosen.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
+def test_a_one_row_step_is_timed_on_the_real_model(tiny_llama_dir):
+    model, _ = load_model_in(str(tiny_llama_dir), "cpu", "float32")
+    assert 0 < one_row_step_s(model, repeats=2) < 10

@@ -22,7 +22,6 @@ from orchestrator.bench.modes import DEFAULT, PEER
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.runner import Configuration, LoadSettings, request_params
 from specmesh import models
-from specmesh.cpu_linear import choose_cpu_linear
 from specmesh.precision import load_model_in
 
 
@@ -54,12 +53,10 @@ class PeerPair:
              target_dtype: str, draft_dtype: str, cpu_linear: str = "auto") -> "PeerPair":
         """The pair in the precisions the --dtype names give (specmesh.precision) and on the CPU
         kernels --cpu-linear names (specmesh.cpu_linear), as the services load it."""
-        target_model, tokenizer = load_model_in(target, device, target_dtype)
-        choose_cpu_linear(target_model, cpu_linear, device)
+        target_model, tokenizer = load_model_in(target, device, target_dtype, cpu_linear)
         draft_model = None
         if draft:
-            draft_model = load_model_in(draft, draft_device or device, draft_dtype)[0]
-            choose_cpu_linear(draft_model, cpu_linear, draft_device or device)
+            draft_model = load_model_in(draft, draft_device or device, draft_dtype, cpu_linear)[0]
         return cls(target_model, draft_model, tokenizer)
 
     def encode(self, item: BenchPrompt) -> list[int]:
