@@ -119,9 +119,9 @@ def load_model_in(spec: str, device: str, dtype_name: str, cpu_linear: str | Non
 
     precision = resolve_precision(dtype_name, device)
     model, tokenizer = models.load_model(spec, device=device, dtype=precision.dtype)
-    if precision.int8_weights is None:
-        model = int8_if_faster(model, cpu_linear or "auto", device)
-    elif precision.int8_weights:
+    if precision.int8_weights is None:  # it chooses the float32 kernel as it times it
+        return int8_if_faster(model, cpu_linear or "auto", device), tokenizer
+    if precision.int8_weights:
         layers = quantize_int8_weights(model)
         logger.info("%s: int8 weights in %d linear layers, computed in %s", spec, layers, precision.dtype)
     if cpu_linear is not None:
