@@ -133,7 +133,8 @@ async def test_one_trace_across_three_processes_and_metrics(tiny_llama_dir, tiny
     try:
         process, endpoint, lines = await asyncio.to_thread(
             start_serve, "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-            "--num-speculative-tokens", "3", "--metrics-port", "0", expect_metrics=True)
+            "--num-speculative-tokens", "3", "--speculation-policy", "fixed", "--metrics-port", "0",
+            expect_metrics=True)
         metrics = dict(part.strip().split(" ") for part in lines[-1].removeprefix("metrics: ").split(","))
         last = await generate(endpoint)
         await wait_for_trace(collector, last.stats)
@@ -162,6 +163,7 @@ def check_trace(collector: Collector, stats: generation_pb2.GenerationStats) -> 
     clients = {i: s for i, s in local.items() if s.kind == CLIENT and s.name.startswith("/specmesh")}
     assert all(s.parent_span_id in phases or s.parent_span_id == root.span_id for s in clients.values())
     remote = [(service, s) for service, s in trace if service != "specmesh-orchestrator"]
+    assert stats.draft_tokens > 0  # a fixed k: the draft served this request's rounds
     assert {service for service, _ in remote} == {"specmesh-draft", "specmesh-target"}
     assert all(s.kind == SERVER and s.parent_span_id in clients for _, s in remote)
     rounds = [attributes(s) for s in phases.values() if s.name == "specmesh.round"]
