@@ -88,11 +88,11 @@ class OrchestratorMetrics:
                                       registry=r)
         self.requests_waiting = Gauge("specmesh_requests_waiting", "Requests admitted, waiting for their first "
                                       "token", ("model",), registry=r)
-        self.replica_restarts = Counter("specmesh_replica_restarts", "Replicas that came back at a new address "
-                                        "after they died (restarted by the local supervisor or by Ray)", ("role",),
-                                        registry=r)
-        self.role_failed = Gauge("specmesh_role_failed", "1 when every replica of the role used up its restarts "
-                                 "and the role is given up", ("role",), registry=r)
+        self.replica_restarts = Counter("specmesh_replica_restarts", "Restarts of dead replicas (each one the "
+                                        "local supervisor starts; on Ray, each replica seen back at a new address)",
+                                        ("role",), registry=r)
+        self.role_failed = Gauge("specmesh_role_failed", "1 while no replica of the role is up: each one used up "
+                                 "its restarts (retried with backoff) or failed to start", ("role",), registry=r)
         self.draft_model_info = Gauge("specmesh_draft_model_info", "1 for the model the draft pool's new replicas "
                                       "serve (changes with a rollout)", ("model",), registry=r)
         self.lookup_tokens = Counter("specmesh_lookup_tokens", "Prompt-lookup tokens verified in rounds that "

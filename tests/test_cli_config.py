@@ -106,6 +106,7 @@ def options_land_where_they_are_used(args: argparse.Namespace) -> None:
         "value-of-disagreement-log", 0.25, True)
     restarts = local.restart_policy
     assert (restarts.max_restarts, restarts.window_s, local.max_replica_failures) == (3, 0.25, 3)
+    assert (restarts.crash_loop_backoff_s, restarts.max_crash_loop_backoff_s) == (0.25, 0.25)
     assert (local.target.replicas, local.draft.replicas) == (3, 3)
     ray = ray_cli.pools_options(args, security, "token")
     assert ray.namespace == "value-of-ray-namespace"

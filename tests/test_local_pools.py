@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -83,9 +84,11 @@ class LocalDeployment:
 
 @pytest.fixture(scope="module")
 async def deployment(tiny_llama_dir, tiny_llama_perturbed_dir):
-    """One replica per role, each allowed one restart in 10 minutes (the restart-cap test uses the second death)."""
-    deployment = await LocalDeployment.start(tiny_llama_dir, tiny_llama_perturbed_dir,
-                                             RestartPolicy(initial_backoff_s=0.05, max_restarts=1, window_s=600.0))
+    """One replica per role, each allowed one restart in 10 minutes (the crash-loop tests use the second death),
+    then retried after 2 s: long enough that a test sees it backing off, short enough to see it come back."""
+    policy = RestartPolicy(initial_backoff_s=0.05, max_restarts=1, window_s=600.0, crash_loop_backoff_s=2.0,
+                           max_crash_loop_backoff_s=4.0)
+    deployment = await LocalDeployment.start(tiny_llama_dir, tiny_llama_perturbed_dir, policy)
     deployment.server, port, health = await serve_grpc(deployment.servicer)
     deployment.pools.attach_health(health, ("specmesh.v1.Generation",))
     deployment.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -150,12 +153,14 @@ async def test_target_killed_mid_stream_resumes_on_the_restarted_replica(deploym
     assert deployment.replica("target").address.result() != old
 
 
-async def kill_until_failed(deployment: LocalDeployment, role: str) -> None:
-    """Kill the role's replica, letting it restart, until the supervisor gives the role up."""
+async def kill_until_failed(deployment: LocalDeployment, role: str) -> int:
+    """Kill the role's replica, letting it restart, until it is crash-looping (the role failed); the kills."""
+    kills = 0
     while role not in deployment.pools.failed:
-        old = deployment.kill(role)
+        old, kills = deployment.kill(role), kills + 1
         await eventually(lambda: role in deployment.pools.failed or any(
             r.address != old for r in deployment.pools.pools[role].routable()), timeout_s=RESTART_WAIT_S)
+    return kills
 
 
 async def health_of(deployment: LocalDeployment, name: str) -> int:
@@ -164,25 +169,72 @@ async def health_of(deployment: LocalDeployment, name: str) -> int:
     return reply.status
 
 
-async def test_restart_cap_fails_a_role_and_only_that_role(deployment, tiny_llama_dir):
-    """Runs last: it uses up the restarts of both roles of the shared deployment."""
+async def wait_health(deployment: LocalDeployment, names, status: int, timeout_s: float = RESTART_WAIT_S) -> None:
+    for name in names:
+        await eventually(partial(health_of, deployment, name), status, timeout_s=timeout_s)
+
+
+def role_failed(deployment: LocalDeployment, role: str) -> float | None:
+    return deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": role})
+
+
+async def generate(deployment: LocalDeployment) -> tuple[int, ...]:
     stub = generation_pb2_grpc.GenerationStub(deployment.channel)
     request = generation_pb2.GenerateRequest(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0)
-    await kill_until_failed(deployment, "draft")
-    assert await health_of(deployment, pool_health_name("draft")) == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert await health_of(deployment, "") == health_pb2.HealthCheckResponse.SERVING
-    assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "draft"}) == 1
-    assert deployment.restarts("draft") == 1  # one restart, then the second death within the window was too many
-    token_ids = [t async for response in stub.Generate(request, timeout=60) for t in response.token_ids]
-    assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)  # target-only
+    return tuple([t async for response in stub.Generate(request, timeout=60) for t in response.token_ids])
 
-    await kill_until_failed(deployment, "target")
-    for name in ("", "specmesh.v1.Generation", pool_health_name("target")):
-        assert await health_of(deployment, name) == health_pb2.HealthCheckResponse.NOT_SERVING, name
-    assert deployment.metrics.registry.get_sample_value("specmesh_role_failed", {"role": "target"}) == 1
+
+TARGET_HEALTH = ("", "specmesh.v1.Generation", pool_health_name("target"))
+
+
+async def test_a_stopped_target_shows_in_health_until_it_answers_again(deployment):
+    """SIGSTOP: the process lives, so no restart, but it answers nothing; the pool's checks time out."""
+    pid = deployment.replica("target").process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await wait_health(deployment, TARGET_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=30)
+        assert await health_of(deployment, pool_health_name("draft")) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await wait_health(deployment, TARGET_HEALTH, health_pb2.HealthCheckResponse.SERVING, timeout_s=30)
+    assert deployment.replica("target").process.pid == pid and role_failed(deployment, "target") == 0
+
+
+async def test_a_draft_past_its_restart_cap_comes_back_by_itself(deployment, tiny_llama_dir):
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    expected = target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
+    restarts = deployment.restarts("draft")
+    kills = await kill_until_failed(deployment, "draft")
+    (replica,) = deployment.pools.state("draft").replicas
+    assert replica.state == "backoff" and 0 < replica.retry_in_s <= 2.0  # what `specmesh replicas` shows
+    await wait_health(deployment, [pool_health_name("draft")], health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert await health_of(deployment, "") == health_pb2.HealthCheckResponse.SERVING
+    assert role_failed(deployment, "draft") == 1
+    assert await generate(deployment) == expected  # target-only, or drafting again: the same tokens
+
+    await eventually(lambda: "draft" in deployment.pools.failed, False, timeout_s=RESTART_WAIT_S)  # untouched
+    assert role_failed(deployment, "draft") == 0
+    await wait_health(deployment, [pool_health_name("draft")], health_pb2.HealthCheckResponse.SERVING)
+    assert deployment.restarts("draft") == restarts + kills  # each restart counted, the crash loop's too
+    again = deployment.generation(tokenizer)
+    assert tuple([t async for batch in again.tokens() for t in batch]) == expected
+    assert again.stats.draft_tokens > 0 and not again.stats.draft_fallback  # speculating again
+
+
+async def test_a_target_past_its_restart_cap_comes_back_by_itself(deployment, tiny_llama_dir):
+    expected = target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS)
+    restarts = deployment.restarts("target")
+    kills = await kill_until_failed(deployment, "target")
+    await wait_health(deployment, TARGET_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert role_failed(deployment, "target") == 1
     started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        async for _ in stub.Generate(request, timeout=30):
-            pass
+        await generate(deployment)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "target" in raised.value.details()
     assert time.monotonic() - started < 10  # a failed role answers at once, not after the request's wait
+
+    await eventually(lambda: "target" in deployment.pools.failed, False, timeout_s=RESTART_WAIT_S)  # untouched
+    await wait_health(deployment, TARGET_HEALTH, health_pb2.HealthCheckResponse.SERVING)
+    assert role_failed(deployment, "target") == 0
+    assert await generate(deployment) == expected  # the same `serve`, serving again
+    assert deployment.restarts("target") == restarts + kills

@@ -87,10 +87,17 @@ def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
     """How the local backend restarts dead replicas."""
     group = parser.add_argument_group("local replica supervision (--backend local)")
     group.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
-                       help="restarts of one replica within --restart-window before it is given up; a role "
-                            "whose replicas are all given up is failed (health NOT_SERVING, specmesh_role_failed)")
+                       help="restarts of one replica within --restart-window before it is crash-looping: "
+                            "retried with --crash-loop-backoff; a role with no replica up is failed (health "
+                            "NOT_SERVING, specmesh_role_failed) until one starts again")
     group.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
-                       help="seconds over which --max-restarts counts")
+                       help="seconds over which --max-restarts counts, and that a crash-looping replica must "
+                            "run to leave its crash loop")
+    group.add_argument("--crash-loop-backoff", type=float, default=RestartPolicy.crash_loop_backoff_s,
+                       metavar="SECONDS", help="wait before a crash-looping replica's first retry; doubles with "
+                                               "each retry up to --max-crash-loop-backoff")
+    group.add_argument("--max-crash-loop-backoff", type=float, default=RestartPolicy.max_crash_loop_backoff_s,
+                       metavar="SECONDS", help="longest wait between a crash-looping replica's retries")
 
 
 def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_replicas: int = 1,
@@ -136,7 +143,9 @@ def local_pools_options(args: argparse.Namespace, security, metrics_ports, inter
         draft_replicas=1 if args.draft_replicas is None else args.draft_replicas, greedy_draft=args.greedy_draft,
         disagreement_log=disagreement_log_settings(args),
         channel_tls=security.channel_tls, max_replica_failures=args.max_replica_failures,
-        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window))
+        restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
+                                     crash_loop_backoff_s=args.crash_loop_backoff,
+                                     max_crash_loop_backoff_s=args.max_crash_loop_backoff))
 
 
 @dataclass(frozen=True)

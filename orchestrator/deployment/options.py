@@ -16,11 +16,25 @@ BACKENDS = ("local", "ray")
 class RestartPolicy:
     initial_backoff_s: float = 0.5  # before the first restart; doubles with each restart in the window
     max_backoff_s: float = 10.0
-    max_restarts: int = 5  # restarts of one replica within window_s before it is given up
+    max_restarts: int = 5  # restarts of one replica within window_s before it is crash-looping
     window_s: float = 60.0
+    # A crash-looping replica is not given up: it is retried ever more slowly, as Kubernetes'
+    # CrashLoopBackOff does, so a role comes back by itself once its cause is gone. The cap is
+    # short enough that a role is back within minutes of the last crash.
+    crash_loop_backoff_s: float = 10.0
+    max_crash_loop_backoff_s: float = 120.0
 
     def backoff(self, recent_restarts: int) -> float:
-        return min(self.max_backoff_s, self.initial_backoff_s * 2 ** max(0, recent_restarts - 1))
+        return doubling(self.initial_backoff_s, self.max_backoff_s, recent_restarts)
+
+    def crash_loop_backoff(self, retries: int) -> float:
+        """Before the `retries`-th restart since the replica began crash-looping."""
+        return doubling(self.crash_loop_backoff_s, self.max_crash_loop_backoff_s, retries)
+
+
+def doubling(base_s: float, cap_s: float, attempt: int) -> float:
+    """`base_s` before the first attempt, doubling with each one after, never above `cap_s`."""
+    return min(cap_s, base_s * 2 ** max(0, attempt - 1))
 
 
 TARGET_WAIT_S = 120.0

@@ -91,8 +91,12 @@ class ReplicaPool:
         self.tls = tls  # specmesh.security.TLSConfig of the channels to replicas; None = plaintext
         self.replicas: dict[str, Replica] = {}
         self.withheld: set[str] = set()  # serving replicas that get no sessions yet (a rollout checks them first)
-        self.failed = False  # set by a supervisor that gave every replica up: nothing will come back
+        self.failed = False  # set by a supervisor while no replica is up (each crash-looping or given up)
         self.on_restarted: Callable[[str], None] = lambda role: None  # a replica came back at a new address
+        # (role, any replica serving) each time that changes: a stopped or hung replica fails its
+        # checks without dying, and only this tells health about it.
+        self.on_serving: Callable[[str, bool], None] = lambda role, serving: None
+        self.serving = True  # as far as health is concerned: until a refresh finds otherwise
         # Every ModelInfo a health check got, with the pool's role (step costs: orchestrator.deployment.step_reports).
         self.on_info: Callable[[str, common_pb2.ModelInfo], None] = lambda role, info: None
         self._task: asyncio.Task | None = None
@@ -119,7 +123,7 @@ class ReplicaPool:
         while (replica := self.try_acquire(session=session)) is None:
             if self.failed:
                 raise NoHealthyReplica(self.role, time.monotonic() - started, "the pool failed: every replica "
-                                       "used up its restarts")
+                                       "used up its restarts and is retried with backoff")
             if time.monotonic() - started >= timeout:
                 raise NoHealthyReplica(self.role, time.monotonic() - started)
             await asyncio.sleep(min(0.05, timeout))
@@ -170,6 +174,10 @@ class ReplicaPool:
             if name not in self.replicas:
                 self.replicas[name] = Replica(name, resolve)
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+        serving = any(r.serving for r in self.replicas.values())
+        if serving != self.serving:
+            self.serving = serving
+            self.on_serving(self.role, serving)
 
     async def _check(self, replica: Replica) -> None:
         if replica.address is None:

@@ -200,5 +200,6 @@ async def _admin(args: argparse.Namespace, call) -> int:
             print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
                   f"sessions {replica.open_sessions} (routed here {replica.routed_sessions}) "
                   f"load {replica.load:.1f} KV {replica.kv_cache_usage:.0%}" + ("" if replica.has_room else " full")
-                  + (f" {replica.model}" if replica.model else ""))
+                  + (f" {replica.model}" if replica.model else "")
+                  + (f" retry in {replica.retry_in_s:.0f} s" if replica.state == "backoff" else ""))
     return 0

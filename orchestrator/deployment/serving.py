@@ -49,7 +49,7 @@ class Pools:
         self.pools = pools  # "target" (always) and "draft" (unless target-only)
         self.controllers = controllers or {}  # LocalPoolController or PoolController, by role
         self.options = options
-        self.failed: set[str] = set()  # roles whose replicas all used up their restarts
+        self.failed: set[str] = set()  # roles with no replica up: each crash-looping or given up
         self.metrics = None  # specmesh.metrics.OrchestratorMetrics, once the servicer has one
         self.target_info = None  # the target's ModelInfo(timeout), once the servicer has a target client
         self.rollout: Rollout | None = None  # the draft pool's latest rollout
@@ -70,15 +70,20 @@ class Pools:
                 if spec is not None:
                     pools.controllers[spec.role] = pools._controller(spec, interceptors)
                     pools.pools[spec.role] = pools.controllers[spec.role].pool
-        for pool in pools.pools.values():
-            pool.on_restarted = pools._replica_restarted
+        for role, pool in pools.pools.items():
+            pool.on_serving = pools._serving_changed
+            if not isinstance(pools.controllers.get(role), LocalPoolController):
+                # Ray restarts actors itself: a restart shows as a replica back at a new address. The
+                # local supervisor counts its own, also those the pool never saw serving.
+                pool.on_restarted = pools._replica_restarted
         return pools
 
     def _controller(self, spec: PoolSpec, interceptors):
         options = self.options
         if options.backend == "local":
             return LocalPoolController(spec, options.restart_policy, options.check_interval_s, interceptors,
-                                       options.channel_tls, on_role_failed=self._role_failed)
+                                       options.channel_tls, on_role_failed=self._role_failed,
+                                       on_restart=self._replica_restarted)
         return PoolController(spec, options.namespace, options.check_interval_s, interceptors, options.channel_tls)
 
     async def start(self) -> None:
@@ -107,7 +112,7 @@ class Pools:
     # ---- what the supervisor reports: metrics and health
 
     def attach_health(self, health, serving_names: tuple[str, ...]) -> None:
-        """Report each role on `health` as "specmesh.pool.<role>"; a failed target turns `serving_names` off."""
+        """Report each role on `health` as "specmesh.pool.<role>"; a target down turns `serving_names` off."""
         self._health, self._serving_names = health, serving_names
         for role in self.pools:
             self._report(role)
@@ -116,8 +121,13 @@ class Pools:
         if self.metrics is not None:
             self.metrics.replica_restarts.labels(role=role).inc()
 
-    def _role_failed(self, role: str) -> None:
-        self.failed.add(role)
+    def _role_failed(self, role: str, failed: bool) -> None:
+        (self.failed.add if failed else self.failed.discard)(role)
+        self._report(role)
+
+    def _serving_changed(self, role: str, serving: bool) -> None:
+        log.log(logging.INFO if serving else logging.WARNING, "%s pool: %s", role,
+                "a replica passes its health checks again" if serving else "no replica passes its health checks")
         self._report(role)
 
     def _report(self, role: str) -> None:
@@ -126,9 +136,10 @@ class Pools:
             self.metrics.role_failed.labels(role=role).set(int(failed))
         if self._health is None:
             return
-        status = health_pb2.HealthCheckResponse.NOT_SERVING if failed else health_pb2.HealthCheckResponse.SERVING
+        down = failed or not self.pools[role].serving
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if down else health_pb2.HealthCheckResponse.SERVING
         names = [pool_health_name(role)]
-        if failed and role == "target":  # nothing can be generated any more: probes must see it
+        if role == "target":  # no target, nothing can be generated: probes must see it, and its return
             names += ["", *self._serving_names]
         for name in names:
             spawn_background(self._health.set(name, status))
@@ -208,16 +219,24 @@ class Pools:
             state.rollout = self.rollout.progress
         for replica in sorted(pool.replicas.values(), key=lambda r: r.name):
             draining = replica.draining or bool(controller and replica.name in controller.draining)
-            shown = "draining" if draining else "starting" if replica.name in pool.withheld else replica.state
+            supervised, retry_in_s = getattr(controller, "replica_state", _unsupervised)(replica.name)
+            shown = ("draining" if draining else supervised or
+                     ("starting" if replica.name in pool.withheld else replica.state))
             load = replica.load
             state.replicas.add(name=replica.name, address=replica.address or "", state=shown,
                                open_sessions=replica.open_sessions, routed_sessions=replica.routed,
                                model=replica.info.model if replica.info is not None else "",
-                               load=load.score, kv_cache_usage=load.kv_cache_usage, has_room=load.has_room)
+                               load=load.score, kv_cache_usage=load.kv_cache_usage, has_room=load.has_room,
+                               retry_in_s=retry_in_s)
         return state
 
     def list(self) -> admin_pb2.ListReplicasResponse:
         return admin_pb2.ListReplicasResponse(pools=[self.state(role) for role in sorted(self.pools)])
+
+
+def _unsupervised(name: str) -> tuple[None, float]:
+    """Ray restarts its actors itself: the pool's checks are all there is to know of them."""
+    return None, 0.0
 
 
 async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,

@@ -7,9 +7,12 @@ learns each one's port from a pipe, and hands the pool a `resolve()` per replica
 that returns the address of its current incarnation. A child that dies is started
 again after an exponential backoff and comes back on a new port; the pool's health
 checks find it by resolving again, exactly as with a restarted Ray actor. A replica
-that dies more than `max_restarts` times within `window_s` is given up; a role whose
-replicas are all given up is failed (logged, and reported to `on_role_failed`). One
-child's death never touches the others.
+that dies more than `max_restarts` times within `window_s` is crash-looping: it is
+retried with a slower backoff (`RestartPolicy.crash_loop_backoff`) until one of its
+incarnations runs for `window_s`. A role with no replica up (each crash-looping or
+given up) is failed, and recovers once a replica starts again; both are reported to
+`on_role_failed`. Only a replica whose very first start fails (a bad model or flag)
+is given up for good. One child's death never touches the others.
 """
 
 from __future__ import annotations
@@ -89,17 +92,21 @@ class LocalReplica:
     """One supervised child: its current process, and the address of its current incarnation."""
 
     def __init__(self, name: str, config: ReplicaConfig, policy: RestartPolicy,
-                 on_gone: Callable[[], None]):
+                 on_change: Callable[[], None], on_restart: Callable[[], None]):
         self.name = name
         self.config = config
         self.policy = policy
-        self.on_gone = on_gone
+        self.on_change = on_change  # given up, crash-looping, or up again after crash-looping
+        self.on_restart = on_restart  # each start after a death
         self.process: mp.Process | None = None
         self.metrics_port: int | None = None  # of the running incarnation
         self.address: asyncio.Future = asyncio.get_running_loop().create_future()
         self.first_start: asyncio.Future = asyncio.get_running_loop().create_future()  # None or the error
         self.restarts: deque[float] = deque()
         self.gone = False
+        self.crash_loops = 0  # restarts since it began crash-looping; 0: not crash-looping
+        self.backing_off = False  # crash-looping and not up: from the death until an incarnation serves
+        self.retry_at: float | None = None  # monotonic time of the next crash-loop restart
         self.stopping = False
         self.task: asyncio.Task | None = None
 
@@ -115,20 +122,36 @@ class LocalReplica:
     async def _supervise(self) -> None:
         while not self.stopping:
             first = not self.first_start.done()
+            began = time.monotonic()
             started = await self._run_once()
             if self.stopping:
                 return
             if first and started.port is None:  # a bad model or flag: restarting cannot help
                 self._give_up(f"failed to start: {started.error}")
                 return
-            recent = self._count_restart()
-            if recent > self.policy.max_restarts:
-                self._give_up(f"died {recent} times within {self.policy.window_s:.0f} s")
-                return
+            await asyncio.sleep(self._restart_delay(time.monotonic() - began))
+            self.retry_at = None  # due: a crash-looping replica is now starting, still failed until it serves
+            if not self.stopping:
+                self.on_restart()
+
+    def _restart_delay(self, ran_s: float) -> float:
+        """How long to wait before the next incarnation; past the restart cap the replica crash-loops."""
+        if ran_s >= self.policy.window_s:  # it ran a whole window: whatever crashed it, it is not a loop
+            self.crash_loops = 0
+        recent = self._count_restart()
+        code = self.process.exitcode
+        if recent <= self.policy.max_restarts and not self.crash_loops:
             delay = self.policy.backoff(recent)
             log.warning("%s replica %s exited (code %s); restarting in %.1f s (restart %d within %.0f s)",
-                        self.config.role, self.name, self.process.exitcode, delay, recent, self.policy.window_s)
-            await asyncio.sleep(delay)
+                        self.config.role, self.name, code, delay, recent, self.policy.window_s)
+            return delay
+        self.crash_loops += 1
+        delay = self.policy.crash_loop_backoff(self.crash_loops)
+        self.backing_off, self.retry_at = True, time.monotonic() + delay
+        log.error("%s replica %s exited (code %s), %d times within %.0f s: crash-looping; retry %d in %.1f s",
+                  self.config.role, self.name, code, recent, self.policy.window_s, self.crash_loops, delay)
+        self.on_change()
+        return delay
 
     async def _run_once(self) -> Started:
         """Start the child, publish its address once it reports, return when it has exited."""
@@ -148,6 +171,9 @@ class LocalReplica:
                 self.address.set_result(f"{_dial_host(self.config.service.host)}:{started.port}")
                 log.info("%s replica %s serving on %s (pid %d)", self.config.role, self.name,
                          self.address.result(), self.process.pid)
+                if self.backing_off:
+                    self.backing_off = False
+                    self.on_change()
             await _readable(self.process.sentinel)
             self.process.join()
         finally:
@@ -182,7 +208,16 @@ class LocalReplica:
         if not self.address.done():
             self.address.set_exception(ReplicaGone(reason))
             self.address.exception()  # retrieved: waiting resolvers get it, nobody else must
-        self.on_gone()
+        self.on_change()
+
+    @property
+    def state(self) -> str | None:
+        """What `specmesh replicas` shows when the supervisor knows better than the pool's checks."""
+        if self.gone:
+            return "failed"
+        if self.backing_off:
+            return "backoff" if self.retry_at is not None else "starting"
+        return None
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         self.stopping = True
@@ -204,7 +239,8 @@ class LocalPoolController:
 
     def __init__(self, spec: PoolSpec, policy: RestartPolicy = RestartPolicy(), check_interval_s: float = 1.0,
                  interceptors=(), tls=None,
-                 on_role_failed: Callable[[str], None] = lambda role: None):
+                 on_role_failed: Callable[[str, bool], None] = lambda role, failed: None,
+                 on_restart: Callable[[str], None] = lambda role: None):
         self.spec = spec
         self.policy = policy
         self.replicas: dict[str, LocalReplica] = {}
@@ -213,7 +249,8 @@ class LocalPoolController:
         self.failed = False
         self.rolling = False  # a rollout is replacing the replicas (serving.Pools refuses to scale meanwhile)
         self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
-        self._on_role_failed = on_role_failed
+        self._on_role_failed = on_role_failed  # (role, failed) each time that changes
+        self._on_restart = on_restart
         self._index = 0
 
     async def _discover(self) -> dict[str, Resolve]:
@@ -266,7 +303,8 @@ class LocalPoolController:
         if self._index > 0 and config.service.metrics_port:  # the configured port goes to the first replica only
             config = replace(config, service=replace(config.service, metrics_port=0))
         self._index += 1
-        replica = LocalReplica(name, config, self.policy, self._replica_gone)
+        replica = LocalReplica(name, config, self.policy, self._replica_changed,
+                               lambda: self._on_restart(self.spec.role))
         self.replicas[name] = replica
         replica.start()
         log.info("started %s replica %s (%s)", self.spec.role, name, config.service.model)
@@ -308,13 +346,29 @@ class LocalPoolController:
         await self.pool.remove(name)
         log.info("removed %s replica %s", self.spec.role, name)
 
-    def _replica_gone(self) -> None:
-        if self.failed or not self.replicas or not all(r.gone for r in self.replicas.values()):
+    def replica_state(self, name: str) -> tuple[str | None, float]:
+        """What the supervisor knows of a replica that the pool's checks cannot: its state, or None,
+        and the seconds until its next crash-loop restart (0: none due)."""
+        replica = self.replicas.get(name)
+        if replica is None:
+            return None, 0.0
+        retry_in_s = max(0.0, replica.retry_at - time.monotonic()) if replica.retry_at is not None else 0.0
+        return replica.state, retry_in_s
+
+    def _replica_changed(self) -> None:
+        """The role is failed while no replica is up: each one crash-looping or given up."""
+        failed = bool(self.replicas) and all(r.gone or r.backing_off for r in self.replicas.values())
+        if failed == self.failed:
             return
-        self.failed = self.pool.failed = True
-        log.error("%s role FAILED: every replica exceeded %d restarts within %.0f s; no more restarts",
-                  self.spec.role, self.policy.max_restarts, self.policy.window_s)
-        self._on_role_failed(self.spec.role)
+        self.failed = self.pool.failed = failed
+        if failed:
+            retries = [r.retry_at for r in self.replicas.values() if r.retry_at is not None]
+            log.error("%s role FAILED: every replica exceeded %d restarts within %.0f s or was given up%s",
+                      self.spec.role, self.policy.max_restarts, self.policy.window_s,
+                      f"; next retry in {min(retries) - time.monotonic():.1f} s" if retries else "")
+        else:
+            log.warning("%s role recovered: a replica is serving again", self.spec.role)
+        self._on_role_failed(self.spec.role, failed)
 
     async def stop(self) -> None:
         await self.pool.stop()  # first, so that no health check reports the replicas going down
