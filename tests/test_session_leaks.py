@@ -25,7 +25,7 @@ from tiny_models import TINY_PROMPTS
 KERNELS = ["torch", pytest.param("onednn", marks=pytest.mark.skipif(not onednn_usable("cpu"),
                                                                    reason="this torch has no oneDNN"))]
 FREED_WITHIN_S = 10.0  # after the last stream ends, every service's sessions are closed by then
-WAVE = 24  # streams per wave
+WAVE = 64  # streams per wave
 
 
 @pytest.fixture(params=KERNELS)
