@@ -80,7 +80,8 @@ def soak(kernel: str, target: str, draft: str, args) -> dict[str, list[int]]:
     group = ProcessGroup()
     try:
         ready = start_stack(group, StackOptions(
-            target=ServiceOptions(model=target, cpu_linear=kernel), draft=ServiceOptions(model=draft, cpu_linear=kernel),
+            target=ServiceOptions(model=target, cpu_linear=kernel),
+            draft=ServiceOptions(model=draft, cpu_linear=kernel),
             loop=LoopConfig(num_speculative_tokens=args.k), address="127.0.0.1:0",
             orchestrator=FrontendOptions()))["orchestrator"]
         processes = service_processes(group.processes[0].pid, ready.replica_addresses or {})

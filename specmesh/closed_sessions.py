@@ -28,8 +28,11 @@ class ClosedSessions:
         now = time.monotonic()
         self._closed[request_id] = now
         self._closed.move_to_end(request_id)
-        while self._closed and (len(self._closed) > self.max_ids or next(iter(self._closed.values())) < now - self.ttl_s):
+        while self._closed and (len(self._closed) > self.max_ids or self._oldest() < now - self.ttl_s):
             self._closed.popitem(last=False)
+
+    def _oldest(self) -> float:
+        return next(iter(self._closed.values()))
 
     def __contains__(self, request_id: str) -> bool:
         closed_at = self._closed.get(request_id)

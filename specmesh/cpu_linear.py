@@ -64,7 +64,8 @@ class OneDnnLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)  # [rows, in]
-        chunks = [self._bounded(rows[start:start + CHUNK_ROWS]) for start in range(0, rows.shape[0], CHUNK_ROWS)]
+        chunks = [self._bounded(rows[start:start + CHUNK_ROWS])
+                  for start in range(0, rows.shape[0], CHUNK_ROWS)]
         y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [rows, out]
         return y.reshape(*x.shape[:-1], self.out_features)
 

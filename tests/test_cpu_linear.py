@@ -55,7 +55,7 @@ def test_onednn_linear_runs_few_row_counts_whatever_it_is_fed(monkeypatch):
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
 def test_onednn_layers_fed_ragged_row_counts_keep_their_memory_flat():
     """Fed a different row count each call, as served steps are, the process's memory stays flat
-    (unbounded, oneDNN's per-shape caches grew it by ~600 MB here)."""
+    (unbounded, oneDNN's per-shape caches grew it by hundreds of MB)."""
     random.seed(0)
     layers = [OneDnnLinear(torch.nn.Linear(264, 1032)), OneDnnLinear(torch.nn.Linear(1032, 264))]
 
@@ -65,8 +65,8 @@ def test_onednn_layers_fed_ragged_row_counts_keep_their_memory_flat():
         for rows in range(1, CHUNK_ROWS + 1):  # every shape a layer runs, cached
             step(rows)
         before = _resident_mb()
-        for _ in range(600):
-            step(random.randint(1, 700))
+        for _ in range(400):
+            step(random.randint(1, 300))
     assert _resident_mb() - before < 64
 
 

@@ -15,6 +15,7 @@ import pytest
 from harness import WORK_TIMEOUT_S, draft_stub, eventually, make_engine, start_stack
 from orchestrator.decoding.loop import close_after
 from orchestrator.deployment.clients import CLOSE_ATTEMPTS, DraftClient
+from specmesh.closed_sessions import ClosedSessions
 from specmesh.cpu_linear import onednn_usable
 from specmesh.drain import drain_of
 from specmesh.errors import SessionClosed
@@ -115,6 +116,13 @@ async def test_a_session_closed_while_it_waits_for_kv_room_is_refused_its_room(t
     with pytest.raises(SessionClosed):
         await waiting
     assert not engine.sessions and engine.kv.running == 0 and engine.kv.waiting == 0
+
+
+def test_the_ids_of_sessions_closed_before_they_opened_are_bounded():
+    closed = ClosedSessions(max_ids=3)
+    for index in range(5):
+        closed.add(f"r/{index}")
+    assert len(closed) == 3 and "r/1" not in closed and "r/4" in closed
 
 
 async def test_the_drafts_close_waits_for_its_cancelled_open_to_end():
