@@ -35,6 +35,15 @@ TIMED_ROWS = (1, 2, 4, 8)  # what decode and verification steps feed
 REPEATS = 3  # the fastest of these (noise only ever adds time)
 PICK_GAIN = 0.9  # switch to oneDNN only for a total at least 10 % lower: timings are noisy
 PACK_ROWS = 16  # the batch size oneDNN lays the packed weight out for (4 and 1 were slower from 4 rows on)
+# oneDNN builds (JIT-compiles) and caches a primitive per input shape, in two caches of 1024 entries each
+# (its own, and ideep's computation cache), ~0.6-1.6 MB an entry: fed every row count a ragged step makes,
+# a process grew by hundreds of MB (430 -> 828 MB over 1,200 streams). So a layer only ever runs these
+# row counts: exact up to EXACT_ROWS (decode and verification steps), else padded up to a multiple of
+# ROW_STEP, and more than CHUNK_ROWS rows go in CHUNK_ROWS-row chunks (a chunk that size is already
+# compute-bound, so the extra weight passes cost little). That is 15 shapes a layer, whatever the load.
+EXACT_ROWS = 8
+ROW_STEP = 8
+CHUNK_ROWS = 64
 
 
 class OneDnnLinear(torch.nn.Module):
@@ -54,9 +63,29 @@ class OneDnnLinear(torch.nn.Module):
         self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None)  # [out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, self.in_features).contiguous()  # [rows, in]
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)  # [rows, in]
+        chunks = [self._bounded(rows[start:start + CHUNK_ROWS])
+                  for start in range(0, rows.shape[0], CHUNK_ROWS)]
+        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [rows, out]
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _bounded(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, in] with n <= CHUNK_ROWS -> [n, out], computed at a row count of bounded_rows(n)."""
+        n = rows.shape[0]
+        padded = bounded_rows(n)
+        if padded != n:  # pad rows are zeros; each output row depends on its own input row only
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, padded - n))
+        return linear_pointwise(rows.contiguous(), self.packed_weight, self.bias)[:n]
+
+
+def bounded_rows(n: int) -> int:
+    """The row count a chunk of n <= CHUNK_ROWS rows runs at (see EXACT_ROWS)."""
+    return n if n <= EXACT_ROWS else -(-n // ROW_STEP) * ROW_STEP
+
+
+def linear_pointwise(rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear: [rows, in] (contiguous) x the packed [out, in] weight -> [rows, out]."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
 
 
 def onednn_usable(device: str) -> bool:

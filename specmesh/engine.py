@@ -26,7 +26,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
-from specmesh.errors import CapacityExhausted, InvalidArgument, SessionExists, SessionNotFound
+from specmesh.closed_sessions import ClosedSessions
+from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
 from specmesh.hf_compat import cache_kwargs
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
@@ -130,6 +131,7 @@ class ModelEngine:
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
         self.sessions: dict[str, Session] = {}
+        self.closed = ClosedSessions()  # closed before they opened: their opens are refused
         self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
         self.costs: StepCosts | None = None  # measured by calibrate(); None: no row padding
         if avoid_cudnn_attention(self.device):
@@ -204,6 +206,8 @@ class ModelEngine:
                 ahead = self.queued_prefill_rows()
                 check_prefill_in_time(ahead, self.prefill_seconds(ahead + len(prompt)),
                                       wait_limit(deadline - time.monotonic()))
+            if request_id in self.closed:  # closed while it waited for room
+                raise SessionClosed(request_id)
             return self.new_session(request_id, prompt, sampling, caller)
         except BaseException:
             self.kv.release(request_id)  # refused after all: its room goes to the next in line
@@ -236,6 +240,8 @@ class ModelEngine:
         check_penalties(sampling)
         if request_id in self.sessions:
             raise SessionExists(request_id)
+        if request_id in self.closed:
+            raise SessionClosed(request_id)
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExhausted(f"{self.config.max_sessions} sessions already open")
         self._check_caller_limit(caller)
@@ -342,8 +348,12 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def close(self, request_id: str) -> bool:
+        """Free the session; one not open (yet) is remembered, and its open refused (specmesh.closed_sessions)."""
         self.kv.release(request_id)  # its KV room, held from admission (admit)
-        return self.sessions.pop(request_id, None) is not None
+        if self.sessions.pop(request_id, None) is not None:
+            return True
+        self.closed.add(request_id)
+        return False
 
     def reap_idle(self, max_idle_s: float) -> list[str]:
         """Close sessions idle longer than max_idle_s (their orchestrator vanished)."""

@@ -40,6 +40,15 @@ class SessionExists(SpecmeshError):
         super().__init__(f"a session with request_id {request_id!r} is already open")
 
 
+class SessionClosed(SpecmeshError):
+    """An open for a session its caller already closed (the close overtook the open on its way)."""
+
+    code = grpc.StatusCode.ABORTED  # not CANCELLED: a pooled client would re-open it on another replica
+
+    def __init__(self, request_id: str):
+        super().__init__(f"session {request_id!r} was closed before it opened")
+
+
 class PositionMismatch(SpecmeshError):
     """The caller's idea of the sequence length differs from the session's."""
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear, onednn_usable, time_kernels
+from specmesh import cpu_linear
+from specmesh.cpu_linear import CHUNK_ROWS, OneDnnLinear, choose_cpu_linear, onednn_usable, time_kernels
 from specmesh.precision import load_model_in, quantize_int8_weights
 
 pytestmark = pytest.mark.skipif(not onednn_usable("cpu"), reason="this torch has no oneDNN")
@@ -28,6 +31,47 @@ def test_onednn_linear_computes_what_torch_linear_does(bias):
     strided = torch.randn(48, 6).t()  # [6, 48], not contiguous (a slice of a wider hidden state)
     with torch.inference_mode():
         assert torch.allclose(onednn(strided), linear(strided), atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_linear_runs_few_row_counts_whatever_it_is_fed(monkeypatch):
+    """oneDNN builds and caches a primitive per row count: a layer fed every count from 1 to 300 (what
+    ragged steps feed) runs only a bounded few, and still computes what torch's layer does."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80)
+    onednn, ran = OneDnnLinear(linear), set()
+
+    def recording(rows, packed_weight, bias):
+        ran.add(rows.shape[0])
+        return linear_pointwise(rows, packed_weight, bias)
+    linear_pointwise = cpu_linear.linear_pointwise
+    monkeypatch.setattr(cpu_linear, "linear_pointwise", recording)
+    with torch.inference_mode():
+        for rows in range(1, 301):
+            x = torch.randn(rows, 48)
+            assert torch.allclose(onednn(x), linear(x), atol=1e-5, rtol=1e-5), rows
+    assert max(ran) <= CHUNK_ROWS and len(ran) <= 15, sorted(ran)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+def test_onednn_layers_fed_ragged_row_counts_keep_their_memory_flat():
+    """Fed a different row count each call, as served steps are, the process's memory stays flat
+    (unbounded, oneDNN's per-shape caches grew it by hundreds of MB)."""
+    random.seed(0)
+    layers = [OneDnnLinear(torch.nn.Linear(264, 1032)), OneDnnLinear(torch.nn.Linear(1032, 264))]
+
+    def step(rows: int) -> None:
+        layers[1](layers[0](torch.randn(rows, 264)))
+    with torch.inference_mode():
+        for rows in range(1, CHUNK_ROWS + 1):  # every shape a layer runs, cached
+            step(rows)
+        before = _resident_mb()
+        for _ in range(400):
+            step(random.randint(1, 300))
+    assert _resident_mb() - before < 64
+
+
+def _resident_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
 
 
 def _logits(model, ids):

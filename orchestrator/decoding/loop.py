@@ -383,9 +383,18 @@ class SpeculativeGeneration:
 
     def _close_sessions(self) -> None:
         """Free both sessions in the background, even when the client's stream was cancelled."""
-        if self._draft_opening is not None:
-            self._draft_opening.cancel()
-            self._draft_opening.add_done_callback(retrieve_outcome)
+        opening, self._draft_opening = self._draft_opening, None
+        if opening is not None:
+            opening.cancel()
+            opening.add_done_callback(retrieve_outcome)
         spawn_background(self.target.close(self.session_id))
         if self.draft is not None and self._draft_asked:
-            spawn_background(self.draft.close(self.session_id))
+            spawn_background(close_after(opening, self.draft, self.session_id))
+
+
+async def close_after(opening: asyncio.Task | None, endpoint: DraftEndpoint, session_id: str) -> None:
+    """Close the session once its open has ended, whichever way: a close sent beside a cancelled open
+    could reach the service first (the service refuses such an open too: specmesh.closed_sessions)."""
+    if opening is not None:
+        await asyncio.wait([opening])
+    await endpoint.close(session_id)

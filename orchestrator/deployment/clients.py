@@ -17,6 +17,7 @@ from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, targe
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
+CLOSE_ATTEMPTS = 3
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
@@ -114,11 +115,18 @@ async def _call_target(method, request, timeout: float):
 
 
 async def _close_quietly(service: str, method, request_id: str) -> None:
-    """Closing is best effort: a dead service has already lost the session."""
-    try:
-        await method(common_pb2.CloseSessionRequest(request_id=request_id), timeout=CLOSE_TIMEOUT_S)
-    except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
-        log.debug("closing %s session %s failed: %s", service, request_id, error)
+    """Closing is best effort: a dead service has already lost the session. A close that timed out is
+    sent again: a service busy with many streams ending at once may answer late, and a close lost so
+    would leave the session to the idle reaper (minutes)."""
+    for attempt in range(1, CLOSE_ATTEMPTS + 1):
+        try:
+            await method(common_pb2.CloseSessionRequest(request_id=request_id), timeout=CLOSE_TIMEOUT_S)
+            return
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
+            timed_out = not isinstance(error, grpc.aio.AioRpcError) or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            log.debug("closing %s session %s failed (attempt %d): %s", service, request_id, attempt, error)
+            if not timed_out:
+                return
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,125 @@
+"""Soak: does any process's memory keep growing over thousands of streams, on each CPU kernel?
+
+Serves a stack (`specmesh serve`'s launcher: orchestrator, draft and target processes) per kernel
+(--kernels: the services' --cpu-linear), sends --streams requests of random prompt lengths and
+max_tokens, --concurrency at a time (a share of them, --cancel-fraction, cancelled after a random
+number of responses), and prints every process's resident set size (RSS) after the first
+--checkpoint streams and after all of them, with the growth between.
+
+Done when: with each kernel, every process's RSS after all streams is within 10 % of its RSS after
+the first --checkpoint (the issue's soak: 5,000 streams against the first 500).
+
+    python benchmarks/soak_rss.py
+    python benchmarks/soak_rss.py --streams 5000 --checkpoint 500 --kernels torch onednn
+    python benchmarks/soak_rss.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --streams 1200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from concurrency_memory import MIB, mixed_requests, service_processes, tiny_pair  # noqa: E402
+from orchestrator.decoding.loop import LoopConfig  # noqa: E402
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
+from orchestrator.frontend.options import FrontendOptions  # noqa: E402
+from specmesh.models import load_tokenizer  # noqa: E402
+from specmesh.service import ServiceOptions  # noqa: E402
+from specmesh.v1 import generation_pb2_grpc  # noqa: E402
+
+GROWTH_LIMIT = 0.10
+
+
+async def one_stream(stub, request, cancel_after: int | None) -> None:
+    """Run a stream to its end, or cancel it after `cancel_after` responses."""
+    call = stub.Generate(request, timeout=3600)
+    try:
+        read = 0
+        async for _ in call:
+            read += 1
+            if cancel_after is not None and read >= cancel_after:
+                call.cancel()
+                return
+    except grpc.aio.AioRpcError:
+        pass
+
+
+async def run_streams(endpoint: str, requests, args, rng: random.Random, processes) -> dict[str, list[int]]:
+    """RSS per process after the checkpoint and at the end."""
+    rss: dict[str, list[int]] = {name: [] for name in processes}
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        queue = iter(enumerate(requests))
+
+        async def worker() -> None:
+            for index, request in queue:
+                cancel = rng.randint(0, 6) if rng.random() < args.cancel_fraction else None
+                await one_stream(stub, request, cancel)
+                if index + 1 == args.checkpoint:
+                    record(rss, processes)
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    record(rss, processes)
+    return rss
+
+
+def record(rss: dict[str, list[int]], processes) -> None:
+    for name, process in processes.items():
+        rss[name].append(process.memory_info().rss)
+
+
+def soak(kernel: str, target: str, draft: str, args) -> dict[str, list[int]]:
+    requests = mixed_requests(load_tokenizer(target), args)
+    group = ProcessGroup()
+    try:
+        ready = start_stack(group, StackOptions(
+            target=ServiceOptions(model=target, cpu_linear=kernel),
+            draft=ServiceOptions(model=draft, cpu_linear=kernel),
+            loop=LoopConfig(num_speculative_tokens=args.k), address="127.0.0.1:0",
+            orchestrator=FrontendOptions()))["orchestrator"]
+        processes = service_processes(group.processes[0].pid, ready.replica_addresses or {})
+        return asyncio.run(run_streams(f"127.0.0.1:{ready.port}", requests, args, random.Random(args.seed), processes))
+    finally:
+        group.stop()
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[int]]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="target model (default: a tiny one built here)")
+    parser.add_argument("--draft", default=None, help="draft model (default: a tiny one)")
+    parser.add_argument("--kernels", nargs="+", default=["torch", "onednn"], choices=["torch", "onednn"])
+    parser.add_argument("--streams", type=int, default=2000)
+    parser.add_argument("--checkpoint", type=int, default=500, help="RSS is compared against after this many")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--cancel-fraction", type=float, default=0.3)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(4, 600), metavar=("MIN", "MAX"))
+    parser.add_argument("--max-tokens", type=int, nargs=2, default=(4, 64), metavar=("MIN", "MAX"))
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.requests = args.streams  # what mixed_requests reads
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        target, draft = (args.target, args.draft) if args.target else tiny_pair(Path(root))
+        for kernel in args.kernels:
+            results[kernel] = rss = soak(kernel, target, draft, args)
+            print(f"{kernel}: {args.streams} streams, {args.concurrency} at a time, "
+                  f"{args.cancel_fraction:.0%} cancelled")
+            for name, (checkpoint, end) in rss.items():
+                growth = end / checkpoint - 1
+                verdict = "ok" if growth <= GROWTH_LIMIT else "GROWS"
+                print(f"  {name:12s} RSS after {args.checkpoint}: {checkpoint / MIB:7.1f} MiB, after {args.streams}: "
+                      f"{end / MIB:7.1f} MiB ({growth:+.1%}) {verdict}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
