@@ -80,6 +80,8 @@ def grpc_server_options(limits: ConnectionLimits) -> list[tuple[str, int]]:
         # connection that never sends its preface is bounded by the handshake timeout alone.
         ("grpc.server_handshake_timeout_ms", _ms(limits.handshake_timeout_s)),
         ("grpc.max_connection_idle_ms", _ms(limits.idle_timeout_s)),
+        # Unbounded, a burst of 10,000 calls on one connection got most of them (and some of other
+        # connections' calls) CANCELLED by grpc; bounded, the client queues what is past the limit.
         ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
         # Streams past that limit wait in the client's queue, as HTTP/2 intends; grpc's overload
         # protection would instead reset the ones a burst sends before the limit's SETTINGS frame

@@ -74,7 +74,7 @@ def test_prompt_lookup_replay_counts_every_round(tiny_llama_dir, capsys):
     assert "acceptance by position" in capsys.readouterr().out
 
 
-def test_hostile_load_holds_idle_connections_and_floods_without_breaking_authenticated_calls(tiny_llama_dir, tmp_path):
+def test_hostile_load_keeps_authenticated_calls_working_under_idle_connections_and_a_flood(tiny_llama_dir, tmp_path):
     config = tmp_path / "limits.yaml"
     config.write_text("handshake-timeout: 2\n")
     results = load_script("hostile_load").main(["--target", str(tiny_llama_dir), "--config", str(config),
