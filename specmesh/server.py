@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from opentelemetry.sdk.trace import TracerProvider
 
+from specmesh.connections import ConnectionLimits, grpc_server_options
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, STOP_MARGIN_S, Drain, DrainInterceptor, drain_of
 from specmesh.drain import register as register_drain
 from specmesh.errors import InvalidArgument, SpecmeshError
@@ -120,6 +121,7 @@ async def start_server(
     tracer_provider: TracerProvider | None = None,
     unauthenticated_message: str = UNAUTHENTICATED_MESSAGE,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    connection_limits: ConnectionLimits | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
@@ -127,16 +129,21 @@ async def start_server(
     services in `service_names` require it (the API key, or the draft's and target's internal
     token), refusing with `unauthenticated_message`; health and reflection stay open. The server's
     `Drain` (`drain_of(server)`) refuses and tracks calls to those services. `max_request_bytes`:
-    larger request messages get RESOURCE_EXHAUSTED without being read.
+    larger request messages get RESOURCE_EXHAUSTED without being read. `connection_limits`: a public
+    port's bounds (specmesh.connections); None = grpc's defaults, for the internal services.
     """
     names = list(service_names)
     drain = Drain()
-    # Tracing outermost, so a span also covers (and records) refused calls and the errors mapped below;
-    # the drain innermost, so ErrorInterceptor turns its ShuttingDown into UNAVAILABLE.
+    # The key check outermost: a stranger's call is refused before a span, a handler or the drain's
+    # count is spent on it (a flood of them must cost only themselves). Tracing next, so a span
+    # covers the errors mapped below; the drain innermost, so ErrorInterceptor turns its ShuttingDown
+    # into UNAVAILABLE. (grpc's maximum_concurrent_rpcs counts calls before any interceptor runs:
+    # the public server leaves it unset, so strangers cannot use up its slots.)
     auth = [ApiKeyInterceptor(api_key, names, unauthenticated_message)] if api_key else []
-    interceptors = [*server_interceptors(tracer_provider), *auth, ErrorInterceptor(), DrainInterceptor(drain, names)]
-    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs,
-                             options=[("grpc.max_receive_message_length", max_request_bytes)])
+    interceptors = [*auth, *server_interceptors(tracer_provider), ErrorInterceptor(), DrainInterceptor(drain, names)]
+    options = [("grpc.max_receive_message_length", max_request_bytes)]
+    options += grpc_server_options(connection_limits) if connection_limits else []
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs, options=options)
     register(server)
     register_drain(server, drain)
     health = health_aio.HealthServicer()

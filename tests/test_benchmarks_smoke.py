@@ -72,3 +72,14 @@ def test_prompt_lookup_replay_counts_every_round(tiny_llama_dir, capsys):
     assert total["rounds"] + total["accepted"] == total["tokens"] > 0
     assert total["accepted"] <= total["proposed"] and total["accepted_at"][0] <= total["reached"][0]
     assert "acceptance by position" in capsys.readouterr().out
+
+
+def test_hostile_load_keeps_authenticated_calls_working_under_idle_connections_and_a_flood(tiny_llama_dir, tmp_path):
+    config = tmp_path / "limits.yaml"
+    config.write_text("handshake-timeout: 2\n")
+    results = load_script("hostile_load").main(["--target", str(tiny_llama_dir), "--config", str(config),
+                                                "--idle", "300", "--idle-s", "4", "--flood", "300", "--floods", "1",
+                                                "--baseline-s", "2"])
+    assert results["idle"] == {} and results["log_growth"] < 1_000_000
+    (statuses, failures), = results["floods"]
+    assert failures == {} and set(statuses) == {"UNAUTHENTICATED"}

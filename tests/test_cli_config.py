@@ -20,6 +20,7 @@ from orchestrator.deployment.launch import local_pools_options
 from orchestrator.frontend.cli import build_parser, frontend_options, main, metrics_ports_of
 from orchestrator.frontend.config_file import ConfigError, settings_by_key
 from orchestrator.frontend.serve_args import serve_settings
+from specmesh.connections import ConnectionLimits, positive_seconds
 from specmesh.cpu_linear import KERNEL_CHOICES
 from specmesh.kv_budget import parse_kv_cache_memory
 from specmesh.security import Security
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = {
     int: (3, 3),
     float: (0.25, 0.25),
+    positive_seconds: (0.25, 0.25),
     positive_int: (7, 7),
     parse_cpu_list: ([0, 2], (0, 2)),
     parse_kv_cache_memory: ("1GiB", parse_kv_cache_memory("1GiB")),
@@ -119,6 +121,7 @@ def options_land_where_they_are_used(args: argparse.Namespace) -> None:
     frontend = frontend_options(args, security, 3)
     assert (frontend.host, frontend.http_port, frontend.max_request_bytes, frontend.api_key) == (
         "value-of-host", 3, 7, "key")
+    assert frontend.connection_limits == ConnectionLimits(3, 3, 0.25, 0.25, 0.25, 3, 0.25)
 
 
 def test_the_command_line_wins_over_the_file(tmp_path):

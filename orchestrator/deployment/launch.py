@@ -35,6 +35,7 @@ from orchestrator.deployment.options import PoolsOptions, RestartPolicy
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.options import FrontendOptions
 from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
+from specmesh.connections import quiet_accept_errors, raise_file_limit
 from specmesh.metrics import OrchestratorMetrics, serve_metrics
 from specmesh.models import load_tokenizer
 from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
@@ -170,6 +171,9 @@ def run_orchestrator(tokenizer_spec: str, options: OrchestratorOptions, address:
                      frontend: FrontendOptions, ready) -> None:
     """Serve until SIGINT/SIGTERM; `ready.put(Ready)` once listening, or with the start-up error."""
     _configure_logging()
+    # Before the connection caps are sized from it; and a flood's accept failures log once per interval.
+    raise_file_limit()
+    quiet_accept_errors()
     try:
         asyncio.run(_serve_orchestrator(tokenizer_spec, options, address, frontend, ready))
     except Exception as error:  # noqa: BLE001
@@ -190,12 +194,14 @@ async def _serve_orchestrator(tokenizer_spec, options, address, frontend: Fronte
     try:
         server, port, health = await serve_grpc(servicer, address, tracer_provider=provider, tls=frontend.tls,
                                                 api_key=frontend.api_key,
-                                                max_request_bytes=frontend.max_request_bytes)
+                                                max_request_bytes=frontend.max_request_bytes,
+                                                connection_limits=frontend.connection_limits)
         if servicer.pools is not None:
             servicer.pools.attach_health(health, (SERVICE_NAME,))
         if frontend.http_port is not None and frontend.http_port >= 0:
             app = create_app(servicer, frontend.api_key, drain_of(server), frontend.max_request_bytes)
-            http = await start_http_server(app, frontend.host, frontend.http_port, frontend.tls)
+            http = await start_http_server(app, frontend.host, frontend.http_port, frontend.tls,
+                                           frontend.connection_limits)
         pools = servicer.pools
         freeze_start_up_heap("orchestrator")
         ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None,

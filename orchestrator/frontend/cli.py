@@ -21,6 +21,7 @@ from orchestrator.frontend.config_file import ConfigError, ConfigurableParser
 from orchestrator.frontend.options import FrontendOptions
 from orchestrator.frontend.serve_args import add_serve_parser
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES
+from specmesh.connections import connection_limits_from_args
 from specmesh.security import Security, SecurityConfigError, new_internal_token, security_from_args
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -84,7 +85,8 @@ def frontend_options(args: argparse.Namespace, security: Security, metrics_port:
     return FrontendOptions(host=args.host, http_port=args.http_port, metrics_port=metrics_port,
                            trace_exporter=args.trace_exporter, trace_sample_ratio=args.trace_sample_ratio,
                            tls=security.server_tls, api_key=security.api_key, shutdown_grace_s=args.shutdown_grace,
-                           max_request_bytes=args.max_request_bytes)
+                           max_request_bytes=args.max_request_bytes,
+                           connection_limits=connection_limits_from_args(args))
 
 
 class _ReadyLine:

@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from orchestrator.frontend.http_connections import ApiKeyFirst, uvicorn_settings
 from orchestrator.frontend.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from orchestrator.frontend.http_front_door import (OpenAIError, add_guarded_docs, api_key_check, docs_settings,
                                                    install_error_handlers, limit_body_size, shutting_down)
@@ -38,6 +39,7 @@ from orchestrator.frontend.openai_requests import (PARAMETER_NAMES, ChatCompleti
                                                    SamplingFields, completion_prompt, generate_request)
 from orchestrator.frontend.request_limits import request_size_limit
 from orchestrator.frontend.servicer import FINISH_REASON_NAMES, GenerationServicer
+from specmesh.connections import ConnectionLimits
 from specmesh.drain import REFUSED_MESSAGE, Drain
 from specmesh.errors import InvalidArgument, ShuttingDown
 from specmesh.models import chat_token_ids
@@ -244,6 +246,8 @@ def create_app(servicer: GenerationServicer, api_key: str | None = None, drain: 
     add_openai_routes(app, front, Depends(api_key_check(api_key)), Depends(drain_check(front.drain)))
     add_guarded_docs(app, api_key)
     install_error_handlers(app)
+    if api_key:  # added last, so outermost: strangers meet nothing else (the routes' own check stays)
+        app.add_middleware(ApiKeyFirst, api_key=api_key)
     return app
 
 
@@ -283,10 +287,11 @@ def tls_settings(tls: TLSConfig | None) -> dict[str, Any]:
 
 
 async def start_http_server(app: FastAPI, host: str, port: int, tls: TLSConfig | None = None,
-                            ) -> tuple[_EmbeddedServer, int, asyncio.Task]:
-    """Serve `app` on host:port (0 = any free port), HTTPS with `tls`; return (server, bound port, serving task)."""
+                            limits: ConnectionLimits | None = None) -> tuple[_EmbeddedServer, int, asyncio.Task]:
+    """Serve `app` on host:port (0 = any free port), HTTPS with `tls`, its connections bounded by `limits`
+    (default: ConnectionLimits()); return (server, bound port, serving task)."""
     server = _EmbeddedServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                            **tls_settings(tls)))
+                                            **tls_settings(tls), **uvicorn_settings(limits or ConnectionLimits())))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specmesh.connections import ConnectionLimits
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S
 from specmesh.security import TLSConfig
 
@@ -24,3 +25,4 @@ class FrontendOptions:
     api_key: str | None = field(default=None, repr=False)  # clients must send it; None = open
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight requests may run on
     max_request_bytes: int | None = None  # a client's largest message; None = sized to the context window
+    connection_limits: ConnectionLimits = ConnectionLimits()  # each client-facing port's (specmesh.connections)

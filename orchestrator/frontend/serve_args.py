@@ -15,6 +15,7 @@ import argparse
 from orchestrator.deployment import ray_cli as pools_cli
 from orchestrator.deployment.launch import add_model_arguments, add_supervision_arguments
 from orchestrator.frontend.config_file import ConfigurableParser
+from specmesh.connections import add_connection_arguments
 from specmesh.drain import add_shutdown_arguments
 from specmesh.security import add_api_key_arguments, add_client_tls_arguments, add_server_tls_arguments
 from specmesh.service import (add_batching_arguments, add_kv_cache_arguments, add_request_limit_argument,
@@ -44,6 +45,7 @@ def serve_settings() -> argparse.ArgumentParser:
     settings.add_argument("--http-port", type=int, default=8000, metavar="PORT",
                           help="OpenAI-compatible HTTP API port (0 = any free port, -1 = off)")
     add_request_limit_argument(settings)
+    add_connection_arguments(settings)  # the client-facing ports' bounds
     add_kv_cache_arguments(settings)  # each model service's own budget (a fraction: of its device)
     add_batching_arguments(settings)  # each model service's, as `python -m draft_service|target_service` sets them
     settings.add_argument("--greedy-draft", action="store_true",

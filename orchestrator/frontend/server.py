@@ -13,6 +13,7 @@ from orchestrator.deployment.serving import create_pooled_servicer
 from orchestrator.frontend.request_limits import request_size_limit
 from orchestrator.frontend.servicer import AdminServicer, GenerationServicer
 from specmesh.metrics import OrchestratorMetrics
+from specmesh.connections import ConnectionLimits
 from specmesh.security import TLSConfig
 from specmesh.drain import drain_of
 from specmesh.server import start_server
@@ -36,19 +37,21 @@ async def create_servicer(tokenizer: PreTrainedTokenizerBase, options: Orchestra
 async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0", *,
                      max_concurrent_rpcs: int | None = None, tracer_provider: TracerProvider | None = None,
                      tls: TLSConfig | None = None, api_key: str | None = None,
-                     max_request_bytes: int | None = None,
+                     max_request_bytes: int | None = None, connection_limits: ConnectionLimits | None = None,
                      ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Serve Generation and Admin (both behind `api_key` when set; the kill switch is an admin act).
 
     Requests over `max_request_bytes` (default: request_limits' default for the target's context
-    window) get RESOURCE_EXHAUSTED unread."""
+    window) get RESOURCE_EXHAUSTED unread. Its connections are bounded by `connection_limits`
+    (default: ConnectionLimits(); specmesh.connections), as a public port's must be."""
     def register(server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools), server)
     server, port, health = await start_server(
         register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs, tls=tls,
         api_key=api_key, tracer_provider=tracer_provider,
-        max_request_bytes=request_size_limit(servicer.backends.limits.context_window, max_request_bytes))
+        max_request_bytes=request_size_limit(servicer.backends.limits.context_window, max_request_bytes),
+        connection_limits=connection_limits or ConnectionLimits())
     drain_of(server).wait_also_for(pending_clean_ups)  # a drained stream's sessions are closed before exit
     return server, port, health
 

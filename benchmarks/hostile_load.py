@@ -1,0 +1,253 @@
+"""Hostile load on `specmesh serve --api-key`: idle connections, then floods of unauthenticated calls.
+
+Usage (tiny models are enough: what is measured is the front door, not decoding):
+
+    python benchmarks/hostile_load.py --target DIR [--idle 20000] [--flood 10000] [--floods 3]
+
+It starts `specmesh serve --api-key` (target only, `--config` for extra settings) with its output
+in a log file, then from this process runs authenticated requests throughout (one gRPC Generate
+over a kept channel and one HTTP completion over a new connection, in turn) and:
+  1. baseline: those requests alone, for --baseline-s;
+  2. idle: another process holds --idle TCP connections that never send a byte, split between
+     the gRPC and HTTP ports, and reopens each one the server closes, for --idle-s;
+  3. floods: another process sends --flood Generate calls without the key at once, --floods times.
+It prints the authenticated requests' failures and latency against the baseline, how much the
+server's log grew, the connections the attacker held, and each flood's status counts; with the
+machine and the command. The client raises its own RLIMIT_NOFILE; the hard limit bounds --idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from specmesh.connections import raise_file_limit  # noqa: E402
+from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+
+API_KEY = "hostile-load-key"
+REQUEST = generation_pb2.GenerateRequest(prompt="def add(a, b):", max_tokens=8, temperature=0.0)
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def start_serve(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, int, int]:
+    """`specmesh serve --api-key` with its output in log_path; (process, gRPC port, HTTP port) once ready."""
+    command = [sys.executable, "-m", "orchestrator.frontend.cli", "serve", "--port", "0", "--http-port", "0",
+               "--metrics-port", "-1", "--api-key", API_KEY, "--target", args.target, "--draft", "none"]
+    command += ["--config", args.config] if args.config else []
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        found = re.search(r"client endpoint [^:\s]+:(\d+), OpenAI API http://[^:]+:(\d+)", log_path.read_text())
+        if found:
+            return process, int(found.group(1)), int(found.group(2))
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit("serve did not become ready:\n" + log_path.read_text()[-3000:])
+
+
+class Probe:
+    """Authenticated requests in turn, gRPC and HTTP, recording latency and failures per phase."""
+
+    def __init__(self, grpc_port: int, http_port: int):
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+        self.http_url = f"http://127.0.0.1:{http_port}"
+        self.latencies: dict[str, list[float]] = {"grpc": [], "http": []}
+        self.failures: Counter = Counter()
+
+    def reset(self) -> None:
+        self.latencies, self.failures = {"grpc": [], "http": []}, Counter()
+
+    async def grpc_once(self) -> None:
+        stub = generation_pb2_grpc.GenerationStub(self.channel)
+        started = time.perf_counter()
+        try:
+            async for _ in stub.Generate(REQUEST, timeout=30, metadata=(("authorization", f"Bearer {API_KEY}"),)):
+                pass
+            self.latencies["grpc"].append(time.perf_counter() - started)
+        except grpc.aio.AioRpcError as error:
+            self.failures[f"grpc {error.code().name}"] += 1
+
+    async def http_once(self) -> None:
+        started = time.perf_counter()
+        try:
+            async with httpx.AsyncClient(base_url=self.http_url, timeout=30,
+                                         headers={"authorization": f"Bearer {API_KEY}"}) as client:
+                reply = await client.post("/v1/completions", json={"prompt": REQUEST.prompt, "max_tokens": 8})
+            if reply.status_code == 200:
+                self.latencies["http"].append(time.perf_counter() - started)
+            else:
+                self.failures[f"http {reply.status_code}"] += 1
+        except httpx.HTTPError as error:
+            self.failures[f"http {type(error).__name__}"] += 1
+
+    async def run_until(self, done: asyncio.Event) -> None:
+        while not done.is_set():
+            await self.grpc_once()
+            await self.http_once()
+
+    def summary(self, baseline: dict[str, float] | None = None) -> str:
+        parts = []
+        for kind, values in self.latencies.items():
+            if not values:
+                parts.append(f"{kind}: no successes")
+                continue
+            p50 = statistics.median(values)
+            p95 = sorted(values)[int(0.95 * (len(values) - 1))]
+            ratio = f" ({p50 / baseline[kind]:.2f}x baseline p50)" if baseline and baseline.get(kind) else ""
+            parts.append(f"{kind}: {len(values)} ok, p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms{ratio}")
+        failed = ", ".join(f"{k} x{v}" for k, v in sorted(self.failures.items())) or "none"
+        return "; ".join(parts) + f"; failures: {failed}"
+
+    def medians(self) -> dict[str, float]:
+        return {kind: statistics.median(values) for kind, values in self.latencies.items() if values}
+
+
+async def hold_idle(ports: list[int], count: int, seconds: float) -> dict:
+    """`count` silent connections over `ports`, each reopened when the server closes it, for `seconds`."""
+    stats = Counter()
+    stop_at = time.monotonic() + seconds
+
+    async def slot(port: int) -> None:
+        while time.monotonic() < stop_at:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                stats["connect errors"] += 1
+                await asyncio.sleep(0.1)
+                continue
+            stats["opened"] += 1
+            stats["open"] += 1
+            try:
+                async with asyncio.timeout(max(0.01, stop_at - time.monotonic())):
+                    while await reader.read(1 << 16):  # a gRPC server's SETTINGS frame; then the end
+                        pass
+                stats["closed by the server"] += 1
+            except TimeoutError:
+                pass
+            except OSError:
+                stats["closed by the server"] += 1
+            stats["open"] -= 1
+            writer.close()
+
+    async def sample() -> None:
+        while time.monotonic() < stop_at:
+            stats["most open at once"] = max(stats["most open at once"], stats["open"])
+            await asyncio.sleep(0.5)
+    await asyncio.gather(sample(), *(slot(ports[i % len(ports)]) for i in range(count)))
+    return dict(stats)
+
+
+async def flood(port: int, calls: int) -> dict:
+    """`calls` Generate calls without the key, all at once over one connected channel."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION) as channel:
+        await channel.channel_ready()
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def call() -> str:
+            try:
+                async for _ in stub.Generate(REQUEST, timeout=120):
+                    pass
+                return "OK"
+            except grpc.aio.AioRpcError as error:
+                return error.code().name
+        return dict(Counter(await asyncio.gather(*(call() for _ in range(calls)))))
+
+
+async def measure_while(probe: Probe, *attack_args: str) -> dict:
+    """Run this script as the attacker (`--attack ...`, another process) while the probe runs; its report."""
+    child = await asyncio.create_subprocess_exec(sys.executable, __file__, "--attack", *attack_args,
+                                                 stdout=asyncio.subprocess.PIPE)
+    done = asyncio.Event()
+    prober = asyncio.ensure_future(probe.run_until(done))
+    output, _ = await child.communicate()
+    done.set()
+    await prober
+    return json.loads(output.decode().strip().splitlines()[-1])
+
+
+def attack(argv: list[str]) -> None:
+    """The attacker process: `idle PORT,PORT COUNT SECONDS` or `flood PORT CALLS`; prints a JSON report."""
+    raise_file_limit()
+    if argv[0] == "idle":
+        ports = [int(port) for port in argv[1].split(",")]
+        report = asyncio.run(hold_idle(ports, int(argv[2]), float(argv[3])))
+    else:
+        report = asyncio.run(flood(int(argv[1]), int(argv[2])))
+    print(json.dumps(report), flush=True)
+
+
+async def run(args: argparse.Namespace, grpc_port: int, http_port: int, log_path: Path) -> dict:
+    """Every phase in turn; returns {phase: failures of the authenticated requests} and the floods' statuses."""
+    probe = Probe(grpc_port, http_port)
+    done = asyncio.Event()
+    asyncio.get_running_loop().call_later(args.baseline_s, done.set)
+    await probe.run_until(done)
+    baseline = probe.medians()
+    print(f"baseline ({args.baseline_s:g} s): {probe.summary()}", flush=True)
+    size_before = log_path.stat().st_size
+    probe.reset()
+    held = await measure_while(probe, "idle", f"{grpc_port},{http_port}", str(args.idle), str(args.idle_s))
+    growth = log_path.stat().st_size - size_before
+    print(f"idle ({args.idle} connections for {args.idle_s:g} s): {probe.summary(baseline)}", flush=True)
+    print(f"  attacker: {held}; server log grew {growth / 1e6:.3f} MB", flush=True)
+    results = {"idle": dict(probe.failures), "log_growth": growth, "floods": []}
+    for round_ in range(1, args.floods + 1):
+        probe.reset()
+        statuses = await measure_while(probe, "flood", str(grpc_port), str(args.flood))
+        print(f"flood {round_} ({args.flood} unauthenticated Generate calls): statuses {statuses}; "
+              f"authenticated: {probe.summary(baseline)}", flush=True)
+        results["floods"].append((statuses, dict(probe.failures)))
+    print(f"server log: {log_path.stat().st_size / 1e6:.3f} MB in all", flush=True)
+    await probe.channel.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="model directory or hub id (a tiny one is enough)")
+    parser.add_argument("--config", help="extra `specmesh serve --config` file (e.g. handshake-timeout: 5)")
+    parser.add_argument("--idle", type=int, default=20_000, help="idle connections the attacker holds")
+    parser.add_argument("--idle-s", type=float, default=60.0, help="how long it holds them")
+    parser.add_argument("--flood", type=int, default=10_000, help="unauthenticated calls per flood")
+    parser.add_argument("--floods", type=int, default=3)
+    parser.add_argument("--baseline-s", type=float, default=15.0)
+    args = parser.parse_args(argv)
+    limit = raise_file_limit()
+    print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; "
+          f"RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)} (raised to {limit})")
+    print("command: python benchmarks/hostile_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+          flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        log_path = Path(scratch) / "serve.log"
+        process, grpc_port, http_port = start_serve(args, log_path)
+        try:
+            return asyncio.run(run(args, grpc_port, http_port, log_path))
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--attack"]:
+        attack(sys.argv[2:])
+    else:
+        main()
