@@ -8,12 +8,13 @@ It starts `specmesh serve --api-key` (target only, `--config` for extra settings
 in a log file, then from this process runs authenticated requests throughout (one gRPC Generate
 over a kept channel and one HTTP completion over a new connection, in turn) and:
   1. baseline: those requests alone, for --baseline-s;
-  2. idle: another process holds --idle TCP connections that never send a byte, split between
-     the gRPC and HTTP ports, and reopens each one the server closes, for --idle-s;
+  2. idle: other processes (8,000 connections each at most, within a usual file limit) hold --idle
+     TCP connections that never send a byte, split between the gRPC and HTTP ports, and reopen
+     each one the server closes, for --idle-s;
   3. floods: another process sends --flood Generate calls without the key at once, --floods times.
 It prints the authenticated requests' failures and latency against the baseline, how much the
-server's log grew, the connections the attacker held, and each flood's status counts; with the
-machine and the command. The client raises its own RLIMIT_NOFILE; the hard limit bounds --idle.
+server's log grew, the connections the attackers held (summed over them; "most open at once" is
+the sum of each one's peak), and each flood's status counts; with the machine and the command.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 API_KEY = "hostile-load-key"
 REQUEST = generation_pb2.GenerateRequest(prompt="def add(a, b):", max_tokens=8, temperature=0.0)
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+IDLE_PER_ATTACKER = 8_000  # well under a usual hard file limit per process
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def start_serve(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, int, int]:
@@ -172,16 +178,20 @@ async def flood(port: int, calls: int) -> dict:
         return dict(Counter(await asyncio.gather(*(call() for _ in range(calls)))))
 
 
-async def measure_while(probe: Probe, *attack_args: str) -> dict:
-    """Run this script as the attacker (`--attack ...`, another process) while the probe runs; its report."""
-    child = await asyncio.create_subprocess_exec(sys.executable, __file__, "--attack", *attack_args,
-                                                 stdout=asyncio.subprocess.PIPE)
+async def measure_while(probe: Probe, *attacks: list[str]) -> dict:
+    """Run this script as the attackers (`--attack ...`, one process each) while the probe runs; their
+    reports, summed."""
+    children = [await asyncio.create_subprocess_exec(sys.executable, __file__, "--attack", *attack_args,
+                                                     stdout=asyncio.subprocess.PIPE) for attack_args in attacks]
     done = asyncio.Event()
     prober = asyncio.ensure_future(probe.run_until(done))
-    output, _ = await child.communicate()
+    outputs = await asyncio.gather(*(child.communicate() for child in children))
     done.set()
     await prober
-    return json.loads(output.decode().strip().splitlines()[-1])
+    total = Counter()
+    for output, _ in outputs:
+        total.update(json.loads(output.decode().strip().splitlines()[-1]))
+    return dict(total)
 
 
 def attack(argv: list[str]) -> None:
@@ -205,14 +215,17 @@ async def run(args: argparse.Namespace, grpc_port: int, http_port: int, log_path
     print(f"baseline ({args.baseline_s:g} s): {probe.summary()}", flush=True)
     size_before = log_path.stat().st_size
     probe.reset()
-    held = await measure_while(probe, "idle", f"{grpc_port},{http_port}", str(args.idle), str(args.idle_s))
+    # One process holds at most its file limit: the connections are spread over enough attackers.
+    attackers = -(-args.idle // IDLE_PER_ATTACKER)
+    held = await measure_while(probe, *(["idle", f"{grpc_port},{http_port}", str(share), str(args.idle_s)]
+                                        for share in _split(args.idle, attackers)))
     growth = log_path.stat().st_size - size_before
     print(f"idle ({args.idle} connections for {args.idle_s:g} s): {probe.summary(baseline)}", flush=True)
     print(f"  attacker: {held}; server log grew {growth / 1e6:.3f} MB", flush=True)
     results = {"idle": dict(probe.failures), "log_growth": growth, "floods": []}
     for round_ in range(1, args.floods + 1):
         probe.reset()
-        statuses = await measure_while(probe, "flood", str(grpc_port), str(args.flood))
+        statuses = await measure_while(probe, ["flood", str(grpc_port), str(args.flood)])
         print(f"flood {round_} ({args.flood} unauthenticated Generate calls): statuses {statuses}; "
               f"authenticated: {probe.summary(baseline)}", flush=True)
         results["floods"].append((statuses, dict(probe.failures)))
