@@ -10,7 +10,7 @@ over a kept channel and one HTTP completion over a new connection, in turn) and:
   1. baseline: those requests alone, for --baseline-s;
   2. idle: other processes (8,000 connections each at most, within a usual file limit) hold --idle
      TCP connections that never send a byte, split between the gRPC and HTTP ports, and reopen
-     each one the server closes, for --idle-s;
+     each one the server closes after --reconnect-s, for --idle-s;
   3. floods: another process sends --flood Generate calls without the key at once, --floods times.
 It prints the authenticated requests' failures and latency against the baseline, how much the
 server's log grew, the connections the attackers held (summed over them; "most open at once" is
@@ -127,8 +127,9 @@ class Probe:
         return {kind: statistics.median(values) for kind, values in self.latencies.items() if values}
 
 
-async def hold_idle(ports: list[int], count: int, seconds: float) -> dict:
-    """`count` silent connections over `ports`, each reopened when the server closes it, for `seconds`."""
+async def hold_idle(ports: list[int], count: int, seconds: float, reconnect_s: float) -> dict:
+    """`count` silent connections over `ports`, each reopened `reconnect_s` after the server closes it
+    (0: at once, a storm of connection attempts rather than idle connections), for `seconds`."""
     stats = Counter()
     stop_at = time.monotonic() + seconds
 
@@ -153,6 +154,7 @@ async def hold_idle(ports: list[int], count: int, seconds: float) -> dict:
                 stats["closed by the server"] += 1
             stats["open"] -= 1
             writer.close()
+            await asyncio.sleep(reconnect_s)
 
     async def sample() -> None:
         while time.monotonic() < stop_at:
@@ -195,11 +197,11 @@ async def measure_while(probe: Probe, *attacks: list[str]) -> dict:
 
 
 def attack(argv: list[str]) -> None:
-    """The attacker process: `idle PORT,PORT COUNT SECONDS` or `flood PORT CALLS`; prints a JSON report."""
+    """The attacker process: `idle PORT,PORT COUNT SECONDS RECONNECT_S` or `flood PORT CALLS`; prints a JSON report."""
     raise_file_limit()
     if argv[0] == "idle":
         ports = [int(port) for port in argv[1].split(",")]
-        report = asyncio.run(hold_idle(ports, int(argv[2]), float(argv[3])))
+        report = asyncio.run(hold_idle(ports, int(argv[2]), float(argv[3]), float(argv[4])))
     else:
         report = asyncio.run(flood(int(argv[1]), int(argv[2])))
     print(json.dumps(report), flush=True)
@@ -217,7 +219,8 @@ async def run(args: argparse.Namespace, grpc_port: int, http_port: int, log_path
     probe.reset()
     # One process holds at most its file limit: the connections are spread over enough attackers.
     attackers = -(-args.idle // IDLE_PER_ATTACKER)
-    held = await measure_while(probe, *(["idle", f"{grpc_port},{http_port}", str(share), str(args.idle_s)]
+    held = await measure_while(probe, *(["idle", f"{grpc_port},{http_port}", str(share), str(args.idle_s),
+                                         str(args.reconnect_s)]
                                         for share in _split(args.idle, attackers)))
     growth = log_path.stat().st_size - size_before
     print(f"idle ({args.idle} connections for {args.idle_s:g} s): {probe.summary(baseline)}", flush=True)
@@ -240,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", help="extra `specmesh serve --config` file (e.g. handshake-timeout: 5)")
     parser.add_argument("--idle", type=int, default=20_000, help="idle connections the attacker holds")
     parser.add_argument("--idle-s", type=float, default=60.0, help="how long it holds them")
+    parser.add_argument("--reconnect-s", type=float, default=0.5,
+                        help="pause before reopening a connection the server closed (0: reconnect at once)")
     parser.add_argument("--flood", type=int, default=10_000, help="unauthenticated calls per flood")
     parser.add_argument("--floods", type=int, default=3)
     parser.add_argument("--baseline-s", type=float, default=15.0)

@@ -81,9 +81,11 @@ def uvicorn_settings(limits: ConnectionLimits) -> dict[str, Any]:
     cap = limits.connection_cap()
     return {
         "http": bounded_protocol(limits),
-        # Connections never exceed the cap (above), and each carries one request at a time, so this
-        # only bounds requests whose connection is gone but whose task still runs.
-        "limit_concurrency": cap + 1,
+        # uvicorn answers 503 at this many connections or tasks. Connections stay within the cap
+        # (above), but one closed for a newcomer counts until its connection_lost runs: under a storm
+        # of reconnects hundreds are closing at once, and a cap + 1 here turned authenticated requests
+        # away. Twice the cap still bounds the tasks of requests whose connection is gone.
+        "limit_concurrency": 2 * cap,
         "timeout_keep_alive": max(1, round(limits.idle_timeout_s)),
         # Connections the kernel has completed but we have not accepted yet hold no descriptor of ours;
         # a short queue would leave clients that believe they are connected unanswered for a minute.
