@@ -76,6 +76,7 @@ async def run_streams(endpoint: str, requests, args, rng: random.Random, process
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         queue = iter(enumerate(requests))
+        started, done = time.monotonic(), [0]
 
         async def worker() -> None:
             for index, request in queue:
@@ -83,6 +84,9 @@ async def run_streams(endpoint: str, requests, args, rng: random.Random, process
                 await one_stream(stub, request, cancel, rng.uniform(0, EARLY_CANCEL_S))
                 if index + 1 == args.checkpoint:
                     record(rss, processes)
+                done[0] += 1
+                if done[0] % args.checkpoint == 0:
+                    print(f"  {done[0]} streams done in {time.monotonic() - started:.0f} s", flush=True)
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     record(rss, processes)
     return rss
