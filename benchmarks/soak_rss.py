@@ -33,6 +33,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -52,27 +53,28 @@ GROWTH_LIMIT = 0.10
 EARLY_CANCEL_S = 0.2  # a stream cancelled before its first response is cancelled within this
 
 
-async def one_stream(stub, request, cancel_after: int | None, delay_s: float) -> None:
-    """Run a stream to its end, or cancel it after `cancel_after` responses (0: after `delay_s`, unanswered)."""
+async def one_stream(stub, request, cancel_after: int | None, delay_s: float) -> str:
+    """Run a stream to its end, or cancel it after `cancel_after` responses (0: after `delay_s`, unanswered);
+    'completed', 'cancelled' or the status code of its failure."""
     call = stub.Generate(request, timeout=3600)
     try:
         if cancel_after == 0:
             await asyncio.sleep(delay_s)  # somewhere in its admission, session opens or prefill
-            call.cancel()
-            return
+            return "cancelled" if call.cancel() else "completed"
         read = 0
         async for _ in call:
             read += 1
             if cancel_after is not None and read >= cancel_after:
-                call.cancel()
-                return
-    except grpc.aio.AioRpcError:
-        pass
+                return "cancelled" if call.cancel() else "completed"
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+    return "completed"
 
 
-async def run_streams(endpoint: str, requests, args, rng: random.Random, processes) -> dict[str, list[int]]:
-    """RSS per process after the checkpoint and at the end."""
+async def run_streams(endpoint: str, requests, args, rng: random.Random, processes) -> tuple[dict, Counter]:
+    """RSS per process after the checkpoint and at the end; the streams' outcomes."""
     rss: dict[str, list[int]] = {name: [] for name in processes}
+    outcomes: Counter = Counter()
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         queue = iter(enumerate(requests))
@@ -81,7 +83,7 @@ async def run_streams(endpoint: str, requests, args, rng: random.Random, process
         async def worker() -> None:
             for index, request in queue:
                 cancel = rng.randint(0, 6) if rng.random() < args.cancel_fraction else None
-                await one_stream(stub, request, cancel, rng.uniform(0, EARLY_CANCEL_S))
+                outcomes[await one_stream(stub, request, cancel, rng.uniform(0, EARLY_CANCEL_S))] += 1
                 if index + 1 == args.checkpoint:
                     record(rss, processes)
                 done[0] += 1
@@ -89,7 +91,7 @@ async def run_streams(endpoint: str, requests, args, rng: random.Random, process
                     print(f"  {done[0]} streams done in {time.monotonic() - started:.0f} s", flush=True)
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     record(rss, processes)
-    return rss
+    return rss, outcomes
 
 
 def record(rss: dict[str, list[int]], processes) -> None:
@@ -110,11 +112,11 @@ def soak(kernel: str, target: str, draft: str, args) -> dict:
             orchestrator=FrontendOptions(metrics_port=0)))["orchestrator"]
         log.detach()
         processes = service_processes(group.processes[0].pid, ready.replica_addresses or {})
-        rss = asyncio.run(run_streams(f"127.0.0.1:{ready.port}", requests, args, random.Random(args.seed), processes))
+        rss, outcomes = asyncio.run(run_streams(f"127.0.0.1:{ready.port}", requests, args, random.Random(args.seed), processes))
         last_stream = time.monotonic()
         ports = {"orchestrator": ready.metrics_port, **(ready.replica_metrics_ports or {})}
         closed = wait_closed(ports, last_stream, args.sessions_deadline)
-        return {"rss": rss, "closed": closed, "stopped": stop_stack(group.processes[0], log, list(processes))}
+        return {"rss": rss, "outcomes": dict(outcomes), "closed": closed, "stopped": stop_stack(group.processes[0], log, list(processes))}
     finally:
         log.close()
         group.stop()
@@ -122,6 +124,7 @@ def soak(kernel: str, target: str, draft: str, args) -> dict:
 
 def report(kernel: str, result: dict, args) -> None:
     print(f"{kernel}: {args.streams} streams, {args.concurrency} at a time, {args.cancel_fraction:.0%} cancelled")
+    print("  streams: " + ", ".join(f"{count} {outcome}" for outcome, count in sorted(result["outcomes"].items())))
     for name, (checkpoint, end) in result["rss"].items():
         growth = end / checkpoint - 1
         verdict = "ok" if growth <= GROWTH_LIMIT else "GROWS"

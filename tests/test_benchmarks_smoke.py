@@ -92,5 +92,6 @@ def test_soak_rss_finds_every_session_closed_and_every_process_drained(tiny_llam
                                             "--max-tokens", "4", "16", "--kernels", "torch"])
     result = results["torch"]
     assert set(result["rss"]) == set(result["closed"]) == set(result["stopped"]) == {"orchestrator", "draft", "target"}
+    assert sum(result["outcomes"].values()) == 40 and set(result["outcomes"]) <= {"completed", "cancelled"}
     assert all(isinstance(seconds, float) for seconds in result["closed"].values()), result["closed"]
     assert all(stopped == (0, True) for stopped in result["stopped"].values()), result["stopped"]
