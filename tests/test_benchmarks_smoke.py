@@ -83,3 +83,15 @@ def test_hostile_load_keeps_authenticated_calls_working_under_idle_connections_a
     assert results["idle"] == {} and results["log_growth"] < 1_000_000
     (statuses, failures), = results["floods"]
     assert failures == {} and set(statuses) == {"UNAUTHENTICATED"}
+
+
+def test_soak_rss_finds_every_session_closed_and_every_process_drained(tiny_llama_dir, tiny_llama_perturbed_dir):
+    results = load_script("soak_rss").main(["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                                            "--streams", "40", "--checkpoint", "10", "--concurrency", "8",
+                                            "--cancel-fraction", "0.5", "--prompt-tokens", "4", "40",
+                                            "--max-tokens", "4", "16", "--kernels", "torch"])
+    result = results["torch"]
+    assert set(result["rss"]) == set(result["closed"]) == set(result["stopped"]) == {"orchestrator", "draft", "target"}
+    assert sum(result["outcomes"].values()) == 40 and set(result["outcomes"]) <= {"completed", "cancelled"}
+    assert all(isinstance(seconds, float) for seconds in result["closed"].values()), result["closed"]
+    assert all(stopped == (0, True) for stopped in result["stopped"].values()), result["stopped"]

@@ -227,8 +227,11 @@ class LocalReplica:
             try:
                 await asyncio.wait_for(_readable(process.sentinel), grace_s)
             except asyncio.TimeoutError:
+                log.warning("%s replica %s still running %g s after SIGTERM: killed", self.config.role, self.name,
+                            grace_s)
                 process.kill()
             await asyncio.to_thread(process.join)
+            log.info("%s replica %s stopped: exit code %s", self.config.role, self.name, process.exitcode)
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
