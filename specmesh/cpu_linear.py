@@ -2,12 +2,8 @@
 
 A decode or verification step multiplies a few rows by every weight of the model, so
 its cost is how fast the GEMM streams the weights for small row counts. That depends
-on the host: on one 2-core CPU (docs/design/cpu-kernels-and-precision.md)
-torch's default fp32 GEMM ran the embedded 1.5B target's step in 363 ms for one row
-and 1047 ms for three, where oneDNN's linear, with the weight kept in oneDNN's own
-layout, took 231 and 297 ms; on another 2-core CPU torch's GEMM won for one to
-three rows and oneDNN, with the weight packed for batches, from four on (OneDnnLinear).
-On other hosts the default may win. So `auto` times both
+on the host: either kernel wins on some CPUs and row counts
+(docs/design/cpu-kernels-and-precision.md). So `auto` times both
 on the model's own layer shapes at start-up, for the row counts a step feeds, and keeps
 the faster.
 
@@ -50,9 +46,7 @@ class OneDnnLinear(torch.nn.Module):
     """A float32 Linear layer computed by oneDNN from a weight packed once into oneDNN's blocked
     layout for batches of about PACK_ROWS rows.
 
-    The packed layout is what makes several rows cheap: on a 2-core CPU the 1.5B target's 8-row
-    step took 376 ms packed, 460 ms with the weight in
-    oneDNN's plain layout and 696 ms on torch's GEMM (one row: 295, 318 and 267 ms).
+    The packed layout is what makes several rows cheap (docs/design/cpu-kernels-and-precision.md).
     """
 
     def __init__(self, linear: torch.nn.Linear):

@@ -1,9 +1,9 @@
 """Start-up objects left out of the garbage collector's full collections.
 
 A process that has imported torch, transformers and grpc holds some 430,000 objects that live as
-long as it does. Every full (generation 2) collection walks them all: 200-210 ms on a 2-core
-CPU, while the orchestrator's event loop (every stream) or a service's step waits; a serving
-orchestrator ran one in 12 s of rounds on the tiny test models. Frozen once start-up is
+long as it does. Every full (generation 2) collection walks them all, a pause of hundreds of ms
+on a small CPU while the orchestrator's event loop (every stream) or a service's step waits
+(docs/design/cpu-kernels-and-precision.md). Frozen once start-up is
 over (`gc.freeze`), they are left out of every later collection; what serving allocates is still
 collected, and a frozen object is still freed when its last reference goes.
 """

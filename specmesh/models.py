@@ -9,7 +9,7 @@ A model *spec* is one of (checked in this order):
 4. a hub id of the form ``org/name`` that is not an existing path.
 
 Embedded models are GGUF files; transformers de-quantizes GGUF into torch
-tensors on every load, which takes about a minute on a 2-core CPU. The first
+tensors on every load, which takes minutes on a small CPU. The first
 load therefore saves the converted fp32 model (safetensors, no pickle) and the
 tokenizer next to the assembled GGUF, and later loads read those instead.
 fp32 is stored because de-quantized values are exact in fp32 but not in bf16,

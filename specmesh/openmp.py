@@ -4,17 +4,12 @@ torch runs its CPU kernels on OpenMP (libgomp), whose idle threads spin at every
 about 300,000 iterations (milliseconds) before they sleep. Alone, that saves a wake-up between
 kernels. Beside another busy process on the same cores (the embedded deployment, a draft and a
 target on one CPU; replicas sharing a Ray node) a spinning thread holds a core that a working
-thread of the other process needs. On a 2-core CPU a one-row draft step beside
-4-row target steps took 199-1580 ms against 42 alone, and the target's step 849-3120 ms against
-207-238. The draft's spinning is what stalls the pair: with the draft at GOMP_SPINCOUNT=2000 the
-draft stepped in 125-129 ms and the target in 373-469 ms beside each other, with both at 2000 in
-103-108 and 394-403 ms, and with only the target at 2000 the draft still took 1532 ms
-(`python benchmarks/openmp_contention.py`; docs/design/cpu-kernels-and-precision.md).
+thread of the other process needs, and it is the draft's spinning that stalls the pair
+(measured by `benchmarks/openmp_contention.py`; figures in docs/design/cpu-kernels-and-precision.md).
 
 So the draft role starts with a short spin (specmesh.roles: Role.openmp_spin_count) and the
-target keeps libgomp's own: alone a short spin costs a step a wake-up per kernel, about 3 ms of
-a 42 ms draft step, and 5-8 % of the target's (speculation off at concurrency 1 ran 3.21 against
-3.50 tok/s with both at 2000).
+target keeps libgomp's own: alone a short spin costs each step a wake-up per kernel, a few percent
+of the target's step.
 
 libgomp reads the setting once, when it loads (at `import torch`), so it must be in a process's
 environment before that: the local launcher spawns a draft replica with it

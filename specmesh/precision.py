@@ -1,10 +1,9 @@
 """What a service computes in: the `--dtype` names, and int8 weights for a draft on CPU.
 
 `int8` keeps each Linear layer's weight as int8 with one scale per output channel and
-computes in bfloat16 (torch's own `_weight_int8pack_mm` CPU kernel). Measured on our
-2-core CPU with the embedded 0.5B draft (docs/design/cpu-kernels-and-precision.md): a one-row step costs
-22 ms against 52-56 ms in bfloat16, and its top-1 agreement with the target moves from
-88.3 % to 87.5 %. Weight-only quantization keeps every row's result independent of the
+computes in bfloat16 (torch's own `_weight_int8pack_mm` CPU kernel): a quarter of the weight
+bytes for about a point of top-1 agreement with the target (docs/design/cpu-kernels-and-precision.md).
+Weight-only quantization keeps every row's result independent of the
 other rows in a step (no activation scale shared across the batch), so batching stays as
 reproducible as in bfloat16. It changes the model, so it is for the draft: the draft's
 precision never changes the output, only acceptance and speed. `auto` picks it for a CPU
@@ -12,8 +11,8 @@ with native bf16; on another CPU it times a one-row step in int8 (bf16 emulated,
 of the weight bytes) and in float32 on its faster kernel, and keeps the faster; on a GPU `auto`
 is bfloat16 where native, else float32.
 
-torchao's `Int8WeightOnlyConfig` is the library way to do this, but on this CPU it ran the
-same draft at 144 ms a step, slower than bfloat16; the kernel below is the one torch ships.
+torchao's `Int8WeightOnlyConfig` is the library way to do this, but it ran the draft slower than
+bfloat16 on the CPUs we measured; the kernel below is the one torch ships.
 """
 
 from __future__ import annotations
