@@ -103,6 +103,22 @@ async def targets(model_dir, count: int = 2):
         await pair.stop()
 
 
+async def test_the_pool_reports_serving_as_soon_as_a_replica_it_routes_to_serves(tiny_llama_dir):
+    """A replica resolved between refreshes serves at once: health must not lag behind routing."""
+    engine = make_engine(tiny_llama_dir, role_name="target")
+    server, port = await start_model_server("target", engine)
+    pool = ReplicaPool("target", fixed_replicas({"target-0": f"127.0.0.1:{port}"}), TargetClient,
+                       check_interval_s=3600)
+    reported: list[bool] = []
+    pool.on_serving = lambda role, serving: reported.append(serving)
+    try:
+        await pool.wait_serving(1, timeout=WORK_TIMEOUT_S)  # no refresh runs after the replica resolves
+        assert pool.serving and reported[-1] is True, reported
+    finally:
+        await pool.stop()
+        await server.stop(None)
+
+
 async def test_new_sessions_go_to_the_replica_another_orchestrator_left_idle(tiny_llama_dir):
     async with targets(tiny_llama_dir) as pair:
         await pair.open_elsewhere("target-0", 3)

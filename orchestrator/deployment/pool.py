@@ -174,6 +174,11 @@ class ReplicaPool:
             if name not in self.replicas:
                 self.replicas[name] = Replica(name, resolve)
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+        self._note_serving()
+
+    def _note_serving(self) -> None:
+        # After every check, not once per refresh: a replica resolved between refreshes serves at once,
+        # and health must not say NOT_SERVING while it is routed to.
         serving = any(r.serving for r in self.replicas.values())
         if serving != self.serving:
             self.serving = serving
@@ -196,6 +201,7 @@ class ReplicaPool:
                 replica.placed_at_report = max(replica.placed_at_report, placed)
                 self.on_info(self.role, replica.info)
             replica.serving = serving and replica.failures == failures
+            self._note_serving()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             code = error.code() if isinstance(error, grpc.aio.AioRpcError) else "timed out"
             if code == grpc.StatusCode.UNAUTHENTICATED and not replica.refused_us:
@@ -206,6 +212,7 @@ class ReplicaPool:
                             replica.address, code)
             replica.refused_us = code == grpc.StatusCode.UNAUTHENTICATED
             replica.serving = False
+            self._note_serving()
             self._start_resolving(replica)  # it may have restarted on another port
 
     def _start_resolving(self, replica: Replica) -> None:
