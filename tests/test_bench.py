@@ -16,7 +16,7 @@ import pytest
 from harness import load, start_stack
 from orchestrator.bench import sweep
 from orchestrator.bench.metrics import percentile
-from orchestrator.bench.prompts import BUILTIN, PromptFileError, load_jsonl, select_prompts
+from orchestrator.bench.prompts import BUILTIN, KINDS, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.report import standing_line
 from orchestrator.bench.modes import DEFAULT, OFF
 from orchestrator.bench.runner import (MAX_PASSES, Configuration, LoadSettings, wants_another_pass, arrival_times,
@@ -38,7 +38,7 @@ AGGREGATE_KEYS = {"num_requests", "completed", "failed", "duration_s", "total_pr
 LATENCY_KEYS = {"mean", "p50", "p95", "p99"}
 REQUEST_KEYS = {"configuration", "kind", "mode", "index", "repeat", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
                 "itl_ms", "prompt_tokens", "output_tokens", "draft_tokens", "accepted_tokens", "rounds",
-                "lookup_tokens", "lookup_accepted_tokens"}
+                "lookup_tokens", "lookup_accepted_tokens", "n", "completion_tokens"}
 PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "itl_by_concurrency.png",
          "acceptance_by_kind.png")
 JSONL = [
@@ -175,7 +175,7 @@ async def test_bench_against_running_http_server(tmp_path, capsys, tiny_llama_di
         await stop_http_server(server, task)
         await stack.stop()
     assert code == 0
-    result = check_result(tmp_path, ["c=2 T=0", "c=2 T=1"], {"on", "off"}, 8, set(BUILTIN))
+    result = check_result(tmp_path, ["c=2 T=0", "c=2 T=1"], {"on", "off"}, 8, set(KINDS))
     out = capsys.readouterr().out
     for entry in result["configurations"]:
         for mode, figures in entry["modes"].items():
@@ -231,6 +231,10 @@ async def test_bench_concurrency_sweep_on_and_off_in_one_run(tmp_path, capsys, t
     ('{"prompt": "a", "temperature": "hot"}', "temperature"),
     ('{"messages": [{"role": "user"}]}', "messages"),
     ('{"prompt": "a", "kind": 3}', "kind"),
+    ('{"prompt": "a", "n": 0}', "n"),
+    ('{"prompt": "a", "n": 17}', "n"),
+    ('{"prompt": "a", "n": 2.0}', "n"),
+    ('{"prompt": "a", "n": true}', "n"),
 ])
 def test_bad_jsonl_line_names_line_and_field(tmp_path, line, field):
     path = tmp_path / "p.jsonl"
@@ -250,7 +254,7 @@ def test_bad_json_and_bench_exit_code(tmp_path):
 def test_prompt_selection_interleaves_kinds_and_is_seeded():
     pool = [p for kind in BUILTIN.values() for p in kind]
     chosen = select_prompts(pool, 10, seed=3)
-    assert [p.kind for p in chosen[:4]] == list(BUILTIN) and chosen == select_prompts(pool, 10, seed=3)
+    assert [p.kind for p in chosen[:len(BUILTIN)]] == list(BUILTIN) and chosen == select_prompts(pool, 10, seed=3)
     assert chosen != select_prompts(pool, 10, seed=4)
 
 

@@ -130,6 +130,9 @@ def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configurat
         print("specmesh bench: --peer runs beside configurations of --max-concurrency 1; there are none",
               file=sys.stderr)
         return {}
+    if any(p.n > 1 for p in prompts):
+        print("specmesh bench: warning: the peer generates one completion of each prompt (assisted generation "
+              "takes one row), whatever its n", file=sys.stderr)
     draft_device = args.draft_device or args.device
     print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
           "generation ...", file=sys.stderr, flush=True)
@@ -181,7 +184,7 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
                    "target": args.target, "draft": args.draft,
                    "num_speculative_tokens": args.num_speculative_tokens if args.endpoint is None else None},
         "machine": machine_info(),
-        "prompts": [{"index": i, "kind": p.kind, "prompt": p.prompt,
+        "prompts": [{"index": i, "kind": p.kind, "prompt": p.prompt, "n": p.n,
                      "messages": list(p.messages) if p.messages else None} for i, p in enumerate(prompts)],
         "configurations": entries,
         "requests": requests,

@@ -6,7 +6,7 @@ import argparse
 import math
 
 from orchestrator.bench.modes import DEFAULT_SWEEP
-from orchestrator.bench.prompts import KINDS
+from orchestrator.bench.prompts import ALL_KINDS, KIND_HELP, KINDS
 from orchestrator.deployment.launch import add_model_arguments
 from specmesh.roles import MAX_DRAFT_TOKENS
 
@@ -17,6 +17,13 @@ EPILOG = """examples:
   specmesh bench --sweep-k --max-tokens 96 --temperature 0   # the default policy against fixed k = 1..8 and off
   specmesh bench --ab --peer --max-concurrency 1 4 --temperature 0 1 --num-prompts 8 --max-tokens 48
   specmesh bench --endpoint 127.0.0.1:8000 --protocol http --prompt-file prompts.jsonl
+  specmesh bench --ab --kinds code repeat rewrite samples --num-prompts 38   # suffix drafting's workloads, all
+                                                        # of their prompts, beside the plain code workload
+
+prompt kinds (--kinds; the first four are the default):
+""" + "\n".join(f"  {kind:<9} {text}" for kind, text in KIND_HELP.items()) + """
+  (n > 1: throughput counts every completion's tokens; TTFT is to the first token of any
+  completion, ITL the gap between chunks of one completion)
 """
 
 
@@ -69,10 +76,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="tokenizer for chat prompts over gRPC (default: --target)")
     add_model_arguments(server)
     load = bench.add_argument_group("load")
-    load.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="built-in prompt kinds")
+    load.add_argument("--kinds", nargs="+", default=list(KINDS), choices=ALL_KINDS,
+                      help="built-in prompt kinds (listed below); default: " + " ".join(KINDS))
     load.add_argument("--prompt-file", default=None, metavar="JSONL",
                       help="prompts instead of the built-in sets: one JSON object a line with 'prompt' "
-                           "(completion text) or 'messages' (chat), 'kind', optional 'max_tokens', 'temperature'")
+                           "(completion text) or 'messages' (chat), 'kind', optional 'max_tokens', 'temperature', "
+                           "'n' (completions a request, 1-16)")
     load.add_argument("--num-prompts", type=_positive, default=16, help="requests per configuration and mode")
     load.add_argument("--max-concurrency", type=_positive, nargs="+", default=[1],
                       help="requests in flight at most; several values run one after another")

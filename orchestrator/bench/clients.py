@@ -3,7 +3,9 @@
 Over gRPC, chat prompts are turned into prompt ids with the target tokenizer's
 chat template here in the client (the Generate API takes text or ids); over
 HTTP they go to /v1/chat/completions, which applies the same template on the
-server. Both paths send the target the same token ids.
+server. Both paths send the target the same token ids. A prompt of n > 1 completions
+is one request whose completions' responses interleave, each tagged with its index;
+the timer keeps them apart (orchestrator.bench.metrics says what the figures mean then).
 """
 
 from __future__ import annotations
@@ -31,27 +33,37 @@ class RequestParams:
     timeout_s: float = 600.0
 
 
+STAT_FIELDS = ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens")
+
+
 class _Timer:
-    """Client-side TTFT and inter-chunk gaps for one stream."""
+    """Client-side TTFT and inter-chunk gaps for one stream, per completion where it has several."""
 
-    def __init__(self, record: RequestRecord, run_start: float):
-        self.record, self.start, self.last = record, time.perf_counter(), None
-        record.start_s = self.start - run_start
+    def __init__(self, record: RequestRecord, run_start: float, n: int = 1):
+        self.record, self.start, self.lasts = record, time.perf_counter(), {}
+        record.start_s, record.n = self.start - run_start, n
 
-    def chunk(self) -> None:
+    def chunk(self, index: int = 0) -> None:
+        """A chunk with tokens of completion `index`: TTFT at the first of any, ITL within each."""
         now = time.perf_counter()
-        if self.last is None:
+        if not self.lasts:
             self.record.ttft_ms = (now - self.start) * 1e3
-        else:
-            self.record.itl_ms.append((now - self.last) * 1e3)
-        self.last = now
+        if index in self.lasts:
+            self.record.itl_ms.append((now - self.lasts[index]) * 1e3)
+        self.lasts[index] = now
 
-    def finish(self, stats: dict) -> None:
+    def finish(self, stats: dict[int, dict]) -> None:
+        """`stats`: the server's stats of each finished completion, by index; summed over them."""
         self.record.e2e_ms = (time.perf_counter() - self.start) * 1e3
-        self.record.prompt_tokens = int(stats.get("prompt_tokens", 0))
-        self.record.output_tokens = int(stats.get("completion_tokens", 0))
-        for field in ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens"):
-            setattr(self.record, field, int(stats.get(field, 0)))
+        finished = [stats[index] for index in sorted(stats)]
+        self.record.prompt_tokens = max((int(s.get("prompt_tokens", 0)) for s in finished), default=0)
+        self.record.completion_tokens = [int(s.get("completion_tokens", 0)) for s in finished]
+        self.record.output_tokens = sum(self.record.completion_tokens)
+        for field in STAT_FIELDS:
+            setattr(self.record, field, sum(int(s.get(field, 0)) for s in finished))
+        if len(finished) < self.record.n:
+            self.record.ok = False
+            self.record.error = f"{len(finished)} of {self.record.n} completions finished"
 
 
 class GrpcClient:
@@ -73,19 +85,23 @@ class GrpcClient:
             request.seed = params.seed
         if params.num_speculative_tokens:
             request.num_speculative_tokens = params.num_speculative_tokens
+        if item.n > 1:
+            request.n = item.n
         return request
 
     async def send(self, item: BenchPrompt, params: RequestParams, record: RequestRecord, run_start: float) -> None:
-        timer, last = _Timer(record, run_start), None
+        timer, stats = _Timer(record, run_start, item.n), {}
         try:
             async for response in self.stub.Generate(self.request(item, params), timeout=params.timeout_s):
                 if response.token_ids:
-                    timer.chunk()
-                last = response
+                    timer.chunk(response.index)
+                if response.HasField("stats"):  # the last response of its completion
+                    stats[response.index] = {f.name: getattr(response.stats, f.name)
+                                             for f in response.stats.DESCRIPTOR.fields}
         except grpc.aio.AioRpcError as error:
             record.ok, record.error = False, f"{error.code().name}: {error.details()}"
             return
-        timer.finish({f.name: getattr(last.stats, f.name) for f in last.stats.DESCRIPTOR.fields})
+        timer.finish(stats)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -105,13 +121,15 @@ class HttpClient:
             body["seed"] = params.seed
         if params.num_speculative_tokens:
             body["num_speculative_tokens"] = params.num_speculative_tokens
+        if item.n > 1:
+            body["n"] = item.n
         if item.messages is not None:
             return "/v1/chat/completions", {**body, "messages": list(item.messages)}
         return "/v1/completions", {**body, "prompt": item.prompt}
 
     async def send(self, item: BenchPrompt, params: RequestParams, record: RequestRecord, run_start: float) -> None:
         path, body = self.body(item, params)
-        timer, stats = _Timer(record, run_start), None
+        timer, stats = _Timer(record, run_start, item.n), {}
         timeout = httpx.Timeout(params.timeout_s)
         try:
             async with self.http.stream("POST", self.base + path, json=body, timeout=timeout) as response:
@@ -120,24 +138,34 @@ class HttpClient:
                     record.ok, record.error = False, f"HTTP {response.status_code}: {error.get('message', '')}"
                     return
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[len("data: "):])
-                    if _chunk_text(chunk):
-                        timer.chunk()
-                    stats = chunk.get("stats", stats)
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        read_chunk(json.loads(line[len("data: "):]), timer, stats)
         except httpx.HTTPError as error:
             record.ok, record.error = False, f"{type(error).__name__}: {error}"
             return
-        timer.finish(stats or {})
+        except StreamError as error:
+            record.ok, record.error = False, f"stream error: {error}"
+            return
+        timer.finish(stats)
 
     async def close(self) -> None:
         await self.http.aclose()
 
 
-def _chunk_text(chunk: dict) -> str:
-    choice = (chunk.get("choices") or [{}])[0]
-    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+class StreamError(Exception):
+    """An error event in the middle of a stream (the server shut down before the request ended)."""
+
+
+def read_chunk(chunk: dict, timer: _Timer, stats: dict[int, dict]) -> None:
+    """One streamed chunk: a chunk with text times its choice; a finishing one carries that choice's stats."""
+    if "error" in chunk:
+        raise StreamError((chunk["error"] or {}).get("message", ""))
+    for choice in chunk.get("choices") or []:
+        index = int(choice.get("index", 0))
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            timer.chunk(index)
+        if "stats" in chunk:  # a chunk carries one choice, and the stats of the one it finishes
+            stats[index] = chunk["stats"]
 
 
 def make_client(protocol: str, endpoint: str, tokenizer=None):

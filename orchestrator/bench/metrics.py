@@ -6,6 +6,10 @@ speculation a chunk carries a whole round's tokens, so ITL rises while TPOT fall
 TPOT is (e2e - TTFT) / (output tokens - 1). Acceptance comes from the server's
 stats: acceptance rate = accepted / drafted tokens, mean acceptance length =
 tokens committed per verification round = 1 + accepted / rounds.
+A request of n > 1 completions counts all of them: output tokens and the server's stats are
+summed over the completions (throughput counts every completion's tokens); TTFT is to the first
+token of any completion, ITL the gap between chunks of the same completion, TPOT (e2e - TTFT)
+over the longest completion's tokens - 1.
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ class RequestRecord:
     rounds: int = 0
     lookup_tokens: int = 0  # prompt-lookup tokens verified, and accepted (not in the draft's)
     lookup_accepted_tokens: int = 0
+    n: int = 1  # completions asked for
+    completion_tokens: list[int] = field(default_factory=list)  # each completion's output tokens, by index
 
     @property
     def tpot_ms(self) -> float | None:
-        if self.output_tokens < 2:
+        longest = max(self.completion_tokens, default=self.output_tokens)
+        if longest < 2:
             return None
-        return (self.e2e_ms - self.ttft_ms) / (self.output_tokens - 1)
+        return (self.e2e_ms - self.ttft_ms) / (longest - 1)
 
     def to_json(self) -> dict:
         return {**asdict(self), "tpot_ms": self.tpot_ms}

@@ -1,9 +1,12 @@
-"""Prompt sets for `specmesh bench`: four built-in kinds and a JSONL loader.
+"""Prompt sets for `specmesh bench`: the built-in kinds and a JSONL loader.
 
-Kinds differ in how much of the answer a draft can guess: `code` (completion of
+The default kinds differ in how much of the answer a draft can guess: `code` (completion of
 raw source text), `chat` (questions through the chat template), `edit` (rewrite
-or summarise a given text: copy-heavy, the easiest for a draft) and `creative`
+or summarise a given snippet: copy-heavy, the easiest for a draft) and `creative`
 (open-ended writing, sampled at temperature 1.0 unless --temperature is given).
+The workload kinds (orchestrator.bench.workloads), asked for by name, show suffix drafting:
+`repeat` (code tasks re-asked with other names, in waves), `rewrite` (15-40 line bodies given
+back with one small change) and `samples` (n = 4 completions a request at temperature 1.0).
 A prompt is either raw text (sent as a completion) or chat messages (sent
 through the target tokenizer's chat template).
 """
@@ -15,8 +18,22 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("code", "chat", "edit", "creative")
-KIND_TEMPERATURE = {"creative": 1.0}  # every other kind defaults to greedy (0.0)
+from orchestrator.bench import workloads
+from orchestrator.frontend.validation import MAX_CHOICES
+
+KINDS = ("code", "chat", "edit", "creative")  # the default mix
+WORKLOAD_KINDS = ("repeat", "rewrite", "samples")  # suffix drafting's workloads, run beside `code`
+ALL_KINDS = KINDS + WORKLOAD_KINDS
+KIND_HELP = {
+    "code": "source text to complete (raw completion, greedy)",
+    "chat": "questions through the chat template (greedy)",
+    "edit": "rewrite or summarise a 5-line snippet (chat, greedy)",
+    "creative": "open-ended writing (chat, temperature 1.0)",
+    "repeat": "4 code tasks, each asked, then re-asked with other names or exactly; originals first (greedy)",
+    "rewrite": "a 15-40 line body given back with one small change: copies its input (chat, greedy)",
+    "samples": f"code to complete, n={workloads.SAMPLES_N} completions a request (temperature 1.0)",
+}
+KIND_TEMPERATURE = {"creative": 1.0, "samples": 1.0}  # every other kind defaults to greedy (0.0)
 
 
 @dataclass(frozen=True)
@@ -26,6 +43,8 @@ class BenchPrompt:
     messages: tuple[dict, ...] | None = None  # chat messages ({"role", "content"})
     max_tokens: int | None = None  # None: --max-tokens
     temperature: float | None = None  # None: the kind's default
+    n: int = 1  # completions of the prompt in one request
+    task: str | None = None  # the task a `repeat` prompt asks (select_prompts keeps its askings in order)
 
     def default_temperature(self) -> float:
         if self.temperature is not None:
@@ -87,6 +106,9 @@ BUILTIN: dict[str, list[BenchPrompt]] = {
     "chat": [BenchPrompt("chat", messages=_user(p)) for p in CHAT],
     "edit": [BenchPrompt("edit", messages=_user(p)) for p in EDIT],
     "creative": [BenchPrompt("creative", messages=_user(p)) for p in CREATIVE],
+    "repeat": [BenchPrompt("repeat", prompt=p, task=task) for task, p in workloads.REPEAT],
+    "rewrite": [BenchPrompt("rewrite", messages=_user(p)) for p in workloads.REWRITE_TEXTS],
+    "samples": [BenchPrompt("samples", prompt=p, n=workloads.SAMPLES_N) for p in workloads.SAMPLES],
 }
 
 
@@ -95,7 +117,7 @@ class PromptFileError(ValueError):
 
 
 def load_jsonl(path: str | Path) -> list[BenchPrompt]:
-    """One JSON object a line: `prompt` (text) or `messages`, `kind`, optional `max_tokens`, `temperature`."""
+    """One JSON object a line: `prompt` (text) or `messages`, `kind`, optional `max_tokens`, `temperature`, `n`."""
     prompts = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -144,22 +166,51 @@ def _parse_line(line: str, where: str) -> BenchPrompt:
     if temperature is not None and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
                                     or temperature < 0):
         raise bad("temperature", "must be a number >= 0")
-    return BenchPrompt(kind, prompt, messages, max_tokens, None if temperature is None else float(temperature))
+    n = item.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise bad("n", f"must be an integer in [1, {MAX_CHOICES}] (completions a request)")
+    return BenchPrompt(kind, prompt, messages, max_tokens, None if temperature is None else float(temperature), n)
 
 
 def select_prompts(pool: list[BenchPrompt], count: int, seed: int) -> list[BenchPrompt]:
     """`count` prompts interleaving the kinds (code, chat, edit, ...), each kind shuffled with `seed`.
 
-    Cycles through the pool when `count` exceeds it, so the kinds stay balanced.
+    A kind whose prompts name tasks (`repeat`) goes in waves instead: every task's first asking,
+    then every task's second, ..., each wave shuffled: originals come before their re-askings,
+    which other tasks' askings keep apart. Cycles through the pool when `count` exceeds it, so
+    the kinds stay balanced.
     """
     by_kind: dict[str, list[BenchPrompt]] = {}
     for item in pool:
         by_kind.setdefault(item.kind, []).append(item)
     rng = random.Random(seed)
-    for items in by_kind.values():
-        rng.shuffle(items)
+    for kind, items in by_kind.items():
+        if any(item.task is not None for item in items):  # its own generator: the same order beside any kinds
+            by_kind[kind] = in_waves(items, random.Random(f"{seed}:{kind}"))
+        else:
+            rng.shuffle(items)
     order = [item for row in _zip_longest(list(by_kind.values())) for item in row]
     return [order[i % len(order)] for i in range(count)]
+
+
+def in_waves(items: list[BenchPrompt], rng: random.Random) -> list[BenchPrompt]:
+    """Wave i holds every task's (i+1)-th asking, in pool order; each wave shuffled, and turned
+    so that it does not start with the task that ended the wave before it."""
+    waves: list[list[BenchPrompt]] = []
+    seen: dict[str | None, int] = {}
+    for item in items:
+        wave = seen.get(item.task, 0) if item.task is not None else 0
+        seen[item.task] = wave + 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(item)
+    order: list[BenchPrompt] = []
+    for wave in waves:
+        rng.shuffle(wave)
+        if order and len(wave) > 1 and wave[0].task == order[-1].task:
+            wave = wave[1:] + wave[:1]
+        order += wave
+    return order
 
 
 def _zip_longest(lists: list[list[BenchPrompt]]) -> list[list[BenchPrompt]]:
@@ -172,5 +223,5 @@ def prompt_pool(kinds: list[str], jsonl: str | None) -> list[BenchPrompt]:
         return load_jsonl(jsonl)
     unknown = sorted(set(kinds) - set(BUILTIN))
     if unknown:
-        raise PromptFileError(f"unknown prompt kind(s) {unknown}; built-in kinds: {', '.join(KINDS)}")
+        raise PromptFileError(f"unknown prompt kind(s) {unknown}; built-in kinds: {', '.join(ALL_KINDS)}")
     return [item for kind in kinds for item in BUILTIN[kind]]
