@@ -99,6 +99,14 @@ class OrchestratorMetrics:
                                      "drafted none (not in the draft token counts)", REQUEST, registry=r)
         self.lookup_accepted_tokens = Counter("specmesh_lookup_accepted_tokens", "Prompt-lookup tokens accepted",
                                               REQUEST, registry=r)
+        self.proposer_rounds = Counter(
+            "specmesh_proposer_rounds", "Verification rounds by who proposed their tokens: draft (the draft model), "
+            "lookup (prompt lookup), suffix (the suffix index of earlier requests), none", REQUEST + ("proposer",),
+            registry=r)
+        self.proposer_tokens = Counter("specmesh_proposer_tokens", "Tokens proposed for verification, by proposer",
+                                       REQUEST + ("proposer",), registry=r)
+        self.proposer_accepted_tokens = Counter("specmesh_proposer_accepted_tokens", "Proposed tokens accepted, "
+                                                "by proposer", REQUEST + ("proposer",), registry=r)
         self.draft_model_draft_tokens = Counter(
             "specmesh_draft_model_draft_tokens", "Draft tokens proposed, by the draft model that proposed them",
             ("draft_model",), registry=r)
@@ -260,6 +268,13 @@ class RequestRecorder:
         if draft_model:
             m.draft_model_draft_tokens.labels(draft_model=draft_model).inc(drafted)
             m.draft_model_accepted_tokens.labels(draft_model=draft_model).inc(accepted)
+
+    def proposer(self, proposer: str, proposed: int, accepted: int) -> None:
+        """One round's proposer (orchestrator.decoding.proposals) and what it delivered."""
+        m, labels = self.metrics, {**self.labels, "proposer": proposer}
+        m.proposer_rounds.labels(**labels).inc()
+        m.proposer_tokens.labels(**labels).inc(proposed)
+        m.proposer_accepted_tokens.labels(**labels).inc(accepted)
 
     def round_time(self, breakdown) -> None:
         """One round's orchestrator.decoding.timing.RoundBreakdown."""

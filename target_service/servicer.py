@@ -60,4 +60,4 @@ def _from_draft_model(source: int) -> bool:
     """VerifyRequest.draft_source: whether the tokens came from the draft model (unset: they did)."""
     if source not in target_pb2.DraftSource.values():
         raise InvalidArgument("draft_source", f"unknown draft source {source}")
-    return source != target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP
+    return source not in (target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP, target_pb2.DRAFT_SOURCE_SUFFIX_INDEX)

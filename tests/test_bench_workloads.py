@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from harness import load, start_stack
+from harness import WORK_TIMEOUT_S, load, start_stack
 from orchestrator.bench.clients import GrpcClient, HttpClient, RequestParams, _Timer, read_chunk
 from orchestrator.bench.metrics import RequestRecord, aggregate
 from orchestrator.bench.prompts import BUILTIN, BenchPrompt, load_jsonl, select_prompts
@@ -19,6 +19,7 @@ from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import create_servicer
+from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def askings(chosen: list[BenchPrompt]) -> dict[str, list[int]]:
@@ -152,3 +153,21 @@ async def test_bench_runs_the_workloads_beside_code(tmp_path, tiny_llama_dir, ti
     samples = [r for r in result["requests"] if r["kind"] == "samples"]
     assert samples and all(r["n"] == SAMPLES_N == len(r["completion_tokens"]) for r in samples)
     assert all(r["output_tokens"] == sum(r["completion_tokens"]) > 4 for r in samples)
+
+
+async def test_the_bench_empties_the_suffix_index_before_each_configuration(tmp_path, tiny_llama_dir,
+                                                                            tiny_llama_perturbed_dir):
+    """With --clear-suffix-index, a configuration finds repeats only among its own requests: after the run
+    the index holds the last configuration's requests alone (both modes), not the first's too."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, adaptive_k=True)
+    try:
+        code = await asyncio.to_thread(specmesh_main, [
+            "bench", "--endpoint", f"127.0.0.1:{stack.port}", "--kinds", "repeat", "--ab", "--clear-suffix-index",
+            "--max-concurrency", "1", "2", "--num-prompts", "4", "--max-tokens", "4", "--num-warmups", "0",
+            "--no-progress", "--result-dir", str(tmp_path)])
+        admin = admin_pb2_grpc.AdminStub(stack.channel)
+        state = await admin.ClearSuffixIndex(admin_pb2.ClearSuffixIndexRequest(), timeout=WORK_TIMEOUT_S)
+    finally:
+        await stack.stop()
+    assert code == 0
+    assert state.enabled and state.cleared_documents == 4 * 2 and state.documents == 0 and state.bytes == 0

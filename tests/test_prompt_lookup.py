@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.loop import RoundTiming
 from orchestrator.decoding.lookup import PromptLookup
+from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.policy import MARGIN, Speculation
 from specmesh.step_costs import MEASURED_ROWS, StepCosts
 from specmesh.step_model import StepModel, StepShape
@@ -163,7 +164,8 @@ def test_learns_lookup_acceptance_apart_from_the_drafts():
     assert policy.lookup_length(4) == 4
     for _ in range(20):
         policy.choose(4)
-        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.3), drafted=0, accepted=0, looked_up=4)  # all rejected
+        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.3), drafted=0, accepted=0,
+                       free=FreeProposal(LOOKUP, [1, 2, 3, 4]))  # all rejected
     assert policy.lookup.rates()[0] < 0.1
     assert shared.lookup.deployment.rejections > 0 and shared.acceptance.deployment.rejections == 0
     assert policy.acceptance.rates() == pytest.approx(draft_rates)  # the draft's history untouched

@@ -66,8 +66,8 @@ class VerifyAllLookups:
     def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
     def choose(self, k_max, context=0): return 0
     def worth_opening(self, k, catch_up, tokens_left): return False
-    def lookup_length(self, available): return available
-    def observe(self, timing, drafted, accepted, looked_up=0): pass
+    def choose_proposal(self, k, offers): return (offers[0], len(offers[0].tokens)) if offers else (None, 0)
+    def observe(self, timing, drafted, accepted, free=None): pass
     def close(self): pass
 
 
@@ -93,7 +93,15 @@ async def test_sampled_output_follows_the_target_with_lookup(tiny_llama_dir, dev
     prompt_ids, follows = lookup_prompt(model, tokenizer.encode(TINY_PROMPTS[0]))
     params = SamplingParams(1.0)
     first, second = exact_two_tokens(model, prompt_ids, params, tokenizer.eos_token_id)
-    server, port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
+    outcomes = await sample_first_two(tiny_llama_dir, device, prompt_ids, params, tokenizer.eos_token_id,
+                                      VerifyAllLookups(), LoopConfig(num_speculative_tokens=2))
+    assert_second_tokens_follow(outcomes, first, second, follows, "lookup")
+
+
+async def sample_first_two(model_dir, device, prompt_ids: list[int], params: SamplingParams, eos: int, policy,
+                           config: LoopConfig, history=None) -> list[tuple[list[int], LoopStats]]:
+    """SAMPLES generations' first two tokens and stats, through the loop with `policy` over a real target."""
+    server, port = await start_model_server("target", make_engine(model_dir, device, "target"))
     target = TargetClient(open_channel(f"127.0.0.1:{port}"))
     limit = asyncio.Semaphore(24)
 
@@ -101,23 +109,29 @@ async def test_sampled_output_follows_the_target_with_lookup(tiny_llama_dir, dev
         generation = SpeculativeGeneration(
             GenerationRequest(request_id=f"r{index}", prompt_token_ids=prompt_ids, max_tokens=3, sampling=params,
                               stop=[], num_speculative_tokens=2),
-            target, None, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=2), policy=VerifyAllLookups())
+            target, None, {eos}, config, policy=policy, history=history)
         async with limit:
             tokens = [t async for batch in generation.tokens() for t in batch]
         return tokens[:2], generation.stats
     try:
-        outcomes = [(t, s) for t, s in await asyncio.gather(*(first_two(i) for i in range(SAMPLES))) if len(t) == 2]
+        return [(t, s) for t, s in await asyncio.gather(*(first_two(i) for i in range(SAMPLES))) if len(t) == 2]
     finally:
         await server.stop(None)
-    looked_up, accepted = (sum(getattr(s, f) for _, s in outcomes) for f in ("lookup_tokens", "lookup_accepted_tokens"))
-    # Lookup decided most second tokens, both ways (accepted and rejected): the test exercised it.
-    assert looked_up > SAMPLES / 2 and SAMPLES / 10 < accepted < looked_up - SAMPLES / 10, (looked_up, accepted)
+
+
+def assert_second_tokens_follow(outcomes, first: torch.Tensor, second: torch.Tensor, follows: dict[int, int],
+                                proposer: str) -> None:
+    """The second token follows the target's exact marginal, where `proposer` (lookup or suffix: its stats'
+    field prefix) proposed `follows[first token]` for most first tokens."""
+    proposed, accepted = (sum(getattr(s, f"{proposer}_{f}") for _, s in outcomes) for f in ("tokens", "accepted_tokens"))
+    # The proposer decided most second tokens, both ways (accepted and rejected): the test exercised it.
+    assert proposed > SAMPLES / 2 and SAMPLES / 10 < accepted < proposed - SAMPLES / 10, (proposed, accepted)
     n = len(outcomes)
     # The second token's marginal, within the noise of n exact draws ...
     marginal = first @ second  # [V]
     counts = torch.bincount(torch.tensor([t[1] for t, _ in outcomes]), minlength=marginal.numel()).float()
     assert total_variation(counts, marginal) < 2 * expected_sampling_tv(marginal, n)
-    # ... and, sharper, how often it is the token lookup proposed after the first: a rejection that
+    # ... and, sharper, how often it is the token proposed after the first: a rejection that
     # resampled from p with the rejected token left in would add (1 - p) p to it.
     exact_hit = float(sum(first[v] * second[v, w] for v, w in follows.items()))
     hit = sum(t[1] == follows.get(t[0]) for t, _ in outcomes) / n

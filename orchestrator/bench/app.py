@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from orchestrator.bench.args import sweep_ks
-from orchestrator.bench.clients import make_client
+from orchestrator.bench.clients import clear_suffix_index, make_client
 from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, pass_figures, speedups
 from orchestrator.bench.modes import DEFAULT, OFF, PEER, served_modes
 from orchestrator.bench.plots import write_plots
@@ -78,17 +78,21 @@ def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configura
     group = None
     try:
         endpoint = args.endpoint
+        # Where to empty the suffix index before each configuration: a stack of our own always, so that
+        # a configuration finds repeats only among its own requests; a user's server only when asked.
+        admin = endpoint if args.clear_suffix_index and args.protocol == "grpc" else None
         if endpoint is None:
             group = ProcessGroup()
-            endpoint = start_own_stack(group, args)
-        return endpoint, asyncio.run(run_served(args, endpoint, prompts, configurations, load))
+            endpoint, admin = start_own_stack(group, args)
+        return endpoint, asyncio.run(run_served(args, endpoint, prompts, configurations, load, admin))
     finally:
         if group is not None:
             group.stop()
 
 
-def start_own_stack(group: ProcessGroup, args) -> str:
-    """The pair as `specmesh serve` runs it, on free local ports, metrics and tracing off."""
+def start_own_stack(group: ProcessGroup, args) -> tuple[str, str]:
+    """The pair as `specmesh serve` runs it, on free local ports, metrics and tracing off; returns the
+    endpoint for --protocol and the gRPC one (Admin)."""
     http = args.protocol == "http"
     token = new_internal_token()  # as under `specmesh serve`: only this orchestrator may call the pair
     options = StackOptions(
@@ -99,11 +103,11 @@ def start_own_stack(group: ProcessGroup, args) -> str:
         orchestrator=FrontendOptions(http_port=0 if http else -1, trace_exporter="none"))
     print(f"specmesh bench: starting target {args.target} and draft {args.draft} ...", file=sys.stderr, flush=True)
     ready = start_stack(group, options)["orchestrator"]
-    return f"127.0.0.1:{ready.http_port if http else ready.port}"
+    return f"127.0.0.1:{ready.http_port if http else ready.port}", f"127.0.0.1:{ready.port}"
 
 
 async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurations: list[Configuration],
-                     load: LoadSettings) -> Runs:
+                     load: LoadSettings, admin: str | None = None) -> Runs:
     tokenizer = None
     if args.protocol == "grpc" and any(p.messages is not None for p in prompts):
         from specmesh.models import load_tokenizer
@@ -116,6 +120,8 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
         for configuration in configurations:
             if args.num_warmups and configuration.max_concurrency > 1:
                 await warm_up(client, prompts, args.num_warmups, load, configuration.max_concurrency)
+            if admin is not None:
+                await clear_suffix_index(admin)
             by_mode = await run_modes(client, prompts, configuration, load, modes)
             runs.update({(configuration.name, mode): run for mode, run in by_mode.items()})
     finally:

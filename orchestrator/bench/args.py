@@ -72,6 +72,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     server.add_argument("--endpoint", default=None,
                         help="HOST:PORT of a running server (gRPC port, or the HTTP API's with --protocol http)")
     server.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    server.add_argument("--clear-suffix-index", action="store_true",
+                        help="empty the --endpoint server's suffix index before each configuration (gRPC "
+                             "only; a stack the bench starts is always emptied), so that repeats are found "
+                             "only among the configuration's own requests")
     server.add_argument("--tokenizer", default=None,
                         help="tokenizer for chat prompts over gRPC (default: --target)")
     add_model_arguments(server)

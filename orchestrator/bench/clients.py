@@ -20,7 +20,7 @@ import httpx
 from orchestrator.bench.metrics import RequestRecord
 from orchestrator.bench.prompts import BenchPrompt
 from specmesh.models import chat_token_ids
-from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class RequestParams:
     timeout_s: float = 600.0
 
 
-STAT_FIELDS = ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens")
+STAT_FIELDS = ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens",
+               "suffix_accepted_tokens")
 
 
 class _Timer:
@@ -166,6 +167,13 @@ def read_chunk(chunk: dict, timer: _Timer, stats: dict[int, dict]) -> None:
             timer.chunk(index)
         if "stats" in chunk:  # a chunk carries one choice, and the stats of the one it finishes
             stats[index] = chunk["stats"]
+
+
+async def clear_suffix_index(endpoint: str) -> None:
+    """Empty the server's suffix index (Admin.ClearSuffixIndex), so that what earlier configurations
+    generated is not proposed to this one."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        await admin_pb2_grpc.AdminStub(channel).ClearSuffixIndex(admin_pb2.ClearSuffixIndexRequest(), timeout=30)
 
 
 def make_client(protocol: str, endpoint: str, tokenizer=None):

@@ -5,7 +5,8 @@ first chunk with tokens; ITL is the gap between consecutive streamed chunks (wit
 speculation a chunk carries a whole round's tokens, so ITL rises while TPOT falls);
 TPOT is (e2e - TTFT) / (output tokens - 1). Acceptance comes from the server's
 stats: acceptance rate = accepted / drafted tokens, mean acceptance length =
-tokens committed per verification round = 1 + accepted / rounds.
+tokens committed per verification round = 1 + accepted / rounds, where accepted counts every
+proposer's (the draft model's, prompt lookup's, the suffix index's).
 A request of n > 1 completions counts all of them: output tokens and the server's stats are
 summed over the completions (throughput counts every completion's tokens); TTFT is to the first
 token of any completion, ITL the gap between chunks of the same completion, TPOT (e2e - TTFT)
@@ -40,6 +41,8 @@ class RequestRecord:
     rounds: int = 0
     lookup_tokens: int = 0  # prompt-lookup tokens verified, and accepted (not in the draft's)
     lookup_accepted_tokens: int = 0
+    suffix_tokens: int = 0  # suffix-index tokens verified, and accepted (in neither of the above)
+    suffix_accepted_tokens: int = 0
     n: int = 1  # completions asked for
     completion_tokens: list[int] = field(default_factory=list)  # each completion's output tokens, by index
 
@@ -72,8 +75,9 @@ def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
     """Figures for one group of requests that ran over `duration_s` seconds of wall time."""
     done = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
-    drafted, accepted, rounds, looked_up, lookup_accepted = (sum(getattr(r, f) for r in done) for f in (
-        "draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens"))
+    drafted, accepted, rounds, looked_up, lookup_accepted, suffixed, suffix_accepted = (
+        sum(getattr(r, f) for r in done) for f in ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens",
+                                                   "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens"))
     return {
         "num_requests": len(records),
         "completed": len(done),
@@ -92,8 +96,11 @@ def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
         "rounds": rounds,
         "lookup_tokens": looked_up,
         "lookup_accepted_tokens": lookup_accepted,
+        "suffix_tokens": suffixed,
+        "suffix_accepted_tokens": suffix_accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1 + accepted / rounds if rounds else None,
+        # every proposer's accepted tokens: a round commits them all, and one more
+        "mean_acceptance_length": 1 + (accepted + lookup_accepted + suffix_accepted) / rounds if rounds else None,
     }
 
 

@@ -52,6 +52,7 @@ def metric_rows() -> list[tuple[str, str, int]]:
             rows.append((f"{LATENCY_TITLES[name]} {stat} (ms)", f"{name}.{stat}", 1))
     rows += [("acceptance rate", "acceptance_rate", 3), ("mean acceptance length", "mean_acceptance_length", 2),
              ("lookup tokens verified", "lookup_tokens", 0), ("lookup tokens accepted", "lookup_accepted_tokens", 0),
+             ("suffix tokens verified", "suffix_tokens", 0), ("suffix tokens accepted", "suffix_accepted_tokens", 0),
              ("completed / failed", "", 0)]
     return rows
 

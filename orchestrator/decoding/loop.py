@@ -28,6 +28,8 @@ from opentelemetry import trace
 from orchestrator.decoding.background import retrieve_outcome, spawn_background
 from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.lookup import PromptLookup
+from orchestrator.decoding.proposals import DRAFT, LOOKUP, NONE, SUFFIX, FreeProposal
+from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES, SuffixIndex
 from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
 from specmesh.roles import MAX_DRAFT_TOKENS
@@ -55,9 +57,12 @@ class LoopConfig:
     # "on", "off", or "auto" = on when draft and target compute on separate hardware.
     pipeline: str = "auto"
     extra_branches: int | None = None  # pre-drafted rejection branches; None = from measured costs
-    # With the adaptive policy: rounds that draft nothing verify prompt lookup's tokens where they pay
-    # (orchestrator.decoding.lookup).
+    # With the adaptive policy, rounds may verify tokens proposed at no model cost where they pay more
+    # than the draft's: prompt lookup's (orchestrator.decoding.lookup) and the suffix index's, from
+    # earlier requests (orchestrator.decoding.suffix_index), which holds up to suffix_index_bytes.
     prompt_lookup: bool = True
+    suffix_index: bool = True
+    suffix_index_bytes: int = DEFAULT_MAX_BYTES
 
 
 class SpeculationSwitch:
@@ -92,9 +97,9 @@ class DraftLengthPolicy(Protocol):
 
     def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
 
-    def lookup_length(self, available: int) -> int: ...
+    def choose_proposal(self, k: int, offers: list[FreeProposal]) -> tuple[FreeProposal | None, int]: ...
 
-    def observe(self, timing: "RoundTiming", drafted: int, accepted: int, looked_up: int = 0) -> None: ...
+    def observe(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -115,6 +120,16 @@ class LoopStats:
     draft_fallback: bool = False
     lookup_tokens: int = 0  # prompt-lookup tokens verified (orchestrator.decoding.lookup) ...
     lookup_accepted_tokens: int = 0  # ... and accepted
+    suffix_tokens: int = 0  # suffix-index tokens verified (orchestrator.decoding.suffix_index) ...
+    suffix_accepted_tokens: int = 0  # ... and accepted
+
+    def count_free(self, free: FreeProposal, accepted: int) -> None:
+        if free.source == LOOKUP:
+            self.lookup_tokens += len(free.tokens)
+            self.lookup_accepted_tokens += accepted
+        else:
+            self.suffix_tokens += len(free.tokens)
+            self.suffix_accepted_tokens += accepted
 
 
 class SpeculativeGeneration:
@@ -125,7 +140,9 @@ class SpeculativeGeneration:
                  on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
                  tracer: trace.Tracer | None = None, switch: SpeculationSwitch | None = None,
                  policy: "DraftLengthPolicy | None" = None,
-                 on_timing: Callable[[RoundBreakdown], None] = lambda breakdown: None):
+                 on_timing: Callable[[RoundBreakdown], None] = lambda breakdown: None,
+                 history: SuffixIndex | None = None,
+                 on_proposer: Callable[[str, int, int], None] = lambda proposer, proposed, accepted: None):
         self.request = request
         self.policy = policy  # None: every round drafts the request's k
         self.on_timing = on_timing  # where each round's time went
@@ -140,7 +157,11 @@ class SpeculativeGeneration:
         # Clients may reuse request ids; the services' session ids must be unique.
         self.session_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
         self.sequence = list(request.prompt_token_ids)  # committed: prompt + generated
-        self.lookup = PromptLookup(self.sequence)  # drafts from the sequence itself, for target-only rounds
+        self.lookup = PromptLookup(self.sequence)  # drafts from the sequence itself
+        self.history = history  # earlier and concurrent requests' sequences; this one's is added as it grows
+        self._document = history.open() if history is not None else None
+        self._record(self.sequence)
+        self.on_proposer = on_proposer  # (draft/lookup/suffix/none, tokens proposed, accepted) every round
         # The target's logprob of each generated token, when the request's sampling asks for them.
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
@@ -214,7 +235,7 @@ class SpeculativeGeneration:
             span.set_attribute("specmesh.target_forward_ns", opened.forward_ns)
         self.stats.target_forward_passes += 1
         self.draft_agreed = len(request.prompt_token_ids)
-        self.sequence.append(opened.token_id)
+        self._commit([opened.token_id])
         if opened.HasField("logprob"):
             self.logprobs.append(opened.logprob)
         if self.draft is not None and (self.policy is None or self.policy.wants_draft(
@@ -238,41 +259,61 @@ class SpeculativeGeneration:
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
             k = self._choose_k()
-            looked_up = self._lookup_proposal() if k == 0 else []
-            span.set_attributes({"specmesh.draft_length": k, "specmesh.lookup_length": len(looked_up)})
+            free = self._free_proposal(k)
+            k = 0 if free is not None else k
+            span.set_attributes({"specmesh.draft_length": k, "specmesh.proposer": _proposer(k, free),
+                                 "specmesh.free_length": len(free.tokens) if free else 0})
             # Off, the draft keeps its session: the next commit catches it up if speculation returns.
             started = time.monotonic()
             self._clock = RoundClock()
             proposal = await self._proposal_for_round(k)
-            draft_ids = list(proposal.token_ids) if proposal else looked_up
-            verified = await self._verify_round(position, proposal, k, looked_up)
-            describe_round(span, proposal, verified)
+            draft_ids = list(proposal.token_ids) if proposal else (free.tokens if free else [])
+            verified = await self._verify_round(position, proposal, k, free)
+            describe_round(span, proposal, verified, len(draft_ids))
             breakdown = self._clock.finish(time.monotonic() - started)
             describe_breakdown(span, breakdown)
         self.on_timing(breakdown)
         accepted = verified.accepted_count
-        drafted = len(draft_ids) - len(looked_up)  # by the draft model
+        drafted = 0 if free else len(draft_ids)  # by the draft model
         self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
-                            drafted, accepted, len(looked_up))
+                            drafted, accepted, free)
         batch = draft_ids[:accepted] + [verified.next_token_id]
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
-        self.sequence.extend(batch)
+        self._commit(batch)
         self.logprobs.extend(verified.logprobs)
-        self._count_round(drafted, 0 if looked_up else accepted, len(batch))
-        self.stats.lookup_tokens += len(looked_up)
-        self.stats.lookup_accepted_tokens += accepted if looked_up else 0
+        self._count_round(drafted, 0 if free else accepted, len(batch))
+        if free is not None:
+            self.stats.count_free(free, accepted)
+        self.on_proposer(_proposer(k, free), len(draft_ids), accepted)
         return batch
 
-    def _lookup_proposal(self) -> list[int]:
-        """Prompt-lookup tokens for a round that drafts none (orchestrator.decoding.lookup), as many as
-        the policy finds worth their rows; none without a policy (a fixed k, or seeded sampling, which
-        must not depend on the load) or with speculation off."""
-        k_max = self._k_max()
-        if self.policy is None or not self.config.prompt_lookup or not self.switch.enabled or k_max <= 0:
-            return []
-        found = self.lookup.propose(k_max)
-        return found[:self.policy.lookup_length(len(found))]
+    def _commit(self, tokens: list[int]) -> None:
+        self.sequence.extend(tokens)
+        self._record(tokens)
+
+    def _record(self, tokens: list[int]) -> None:
+        if self._document is not None:
+            self._document.extend(tokens)
+
+    def _free_proposal(self, k: int) -> FreeProposal | None:
+        """Tokens this round verifies in place of the draft model's, if the policy finds them worth more:
+        prompt lookup's and the suffix index's. None without a policy (a fixed k, or seeded sampling,
+        which must not depend on the load or on other requests) or with speculation off."""
+        if self.policy is None or not self.switch.enabled or self._k_max() <= 0:
+            return None
+        limit = min(MAX_DRAFT_TOKENS, self.tokens_left - 1)
+        offers = []
+        if self.config.prompt_lookup:
+            found = self.lookup.propose(limit)
+            if found:
+                offers.append(FreeProposal(LOOKUP, found))
+        if self.history is not None:
+            suffix = self.history.propose(self.sequence, limit)  # its own tokens too: copies of a long match
+            if suffix.tokens:
+                offers.append(FreeProposal(SUFFIX, suffix.tokens, suffix.match_length))
+        chosen, count = self.policy.choose_proposal(k, offers)
+        return chosen.first(count) if chosen is not None and count > 0 else None
 
     async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
         """This round's draft tokens, or None for a target-only round."""
@@ -284,13 +325,14 @@ class SpeculativeGeneration:
         return proposal
 
     async def _verify_round(self, position: int, proposal: draft_pb2.ProposeResponse | None,
-                            k: int, looked_up: list[int] = ()) -> target_pb2.VerifyResponse:
-        """The target's verdict on the draft's proposal, or on prompt-lookup tokens (ids only: one-hot q)."""
+                            k: int, free: FreeProposal | None = None) -> target_pb2.VerifyResponse:
+        """The target's verdict on the draft's proposal, or on a free proposal (ids only: one-hot q)."""
         started = time.monotonic()
         verified = await self.target.verify(
-            self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(looked_up),
+            self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(
+                free.tokens if free else []),
             list(proposal.distributions) if proposal else [], timeout=self._timeout(self.config.target_timeout_s),
-            draft_source=target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP if looked_up else target_pb2.DRAFT_SOURCE_DRAFT_MODEL)
+            draft_source=DRAFT_SOURCES[free.source] if free else target_pb2.DRAFT_SOURCE_DRAFT_MODEL)
         self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
         return verified
 
@@ -325,10 +367,10 @@ class SpeculativeGeneration:
             return 0  # never wait for the draft's prefill
         return k
 
-    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, looked_up: int) -> None:
+    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""
         if self.policy is not None:
-            self.policy.observe(timing, drafted, accepted, looked_up)
+            self.policy.observe(timing, drafted, accepted, free)
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1
@@ -390,6 +432,14 @@ class SpeculativeGeneration:
         spawn_background(self.target.close(self.session_id))
         if self.draft is not None and self._draft_asked:
             spawn_background(close_after(opening, self.draft, self.session_id))
+
+
+DRAFT_SOURCES = {LOOKUP: target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP, SUFFIX: target_pb2.DRAFT_SOURCE_SUFFIX_INDEX}
+
+
+def _proposer(k: int, free: FreeProposal | None) -> str:
+    """Who proposed a round's tokens (orchestrator.decoding.proposals)."""
+    return free.source if free is not None else (DRAFT if k > 0 else NONE)
 
 
 async def close_after(opening: asyncio.Task | None, endpoint: DraftEndpoint, session_id: str) -> None:

@@ -6,6 +6,7 @@ import argparse
 
 from orchestrator.decoding.loop import LoopConfig
 from orchestrator.decoding.pipelined import PIPELINE_MODES
+from specmesh.service import positive_int
 
 
 def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +22,14 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft the next round while the target verifies; auto: when draft and target "
                              "compute on separate hardware (hosts, devices or disjoint --*-cpus)")
     parser.add_argument("--prompt-lookup", choices=("on", "off"), default="on",
-                        help="adaptive policy: in rounds that draft nothing, verify tokens that followed the "
-                             "sequence's last n-gram where it occurred before, when their rows pay")
+                        help="adaptive policy: verify tokens that followed the sequence's last n-gram where it "
+                             "occurred before, in rounds where they pay more than the draft's")
+    parser.add_argument("--suffix-index", choices=("on", "off"), default="on",
+                        help="adaptive policy: verify continuations of the sequence found in earlier requests' "
+                             "prompts and outputs, in rounds where they pay more than the draft's")
+    parser.add_argument("--suffix-index-bytes", type=positive_int, default=LoopConfig.suffix_index_bytes,
+                        metavar="BYTES", help="memory the suffix index of earlier requests may hold (oldest "
+                                              "requests out first)")
     parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
                         help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
                              "the measured draft and target costs leave time for)")
@@ -31,4 +38,6 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
 def loop_config(args: argparse.Namespace) -> LoopConfig:
     return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
                       adaptive_k=args.speculation_policy == "adaptive", pipeline=args.pipeline,
-                      extra_branches=args.extra_branches, prompt_lookup=args.prompt_lookup == "on")
+                      extra_branches=args.extra_branches, prompt_lookup=args.prompt_lookup == "on",
+                      suffix_index=args.suffix_index == "on", suffix_index_bytes=args.suffix_index_bytes)
+

@@ -25,6 +25,7 @@ import grpc
 
 from orchestrator.decoding.endpoints import BranchStream
 from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.proposals import FreeProposal
 from specmesh.ewma import Ewma
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -186,12 +187,12 @@ class PipelinedGeneration(SpeculativeGeneration):
         return proposal
 
     async def _verify_round(self, position: int, proposal: draft_pb2.ProposeResponse | None,
-                            k: int, looked_up: list[int] = ()) -> target_pb2.VerifyResponse:
+                            k: int, free: FreeProposal | None = None) -> target_pb2.VerifyResponse:
         if proposal is not None:
             self.costs.observe_draft(proposal.forward_ns / 1e9, len(proposal.token_ids))
             if self.draft is not None and self._worth_predrafting(proposal):
                 self._ahead = self._start_predraft(position, proposal, k)
-        verified = await super()._verify_round(position, proposal, k, looked_up)
+        verified = await super()._verify_round(position, proposal, k, free)
         self.costs.observe_verify(verified.forward_ns / 1e9)
         if self._ahead is not None:
             self._ahead.counted_s = self._ahead.busy_so_far()

@@ -13,9 +13,13 @@ load grows and is 0 (target-only) wherever no k pays. Every request runs the sam
 over the same state, so the requests of a batch draft the same k and their draft and
 verification steps meet in the services' batches.
 
-k moves only for a predicted gain over the current k of at least MARGIN. A round at k = 0
-may verify prompt-lookup tokens (orchestrator.decoding.lookup): as many as maximise the
-same tokens per second, their rows added to the target step, with lookup's own acceptance.
+k moves only for a predicted gain over the current k of at least MARGIN. Then the round's
+proposer: the draft model at k, or tokens proposed at no model cost (orchestrator.decoding.
+proposals: prompt lookup, the suffix index of earlier requests), as many as maximise the
+same tokens per second with that proposer's own acceptance, their rows in the target step
+in place of the request's k + 1; a free proposal must beat the draft's round by MARGIN.
+The suffix index's acceptance is learned by how long the matched history was, since an
+exact repeat of tens of tokens and a three-token coincidence are different evidence.
 A draft session is opened only when the tokens its rounds save over the rest of the request
 pay for its prefill.
 
@@ -31,9 +35,16 @@ from dataclasses import dataclass, field
 from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 
 MARGIN = 0.03  # predictions carry a few percent of noise: a smaller predicted gain is a tie, keep k
 LOOKUP_PRIOR = 0.4  # prompt lookup's per-token acceptance before any history: about what code prompts show
+SUFFIX_PRIOR = 0.5  # the suffix index's, before any: a few rounds of each match length replace it
+SUFFIX_MATCH_BUCKETS = (32, 16, 8, 4)  # matched history lengths learned apart (shorter: one bucket)
+
+
+def suffix_bucket(match_length: int) -> str:
+    return f"match>={next((b for b in SUFFIX_MATCH_BUCKETS if match_length >= b), 0)}"
 
 
 class DraftLength:
@@ -44,6 +55,7 @@ class DraftLength:
         self.costs = shared.costs
         self.acceptance = acceptance
         self.lookup = lookup  # prompt lookup's acceptance
+        self.suffix: dict[str, RequestAcceptance] = {}  # the suffix index's, by matched length
         self.k = 0
         self.k_max: int | None = None  # of its latest choice; None before its first
         self.context = 0  # committed tokens: the cached context its rows attend over
@@ -92,26 +104,60 @@ class DraftLength:
         return tokens_left * (per_token(0) - per_token(k)) > prefill_s * batch.requests
 
     def lookup_length(self, available: int) -> int:
-        """How many of `available` prompt-lookup tokens this target-only round verifies: the count that
-        maximises the batch's tokens per second, or 0 where none beats verifying none by MARGIN."""
+        """How many of `available` prompt-lookup tokens a target-only round verifies (0: none pays)."""
+        return self._free_length(self.lookup, available, 0)
+
+    def choose_proposal(self, k: int, offers: list[FreeProposal]) -> tuple[FreeProposal | None, int]:
+        """This round's free proposal and how many of its tokens to verify, or (None, 0) for the draft
+        model at k (k = 0: verify nothing): whichever gives the batch the most tokens per second."""
+        if not offers or not self.costs.known:
+            return None, 0
+        batch = self._batch
+        drafted = self.shared.tokens(k, batch) / max(self.costs.round_s(k, batch), 1e-9)
+        best, best_count, best_goodput = None, 0, (1.0 + MARGIN) * drafted
+        for offer in offers:
+            count = self._free_length(self._acceptance_of(offer), len(offer.tokens), k)
+            goodput = self._free_goodput(self._acceptance_of(offer), count, k)
+            if count and goodput > best_goodput:
+                best, best_count, best_goodput = offer, count, goodput
+        return best, best_count
+
+    def _acceptance_of(self, offer: FreeProposal) -> RequestAcceptance:
+        if offer.source == LOOKUP:
+            return self.lookup
+        bucket = suffix_bucket(offer.match_length)
+        if bucket not in self.suffix:
+            self.suffix[bucket] = RequestAcceptance(self.shared.suffix, bucket)
+        return self.suffix[bucket]
+
+    def _free_goodput(self, acceptance: RequestAcceptance, m: int, k: int) -> float:
+        """The batch's tokens per second when this request verifies m free tokens in place of drafting k.
+        Alone, the round then runs no draft step; beside requests drafting k, they still run theirs."""
+        batch = self._batch
+        others = self.shared.tokens(k, batch) - self.acceptance.expected_tokens(min(k, self.k_max or 0))
+        if k == 0 or batch.requests == 1:
+            round_s = self.costs.round_s(0, batch, m)
+        else:
+            round_s = self.costs.round_s(k, batch, m - k)
+        return (others + acceptance.expected_tokens(m)) / max(round_s, 1e-9)
+
+    def _free_length(self, acceptance: RequestAcceptance, available: int, k: int) -> int:
+        """The count of `available` free tokens that maximises the batch's tokens per second, or 0 where
+        none beats verifying none by MARGIN."""
         if available <= 0 or not self.costs.known:
             return 0
-        batch = self._batch
-        others = self.shared.tokens(0, batch) - 1.0
+        best = max(range(1, available + 1), key=lambda m: self._free_goodput(acceptance, m, k))
+        return best if self._free_goodput(acceptance, best, k) > (1.0 + MARGIN) * self._free_goodput(
+            acceptance, 0, k) else 0
 
-        def goodput(m: int) -> float:
-            return (others + self.lookup.expected_tokens(m)) / max(self.costs.round_s(0, batch, m), 1e-9)
-
-        best = max(range(1, available + 1), key=goodput)
-        return best if goodput(best) > (1.0 + MARGIN) * goodput(0) else 0
-
-    def observe(self, timing: RoundTiming, drafted: int, accepted: int, looked_up: int = 0) -> None:
-        """A round's waits and outcome: `drafted` draft-model tokens, or `looked_up` prompt-lookup
-        tokens, `accepted` of them accepted."""
-        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, looked_up)
-        self.acceptance.observe(drafted, 0 if looked_up else accepted)
-        if looked_up:
-            self.lookup.observe(looked_up, accepted)
+    def observe(self, timing: RoundTiming, drafted: int, accepted: int, free: FreeProposal | None = None) -> None:
+        """A round's waits and outcome: `drafted` draft-model tokens, or the `free` proposal's tokens
+        verified (as many as it holds), `accepted` of them accepted."""
+        offered = len(free.tokens) if free is not None else 0
+        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered)
+        self.acceptance.observe(drafted, 0 if offered else accepted)
+        if offered:
+            self._acceptance_of(free).observe(offered, accepted)
 
 
 @dataclass
@@ -121,6 +167,7 @@ class Speculation:
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
     lookup: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=LOOKUP_PRIOR))
+    suffix: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=SUFFIX_PRIOR))
     active: dict[int, DraftLength] = field(default_factory=dict)
 
     def for_request(self, prompt_class: str) -> DraftLength:

@@ -9,12 +9,13 @@ from specmesh.v1 import draft_pb2, target_pb2
 
 
 def describe_round(span: trace.Span, proposal: draft_pb2.ProposeResponse | None,
-                   verified: target_pb2.VerifyResponse) -> None:
-    """What one round did, on its span: the facts only the responses know."""
+                   verified: target_pb2.VerifyResponse, proposed: int) -> None:
+    """What one round did, on its span: the facts only the responses know, and the tokens it proposed
+    (the draft's, or a free proposal's)."""
     if not span.is_recording():
         return
     span.set_attributes({
-        "specmesh.proposed": len(proposal.token_ids) if proposal else 0,
+        "specmesh.proposed": proposed,
         "specmesh.accepted": verified.accepted_count,
         "specmesh.next_token": "bonus" if verified.next_token_kind == target_pb2.NEXT_TOKEN_KIND_BONUS
         else "recovered",

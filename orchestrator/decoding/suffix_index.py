@@ -1,13 +1,14 @@
-"""Drafts that cost no forward pass, from other requests: what followed the sequence's suffix in recent ones.
+"""Drafts that cost no forward pass, from recent requests: what followed the sequence's suffix in them.
 
 Suffix decoding: agents, tools and templated clients send many requests that share
 long stretches (a system prompt, a file the model rewrites, a JSON schema it fills
 in again). The orchestrator keeps the tokens of recent requests (prompt, then the
 output as it commits) in one index, and for a request in flight proposes the most
-likely continuation of its current suffix from what the others said. Prompt lookup
-(orchestrator.decoding.lookup) does the same inside one request; this module only
-indexes and proposes, and the caller verifies the tokens like any draft (lossless
-for the same reason: the proposal is a function of committed tokens alone).
+likely continuation of its current suffix from what they said, its own tokens
+included (an edit that copies its prompt). Prompt lookup (orchestrator.decoding.
+lookup) looks only inside the request, at its latest 2-3-token match; this module
+only indexes and proposes, and the caller verifies the tokens like any draft
+(lossless for the same reason: the proposal is a function of committed tokens alone).
 
 How: every n-gram of a few lengths (KEY_LENGTHS) that has a token after it is keyed
 by its hash to the places it occurred (at most MAX_CANDIDATES, the most recent). A
@@ -102,6 +103,14 @@ class SuffixIndex:
         self._evict_over_budget()
         return document
 
+    def clear(self) -> None:
+        """Forget every document; those still being extended (requests in flight) add nothing more."""
+        for document in self._documents.values():
+            document.evicted, document.tokens = True, array("i")
+        self._documents.clear()
+        self._tables = {n: {} for n in KEY_LENGTHS}
+        self._bytes = 0
+
     def _extend(self, document: IndexedDocument, tokens: Sequence[int]) -> None:
         if document.evicted:
             return
@@ -157,21 +166,18 @@ class SuffixIndex:
             self._bytes -= DOCUMENT_BYTES + TOKEN_BYTES * len(document.tokens)
             document.evicted, document.tokens = True, array("i")
 
-    def propose(self, sequence: Sequence[int], limit: int,
-                exclude: IndexedDocument | None = None) -> SuffixProposal:
+    def propose(self, sequence: Sequence[int], limit: int) -> SuffixProposal:
         """Up to `limit` tokens that followed the longest suffix of `sequence` found in the held
-        documents (`exclude`'s aside: the request's own, which prompt lookup covers)."""
+        documents (the request's own included: a document's tail is never its own match)."""
         if limit <= 0 or len(sequence) < MIN_MATCH:
             return SuffixProposal()
         tail = array("i", sequence[len(sequence) - min(len(sequence), MAX_MATCH):])
-        occurrences, match_length = self._longest_matches(tail, exclude)
+        occurrences, match_length = self._longest_matches(tail)
         tokens, confidence = _vote(occurrences, limit)
         return SuffixProposal(tokens, match_length, confidence)
 
-    def _longest_matches(self, tail: array,
-                         exclude: IndexedDocument | None) -> tuple[list[tuple[array, int]], int]:
+    def _longest_matches(self, tail: array) -> tuple[list[tuple[array, int]], int]:
         """(document tokens, position after the match) of the hits with the longest match, and its length."""
-        skip = exclude.serial if exclude is not None else None
         for n in reversed(KEY_LENGTHS):
             if n > len(tail):
                 continue
@@ -181,11 +187,10 @@ class SuffixIndex:
             hits = []
             for occurrence in [held] if type(held) is int else held:  # oldest first
                 serial, position = occurrence >> _POSITION_BITS, occurrence & _POSITION_MASK
-                if serial != skip:
-                    stored = self._documents[serial].tokens
-                    length = _match_length(stored, position, tail)
-                    if length >= n:  # shorter: a hash collision
-                        hits.append((length, stored, position))
+                stored = self._documents[serial].tokens
+                length = _match_length(stored, position, tail)
+                if length >= n:  # shorter: a hash collision
+                    hits.append((length, stored, position))
             if hits:
                 best = max(length for length, _, _ in hits)
                 return [(stored, position) for length, stored, position in hits if length == best], best

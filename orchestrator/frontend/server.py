@@ -46,7 +46,7 @@ async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0",
     (default: ConnectionLimits(); specmesh.connections), as a public port's must be."""
     def register(server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools, servicer.history), server)
     server, port, health = await start_server(
         register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs, tls=tls,
         api_key=api_key, tracer_provider=tracer_provider,

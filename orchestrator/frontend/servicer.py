@@ -18,6 +18,7 @@ from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
+from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.frontend.choices import interleave
 from orchestrator.frontend.validation import ModelLimits, choice_count, for_choice, validate_request
 from specmesh.errors import NotManagedHere
@@ -51,6 +52,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
         self.adaptive = Speculation(costs=RoundCosts(backends.step_reports))
+        # Earlier and running requests' sequences, for suffix proposals (orchestrator.decoding.suffix_index).
+        self.history = SuffixIndex(config.suffix_index_bytes) if config.suffix_index else None
         self.pools = None  # orchestrator.deployment.serving.Pools when serving from replica pools
 
     def encode(self, prompt: str) -> list[int]:
@@ -86,7 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
         generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
                           self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
-                          policy=self._draft_length_policy(checked), on_timing=recorder.round_time)
+                          policy=self._draft_length_policy(checked), on_timing=recorder.round_time,
+                          history=self.history, on_proposer=recorder.proposer)
         recorder.draft_model = lambda: self._draft_model_of(generation.session_id)
         try:
             async for response in self._stream(checked, generation, recorder, started):
@@ -150,9 +154,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """The operator's kill switch for speculation, the replica pools' size, and the draft's model."""
 
-    def __init__(self, switch: SpeculationSwitch, pools=None):
+    def __init__(self, switch: SpeculationSwitch, pools=None, history: SuffixIndex | None = None):
         self.switch = switch
         self.pools = pools  # orchestrator.deployment.serving.Pools, or None: no pools here
+        self.history = history  # the Generation servicer's suffix index, or None: off
 
     async def SetSpeculation(self, request: admin_pb2.SetSpeculationRequest, context: grpc.aio.ServicerContext):
         self.switch.enabled = request.enabled
@@ -160,6 +165,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def GetSpeculation(self, request: admin_pb2.GetSpeculationRequest, context: grpc.aio.ServicerContext):
         return admin_pb2.SpeculationState(enabled=self.switch.enabled)
+
+    async def ClearSuffixIndex(self, request: admin_pb2.ClearSuffixIndexRequest, context: grpc.aio.ServicerContext):
+        if self.history is None:
+            return admin_pb2.SuffixIndexState(enabled=False)
+        cleared = len(self.history)
+        self.history.clear()
+        return admin_pb2.SuffixIndexState(enabled=True, documents=len(self.history), bytes=self.history.bytes_used,
+                                          max_bytes=self.history.max_bytes, cleared_documents=cleared)
 
     async def ScalePool(self, request: admin_pb2.ScalePoolRequest, context: grpc.aio.ServicerContext):
         return self._require_pools().scale(request.pool, request.replicas)
@@ -196,6 +209,8 @@ def _stats(stats: LoopStats, started: float, first_token_at: float, completion_t
         tokens_per_round=stats.round_tokens / stats.rounds if stats.rounds else 0.0,
         lookup_tokens=stats.lookup_tokens,
         lookup_accepted_tokens=stats.lookup_accepted_tokens,
+        suffix_tokens=stats.suffix_tokens,
+        suffix_accepted_tokens=stats.suffix_accepted_tokens,
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/admin.proto\x12\x0bspecmesh.v1\"(\n\x15SetSpeculationRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\"\x17\n\x15GetSpeculationRequest\"#\n\x10SpeculationState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"2\n\x13ReplaceModelRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x15\n\x13ListReplicasRequest\"\xc7\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x15\n\ropen_sessions\x18\x04 \x01(\r\x12\x17\n\x0frouted_sessions\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0c\n\x04load\x18\x07 \x01(\x02\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x10\n\x08has_room\x18\t \x01(\x08\x12\x12\n\nretry_in_s\x18\n \x01(\x02\"\xac\x01\n\tPoolState\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65sired_replicas\x18\x02 \x01(\r\x12\x14\n\x0cmin_replicas\x18\x03 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x04 \x01(\r\x12+\n\x08replicas\x18\x05 \x03(\x0b\x32\x19.specmesh.v1.ReplicaState\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0f\n\x07rollout\x18\x07 \x01(\t\"=\n\x14ListReplicasResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.PoolState2\x94\x03\n\x05\x41\x64min\x12S\n\x0eSetSpeculation\x12\".specmesh.v1.SetSpeculationRequest\x1a\x1d.specmesh.v1.SpeculationState\x12S\n\x0eGetSpeculation\x12\".specmesh.v1.GetSpeculationRequest\x1a\x1d.specmesh.v1.SpeculationState\x12\x42\n\tScalePool\x12\x1d.specmesh.v1.ScalePoolRequest\x1a\x16.specmesh.v1.PoolState\x12S\n\x0cListReplicas\x12 .specmesh.v1.ListReplicasRequest\x1a!.specmesh.v1.ListReplicasResponse\x12H\n\x0cReplaceModel\x12 .specmesh.v1.ReplaceModelRequest\x1a\x16.specmesh.v1.PoolStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/admin.proto\x12\x0bspecmesh.v1\"(\n\x15SetSpeculationRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\"\x17\n\x15GetSpeculationRequest\"\x19\n\x17\x43learSuffixIndexRequest\"s\n\x10SuffixIndexState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\tdocuments\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x63leared_documents\x18\x05 \x01(\r\"#\n\x10SpeculationState\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"2\n\x13ReplaceModelRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"\x15\n\x13ListReplicasRequest\"\xc7\x01\n\x0cReplicaState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x15\n\ropen_sessions\x18\x04 \x01(\r\x12\x17\n\x0frouted_sessions\x18\x05 \x01(\r\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0c\n\x04load\x18\x07 \x01(\x02\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x02\x12\x10\n\x08has_room\x18\t \x01(\x08\x12\x12\n\nretry_in_s\x18\n \x01(\x02\"\xac\x01\n\tPoolState\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65sired_replicas\x18\x02 \x01(\r\x12\x14\n\x0cmin_replicas\x18\x03 \x01(\r\x12\x14\n\x0cmax_replicas\x18\x04 \x01(\r\x12+\n\x08replicas\x18\x05 \x03(\x0b\x32\x19.specmesh.v1.ReplicaState\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0f\n\x07rollout\x18\x07 \x01(\t\"=\n\x14ListReplicasResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.PoolState2\xed\x03\n\x05\x41\x64min\x12S\n\x0eSetSpeculation\x12\".specmesh.v1.SetSpeculationRequest\x1a\x1d.specmesh.v1.SpeculationState\x12S\n\x0eGetSpeculation\x12\".specmesh.v1.GetSpeculationRequest\x1a\x1d.specmesh.v1.SpeculationState\x12\x42\n\tScalePool\x12\x1d.specmesh.v1.ScalePoolRequest\x1a\x16.specmesh.v1.PoolState\x12S\n\x0cListReplicas\x12 .specmesh.v1.ListReplicasRequest\x1a!.specmesh.v1.ListReplicasResponse\x12H\n\x0cReplaceModel\x12 .specmesh.v1.ReplaceModelRequest\x1a\x16.specmesh.v1.PoolState\x12W\n\x10\x43learSuffixIndex\x12$.specmesh.v1.ClearSuffixIndexRequest\x1a\x1d.specmesh.v1.SuffixIndexStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,20 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETSPECULATIONREQUEST']._serialized_end=80
   _globals['_GETSPECULATIONREQUEST']._serialized_start=82
   _globals['_GETSPECULATIONREQUEST']._serialized_end=105
-  _globals['_SPECULATIONSTATE']._serialized_start=107
-  _globals['_SPECULATIONSTATE']._serialized_end=142
-  _globals['_SCALEPOOLREQUEST']._serialized_start=144
-  _globals['_SCALEPOOLREQUEST']._serialized_end=194
-  _globals['_REPLACEMODELREQUEST']._serialized_start=196
-  _globals['_REPLACEMODELREQUEST']._serialized_end=246
-  _globals['_LISTREPLICASREQUEST']._serialized_start=248
-  _globals['_LISTREPLICASREQUEST']._serialized_end=269
-  _globals['_REPLICASTATE']._serialized_start=272
-  _globals['_REPLICASTATE']._serialized_end=471
-  _globals['_POOLSTATE']._serialized_start=474
-  _globals['_POOLSTATE']._serialized_end=646
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=648
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=709
-  _globals['_ADMIN']._serialized_start=712
-  _globals['_ADMIN']._serialized_end=1116
+  _globals['_CLEARSUFFIXINDEXREQUEST']._serialized_start=107
+  _globals['_CLEARSUFFIXINDEXREQUEST']._serialized_end=132
+  _globals['_SUFFIXINDEXSTATE']._serialized_start=134
+  _globals['_SUFFIXINDEXSTATE']._serialized_end=249
+  _globals['_SPECULATIONSTATE']._serialized_start=251
+  _globals['_SPECULATIONSTATE']._serialized_end=286
+  _globals['_SCALEPOOLREQUEST']._serialized_start=288
+  _globals['_SCALEPOOLREQUEST']._serialized_end=338
+  _globals['_REPLACEMODELREQUEST']._serialized_start=340
+  _globals['_REPLACEMODELREQUEST']._serialized_end=390
+  _globals['_LISTREPLICASREQUEST']._serialized_start=392
+  _globals['_LISTREPLICASREQUEST']._serialized_end=413
+  _globals['_REPLICASTATE']._serialized_start=416
+  _globals['_REPLICASTATE']._serialized_end=615
+  _globals['_POOLSTATE']._serialized_start=618
+  _globals['_POOLSTATE']._serialized_end=790
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=792
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=853
+  _globals['_ADMIN']._serialized_start=856
+  _globals['_ADMIN']._serialized_end=1349
 # @@protoc_insertion_point(module_scope)

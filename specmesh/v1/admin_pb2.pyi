@@ -16,6 +16,24 @@ class GetSpeculationRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ClearSuffixIndexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SuffixIndexState(_message.Message):
+    __slots__ = ("enabled", "documents", "bytes", "max_bytes", "cleared_documents")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    documents: int
+    bytes: int
+    max_bytes: int
+    cleared_documents: int
+    def __init__(self, enabled: _Optional[bool] = ..., documents: _Optional[int] = ..., bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., cleared_documents: _Optional[int] = ...) -> None: ...
+
 class SpeculationState(_message.Message):
     __slots__ = ("enabled",)
     ENABLED_FIELD_NUMBER: _ClassVar[int]

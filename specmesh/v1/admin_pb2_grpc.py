@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=specmesh_dot_v1_dot_admin__pb2.ReplaceModelRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_admin__pb2.PoolState.FromString,
                 _registered_method=True)
+        self.ClearSuffixIndex = channel.unary_unary(
+                '/specmesh.v1.Admin/ClearSuffixIndex',
+                request_serializer=specmesh_dot_v1_dot_admin__pb2.ClearSuffixIndexRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_admin__pb2.SuffixIndexState.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -111,6 +116,16 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearSuffixIndex(self, request, context):
+        """Unary. Forget every request's sequence held by this orchestrator's suffix
+        index (requests in flight add nothing more; new ones start afresh): an
+        operator's act after a tenant's data must go, or a benchmark's between
+        configurations. Returns the index's state after clearing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +153,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ReplaceModel,
                     request_deserializer=specmesh_dot_v1_dot_admin__pb2.ReplaceModelRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_admin__pb2.PoolState.SerializeToString,
+            ),
+            'ClearSuffixIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearSuffixIndex,
+                    request_deserializer=specmesh_dot_v1_dot_admin__pb2.ClearSuffixIndexRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_admin__pb2.SuffixIndexState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +295,33 @@ class Admin:
             '/specmesh.v1.Admin/ReplaceModel',
             specmesh_dot_v1_dot_admin__pb2.ReplaceModelRequest.SerializeToString,
             specmesh_dot_v1_dot_admin__pb2.PoolState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearSuffixIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Admin/ClearSuffixIndex',
+            specmesh_dot_v1_dot_admin__pb2.ClearSuffixIndexRequest.SerializeToString,
+            specmesh_dot_v1_dot_admin__pb2.SuffixIndexState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,7 @@ class DraftSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_SOURCE_UNSPECIFIED: _ClassVar[DraftSource]
     DRAFT_SOURCE_DRAFT_MODEL: _ClassVar[DraftSource]
     DRAFT_SOURCE_PROMPT_LOOKUP: _ClassVar[DraftSource]
+    DRAFT_SOURCE_SUFFIX_INDEX: _ClassVar[DraftSource]
 
 class NextTokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +23,7 @@ class NextTokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DRAFT_SOURCE_UNSPECIFIED: DraftSource
 DRAFT_SOURCE_DRAFT_MODEL: DraftSource
 DRAFT_SOURCE_PROMPT_LOOKUP: DraftSource
+DRAFT_SOURCE_SUFFIX_INDEX: DraftSource
 NEXT_TOKEN_KIND_UNSPECIFIED: NextTokenKind
 NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind

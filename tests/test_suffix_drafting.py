@@ -1,0 +1,114 @@
+"""Suffix drafting on real services: repeats are proposed from earlier requests, and the output stays the target's.
+
+Greedy through the whole stack as served (calibrated services, the default policy), with
+target rows priced as if free: beside a draft far too dear to pay (sequential and
+pipelined), and beside a cheap one, whose session must catch up after suffix rounds. A second pass over the same
+prompts finds the first pass's outputs in the suffix index. Sampled through the loop
+with a stand-in policy that verifies every suffix proposal, over a history built so the
+index proposes a second token after most first tokens: the second token's empirical
+distribution must match the target's exact marginal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from harness import load, start_stack
+from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.proposals import SUFFIX
+from orchestrator.decoding.suffix_index import SuffixIndex
+from specmesh.metrics import OrchestratorMetrics
+from specmesh.sampling import SamplingParams
+from specmesh.step_costs import MEASURED_ROWS
+from test_greedy_parity import target_greedy
+from test_prompt_lookup_served import assert_second_tokens_follow, sample_first_two
+from test_sampling_parity import exact_two_tokens
+from tiny_models import TINY_PROMPTS
+
+MAX_TOKENS = 48
+
+
+def _metric(metrics: OrchestratorMetrics, series: str, **labels) -> float:
+    return sum(sample.value for family in metrics.registry.collect() for sample in family.samples
+               if sample.name == series and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.mark.parametrize("pipeline, draft_cost_scale", [("off", 1000.0), ("on", 1000.0), ("off", 0.01)],
+                         ids=["no-draft", "no-draft-pipelined", "beside-a-cheap-draft"])
+async def test_a_repeated_request_is_proposed_from_the_first_and_stays_the_targets_own(
+        tiny_llama_dir, tiny_llama_perturbed_dir, device, pipeline, draft_cost_scale):
+    metrics = OrchestratorMetrics()
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=4, device=device, adaptive_k=True,
+                              calibrate=True, draft_cost_scale=draft_cost_scale, metrics=metrics, pipeline=pipeline,
+                              loop_options={"prompt_lookup": False},  # suffix proposals alone
+                              target_step_costs={rows: 0.01 for rows in MEASURED_ROWS})
+    try:
+        first = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                       for p in TINY_PROMPTS))
+        again = [await stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0) for p in TINY_PROMPTS]
+    finally:
+        await stack.stop()
+    for prompt, (tokens, _, _), (repeated, _, _) in zip(TINY_PROMPTS, first, again):
+        expected = target_greedy(str(tiny_llama_dir), device, prompt, MAX_TOKENS)
+        assert tuple(tokens) == expected and tuple(repeated) == expected, prompt
+    stats = [last.stats for _, _, last in again]
+    assert sum(s.lookup_tokens for s in stats) == 0
+    if draft_cost_scale < 1:  # the draft paid on the first pass, and its session caught up after suffix rounds
+        assert sum(last.stats.draft_tokens for _, _, last in first) > 0
+    # Each repeat's continuation was in the index: most of its tokens came from it, in few rounds.
+    assert sum(s.suffix_accepted_tokens for s in stats) > 0.5 * sum(s.completion_tokens for s in stats), stats
+    assert all(s.suffix_accepted_tokens <= s.suffix_tokens for s in stats)
+    assert sum(s.rounds for s in stats) < sum(s.completion_tokens for s in stats) / 3
+    rounds = sum(s.rounds for _, _, last in first + again for s in [last.stats])
+    assert _metric(metrics, "specmesh_proposer_rounds_total") == rounds
+    suffixed = sum(s.suffix_accepted_tokens for _, _, last in first + again for s in [last.stats])
+    assert _metric(metrics, "specmesh_proposer_accepted_tokens_total", proposer=SUFFIX) == suffixed
+
+
+class VerifyAllSuffixes:
+    """A stand-in for the default policy that never drafts and verifies every suffix proposal: pricing
+    is not the subject here, the target's verdict on a one-hot proposal is."""
+
+    def arrive(self): pass
+    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
+    def choose(self, k_max, context=0): return 0
+    def worth_opening(self, k, catch_up, tokens_left): return False
+    def observe(self, timing, drafted, accepted, free=None): pass
+    def close(self): pass
+
+    def choose_proposal(self, k, offers):
+        suffix = [offer for offer in offers if offer.source == SUFFIX]
+        return (suffix[0], len(suffix[0].tokens)) if suffix else (None, 0)
+
+
+class FixedHistory:
+    """The earlier requests only: the sampled requests' own sequences go elsewhere, so every proposal
+    after (prompt v) is w."""
+
+    def __init__(self):
+        self.index, self.scratch = SuffixIndex(), SuffixIndex()
+
+    def open(self):
+        return self.scratch.open()
+
+    def propose(self, sequence, limit):
+        return self.index.propose(sequence, limit)
+
+
+async def test_sampled_output_follows_the_target_with_suffix_proposals(tiny_llama_dir, device):
+    model, tokenizer = load(str(tiny_llama_dir), device)
+    prompt_ids = tokenizer.encode(TINY_PROMPTS[0])
+    params = SamplingParams(1.0)
+    first, second = exact_two_tokens(model, prompt_ids, params, tokenizer.eos_token_id)
+    # Earlier requests said the prompt, then one of the likeliest first tokens v, then w, the target's
+    # likeliest token after it: the index continues (prompt v) with w, often accepted and often rejected.
+    follows = {v: int(second[v].argmax()) for v in first.argsort(descending=True)[:60].tolist()}
+    history = FixedHistory()
+    for v, w in follows.items():
+        history.index.open().extend(list(prompt_ids) + [v, w])
+    outcomes = await sample_first_two(tiny_llama_dir, device, prompt_ids, params, tokenizer.eos_token_id,
+                                      VerifyAllSuffixes(), LoopConfig(num_speculative_tokens=2, prompt_lookup=False),
+                                      history)
+    assert_second_tokens_follow(outcomes, first, second, follows, SUFFIX)
