@@ -29,7 +29,7 @@ import torch
 from orchestrator.bench.peer import PeerPair, hf_generate
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
 from orchestrator.frontend.options import FrontendOptions
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from specmesh.precision import DTYPE_CHOICES
 from specmesh.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc

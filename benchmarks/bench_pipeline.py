@@ -31,7 +31,7 @@ from bench_core import PROMPTS
 from orchestrator.deployment.launch import ProcessGroup, run_orchestrator, run_service
 from orchestrator.frontend.options import FrontendOptions
 from specmesh.roles import START_TIMEOUT_S
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.decoding.timing import PARTS
 from specmesh.precision import DTYPE_CHOICES

@@ -42,7 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from orchestrator.decoding.loop import LoopConfig  # noqa: E402
+from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
 from orchestrator.frontend.options import FrontendOptions  # noqa: E402
 from specmesh.kv_budget import parse_kv_cache_memory  # noqa: E402

@@ -22,7 +22,8 @@ import signal
 import statistics
 import time
 
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.ray_cli import init_ray
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools

@@ -45,7 +45,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from orchestrator.decoding.loop import LoopConfig  # noqa: E402
+from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
 from orchestrator.frontend.options import FrontendOptions  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from concurrency_memory import MIB, mixed_requests, service_processes, tiny_pair  # noqa: E402
 from stack_checks import StackLog, print_header, stop_stack, wait_closed  # noqa: E402
-from orchestrator.decoding.loop import LoopConfig  # noqa: E402
+from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
 from orchestrator.frontend.options import FrontendOptions  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402

@@ -13,7 +13,7 @@ import grpc
 import yaml
 
 from orchestrator.deployment.clients import open_channel
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.replicas import create_model_server
 from orchestrator.frontend.server import create_server as create_orchestrator_server

@@ -12,7 +12,8 @@ import grpc
 import torch
 
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.decoding.policy import Speculation
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from test_greedy_parity import target_greedy

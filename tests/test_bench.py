@@ -23,7 +23,7 @@ from orchestrator.bench.runner import (MAX_PASSES, Configuration, LoadSettings, 
                                        run_modes, warm_up)
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
 

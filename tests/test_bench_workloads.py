@@ -14,7 +14,7 @@ from orchestrator.bench.clients import GrpcClient, HttpClient, RequestParams, _T
 from orchestrator.bench.metrics import RequestRecord, aggregate
 from orchestrator.bench.prompts import BUILTIN, BenchPrompt, load_jsonl, select_prompts
 from orchestrator.bench.workloads import SAMPLES_N
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.cli import main as specmesh_main
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server

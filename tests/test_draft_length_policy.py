@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
 from specmesh.step_costs import StepCosts
 from specmesh.step_model import StepModel, StepShape

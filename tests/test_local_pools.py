@@ -19,7 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import eventually, load
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, servicer_over_pools
 from orchestrator.deployment.options import RestartPolicy

@@ -19,7 +19,8 @@ from transformers import (LogitsProcessor, LogitsProcessorList, RepetitionPenalt
 
 from draft_service.server import create_server as create_draft_server
 from harness import load, make_engine, start_stack
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.deployment.clients import DraftClient, open_channel
 from orchestrator.deployment.failover import PooledTargetClient
 from test_pool_failover import Replicas

@@ -14,7 +14,8 @@ import torch
 
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server
 from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamError
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.deployment.ray_cli import replica_device
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.lookup import PromptLookup
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.policy import MARGIN, Speculation

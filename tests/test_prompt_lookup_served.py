@@ -19,7 +19,8 @@ import torch
 
 from front_door import bad_request_fields
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats
 from orchestrator.deployment.clients import TargetClient, open_channel
 from test_greedy_parity import target_greedy
 from test_sampling_parity import exact_two_tokens, expected_sampling_tv, total_variation

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.decoding.costs import RoundCosts
-from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation, suffix_bucket
 from orchestrator.decoding.proposals import LOOKUP, SUFFIX, FreeProposal
 from specmesh.step_costs import MEASURED_ROWS, StepCosts

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ray = pytest.importorskip("ray")
 
 from harness import load  # noqa: E402
-from orchestrator.decoding.loop import LoopConfig  # noqa: E402
+from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
 from specmesh.service import ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402

@@ -21,7 +21,7 @@ import pytest
 
 from front_door import bad_request_fields
 from harness import eventually, load
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools

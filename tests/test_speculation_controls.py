@@ -8,7 +8,8 @@ import grpc
 
 from harness import load, start_stack
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, SpeculationSwitch, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig, SpeculationSwitch
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 from test_greedy_parity import target_greedy

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 
 from harness import load, make_engine, start_model_server
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.deployment.options import PoolsOptions

@@ -16,7 +16,7 @@ import asyncio
 import pytest
 
 from harness import load, start_stack
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.suffix_index import SuffixIndex
 from specmesh.metrics import OrchestratorMetrics

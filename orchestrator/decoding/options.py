@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.pipelined import PIPELINE_MODES
 from specmesh.service import positive_int
 

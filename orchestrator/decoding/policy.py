@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.loop import RoundTiming
+from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 
 MARGIN = 0.03  # predictions carry a few percent of noise: a smaller predicted gain is a tie, keep k

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.pipelined import pipeline_enabled
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.deployment.options import PoolsOptions

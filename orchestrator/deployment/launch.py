@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from orchestrator.decoding.loop import LoopConfig
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.options import add_loop_arguments
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES

@@ -16,7 +16,8 @@ from orchestrator.frontend.detokenizer import IncrementalDetokenizer
 from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.policy import DraftLength, Speculation
-from orchestrator.decoding.loop import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch, SpeculativeGeneration
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.frontend.choices import interleave

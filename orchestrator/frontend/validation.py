@@ -15,7 +15,7 @@ from typing import Callable
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from orchestrator.decoding.loop import GenerationRequest
+from orchestrator.decoding.request import GenerationRequest
 from specmesh.errors import InvalidArgument
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams

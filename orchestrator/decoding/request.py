@@ -1,0 +1,103 @@
+"""What the speculative loop is given and what it reports: the request, the server's settings, the
+policy it asks each round, a round's waits, and the request's counts (orchestrator.decoding.loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from orchestrator.decoding.proposals import LOOKUP, FreeProposal
+from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
+from specmesh.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    # The most draft tokens a round asks for; the adaptive policy picks each round's k up to it
+    # (docs/design/draft-length.md).
+    num_speculative_tokens: int = 7
+    # Adaptive: k per round from observed acceptance and costs, up to the request's k
+    # (orchestrator.decoding.policy). Requests that name their k, or sample with a seed, keep it fixed.
+    adaptive_k: bool = True
+    draft_timeout_s: float = 5.0  # per-round deadline on the draft; past it, target-only
+    target_timeout_s: float = 120.0  # per-call deadline on the target
+    # ... plus this much per prompt token for its prefill: a batching target feeds a long prompt
+    # in chunks between other streams' steps, which takes longer than one hung call would.
+    prefill_timeout_per_token_s: float = 0.1
+    # Draft the next round while the target verifies this one (orchestrator.decoding.pipelined):
+    # "on", "off", or "auto" = on when draft and target compute on separate hardware.
+    pipeline: str = "auto"
+    extra_branches: int | None = None  # pre-drafted rejection branches; None = from measured costs
+    # With the adaptive policy, rounds may verify tokens proposed at no model cost where they pay more
+    # than the draft's: prompt lookup's (orchestrator.decoding.lookup) and the suffix index's, from
+    # earlier requests (orchestrator.decoding.suffix_index), which holds up to suffix_index_bytes.
+    prompt_lookup: bool = True
+    suffix_index: bool = True
+    suffix_index_bytes: int = DEFAULT_MAX_BYTES
+
+
+class SpeculationSwitch:
+    """The server-wide kill switch; every generation reads it at the start of each round."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    num_speculative_tokens: int  # 0 = target-only; with adaptive k, the most per round
+    fixed_k: bool = False  # the client asked for exactly num_speculative_tokens
+    deadline: float | None = None  # time.monotonic() by which the client gives up
+    prompt_class: str = ""  # metrics label chosen by the client
+    user: str = ""  # the client's end user, recorded on the trace only
+
+
+class DraftLengthPolicy(Protocol):
+    """Chooses each round's draft length (orchestrator.decoding.policy)."""
+
+    def arrive(self) -> None: ...
+
+    def wants_draft(self, k_max: int, catch_up: int, tokens_left: int, context: int = 0) -> bool: ...
+
+    def choose(self, k_max: int, context: int = 0) -> int: ...
+
+    def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
+
+    def choose_proposal(self, k: int, offers: list[FreeProposal]) -> tuple[FreeProposal | None, int]: ...
+
+    def observe(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    draft_s: float  # wall time the round waited for its draft tokens (0 in a target-only round)
+    verify_s: float  # wall time of the Verify call
+
+
+@dataclass
+class LoopStats:
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+    round_tokens: int = 0  # tokens committed by verification rounds
+    target_forward_passes: int = 0
+    draft_fallback: bool = False
+    lookup_tokens: int = 0  # prompt-lookup tokens verified (orchestrator.decoding.lookup) ...
+    lookup_accepted_tokens: int = 0  # ... and accepted
+    suffix_tokens: int = 0  # suffix-index tokens verified (orchestrator.decoding.suffix_index) ...
+    suffix_accepted_tokens: int = 0  # ... and accepted
+
+    def count_free(self, free: FreeProposal, accepted: int) -> None:
+        if free.source == LOOKUP:
+            self.lookup_tokens += len(free.tokens)
+            self.lookup_accepted_tokens += accepted
+        else:
+            self.suffix_tokens += len(free.tokens)
+            self.suffix_accepted_tokens += accepted
