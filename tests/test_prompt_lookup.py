@@ -82,6 +82,12 @@ def _policies(target: StepCosts, lookup_rate: float, requests: int = 1, context:
     return policies, shared
 
 
+def _lookup_length(policy, available: int) -> int:
+    """How many of `available` prompt-lookup tokens the policy verifies in a target-only round (0: none pays)."""
+    _, count = policy.choose_proposal(0, [FreeProposal(LOOKUP, list(range(100, 100 + available)))])
+    return count
+
+
 def _lookup_tokens(rate: float, m: int) -> float:
     """E(m): committed tokens of a round verifying m lookup tokens accepted at `rate` each (and the bonus)."""
     return sum(rate ** position for position in range(m + 1))
@@ -96,14 +102,14 @@ def _optimum(goodput, available: int) -> int:
 def test_lookup_tokens_ride_a_step_whose_extra_rows_are_nearly_free():
     [policy], _ = _policies(_table(lambda rows: 0.3 + 0.001 * rows), lookup_rate=0.6)
     assert policy.lookup.expected_tokens(4) == pytest.approx(_lookup_tokens(0.6, 4))
-    assert policy.lookup_length(4) == 4  # each row costs 0.3 % more, each token brings 60 % of one more
-    assert policy.lookup_length(0) == 0
+    assert _lookup_length(policy, 4) == 4  # each row costs 0.3 % more, each token brings 60 % of one more
+    assert _lookup_length(policy, 0) == 0
 
 
 def test_no_lookup_where_its_rows_cost_more_than_they_bring():
     # Every row costs as much as a one-row step: one token accepted 30 % of the time never pays for it.
     [policy], _ = _policies(_table(lambda rows: 0.3 * rows), lookup_rate=0.3)
-    assert policy.lookup_length(4) == 0
+    assert _lookup_length(policy, 4) == 0
 
 
 @pytest.mark.parametrize("requests", [1, 4])
@@ -114,7 +120,7 @@ def test_lookup_length_is_the_analytic_optimum(requests):
 
     def goodput(m: int) -> float:
         return (requests - 1 + _lookup_tokens(0.5, m)) / (1.0 + 0.05 * (requests - 1 + m))
-    assert policy.lookup_length(6) == _optimum(goodput, 6) == {1: 3, 4: 2}[requests]
+    assert _lookup_length(policy, 6) == _optimum(goodput, 6) == {1: 3, 4: 2}[requests]
 
 
 def test_the_service_models_sessions_and_context_price_the_rows():
@@ -132,7 +138,7 @@ def test_the_service_models_sessions_and_context_price_the_rows():
     def goodput(m: int) -> float:
         return (2 + _lookup_tokens(0.5, m)) / shared.costs.round_s(0, batch, m)
     # the last to choose saw every context (the first chose before the others had one)
-    assert policies[-1].lookup_length(5) == _optimum(goodput, 5) > 0
+    assert _lookup_length(policies[-1], 5) == _optimum(goodput, 5) > 0
 
 
 def test_lookup_rows_over_a_long_context_pay_for_their_attention():
@@ -142,7 +148,7 @@ def test_lookup_rows_over_a_long_context_pay_for_their_attention():
     [policy], shared = _policies(target, lookup_rate=0.6, context=20_000)
     batch = shared.batch()
     assert shared.costs.round_s(0, batch, 2) == pytest.approx(target.step_s(StepShape(1, 3, 3 * 20_000)))
-    assert policy.lookup_length(4) == 0
+    assert _lookup_length(policy, 4) == 0
 
 
 def test_more_requests_in_flight_make_rows_dearer():
@@ -152,7 +158,7 @@ def test_more_requests_in_flight_make_rows_dearer():
     lengths = {}
     for requests in (1, 4, 8, 16):
         [policy, *_], _ = _policies(target, lookup_rate=0.6, requests=requests)
-        lengths[requests] = policy.lookup_length(6)
+        lengths[requests] = _lookup_length(policy, 6)
     assert lengths[1] == 6  # 7 rows: inside the flat part
     assert lengths[1] >= lengths[4] >= lengths[8] >= lengths[16] == 0
     assert lengths[4] == 4 and lengths[8] == 0  # 4 + 4 rows fill the flat part; past it, 1/8 the round a row
@@ -161,7 +167,7 @@ def test_more_requests_in_flight_make_rows_dearer():
 def test_learns_lookup_acceptance_apart_from_the_drafts():
     [policy], shared = _policies(_table(lambda rows: 0.3 + 0.001 * rows), lookup_rate=0.5)
     draft_rates = policy.acceptance.rates()
-    assert policy.lookup_length(4) == 4
+    assert _lookup_length(policy, 4) == 4
     for _ in range(20):
         policy.choose(4)
         policy.observe(RoundTiming(draft_s=0.0, verify_s=0.3), drafted=0, accepted=0,
@@ -169,6 +175,6 @@ def test_learns_lookup_acceptance_apart_from_the_drafts():
     assert policy.lookup.rates()[0] < 0.1
     assert shared.lookup.deployment.rejections > 0 and shared.acceptance.deployment.rejections == 0
     assert policy.acceptance.rates() == pytest.approx(draft_rates)  # the draft's history untouched
-    assert policy.lookup_length(4) == 0  # and lookup stops paying
+    assert _lookup_length(policy, 4) == 0  # and lookup stops paying
     # A round that verified lookup tokens times the target step they widened (the 1 + 4 rows priced).
     assert shared.costs.target_ratio.get(1.0) == pytest.approx(0.3 / (0.3 + 0.001 * 5))

@@ -84,8 +84,7 @@ async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, l
 
     Where requests run one after another anyway (concurrency 1, no arrival schedule), the
     modes take turns prompt by prompt, so a machine that drifts faster or slower during a
-    long run favours no mode (a 2-core VM's one-row target step went from 228 ms to
-    314 ms within 45 minutes). Otherwise each mode needs the whole list in flight, and runs
+    long run favours no mode (docs/design/benchmarking.md). Otherwise each mode needs the whole list in flight, and runs
     it in one go; over several passes the modes' order is reversed every other pass, so
     drift over the passes cancels as well (on, off, off, on).
     """

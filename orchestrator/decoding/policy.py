@@ -103,10 +103,6 @@ class DraftLength:
 
         return tokens_left * (per_token(0) - per_token(k)) > prefill_s * batch.requests
 
-    def lookup_length(self, available: int) -> int:
-        """How many of `available` prompt-lookup tokens a target-only round verifies (0: none pays)."""
-        return self._free_length(self.lookup, available, 0)
-
     def choose_proposal(self, k: int, offers: list[FreeProposal]) -> tuple[FreeProposal | None, int]:
         """This round's free proposal and how many of its tokens to verify, or (None, 0) for the draft
         model at k (k = 0: verify nothing): whichever gives the batch the most tokens per second."""
@@ -116,8 +112,9 @@ class DraftLength:
         drafted = self.shared.tokens(k, batch) / max(self.costs.round_s(k, batch), 1e-9)
         best, best_count, best_goodput = None, 0, (1.0 + MARGIN) * drafted
         for offer in offers:
-            count = self._free_length(self._acceptance_of(offer), len(offer.tokens), k)
-            goodput = self._free_goodput(self._acceptance_of(offer), count, k)
+            acceptance = self._acceptance_of(offer)
+            count = self._free_length(acceptance, len(offer.tokens), k)
+            goodput = self._free_goodput(acceptance, count, k)
             if count and goodput > best_goodput:
                 best, best_count, best_goodput = offer, count, goodput
         return best, best_count

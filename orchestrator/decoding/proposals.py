@@ -16,7 +16,7 @@ DRAFT, LOOKUP, SUFFIX, NONE = "draft", "lookup", "suffix", "none"  # a round's p
 
 @dataclass(frozen=True)
 class FreeProposal:
-    source: str  # LOOKUP (the request's own sequence) or SUFFIX (other requests', orchestrator.decoding.suffix_index)
+    source: str  # LOOKUP (the request's own sequence) or SUFFIX (recent requests', its own included: suffix_index)
     tokens: list[int]
     match_length: int = 0  # suffix: how many trailing tokens matched the history (acceptance is learned by it)
 
