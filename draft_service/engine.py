@@ -14,7 +14,8 @@ recomputation and a miss costs a crop.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 import torch
@@ -41,6 +42,7 @@ class Proposal:
     token_ids: list[int]
     distributions: list[common_pb2.TokenDistribution]  # empty: ids are point masses
     forward_ns: int
+    probabilities: list[float] = field(default_factory=list)  # the draft's, of each token it proposed
 
 
 @dataclass(frozen=True)
@@ -100,51 +102,61 @@ class DraftEngine:
         self.engine.rollback(session, max(common, 1), wanted[max(common, 1):])
 
     async def propose(self, request_id: str, round_number: int, commit: CommitSpec | None,
-                      position: int, num_tokens: int) -> Proposal:
+                      position: int, num_tokens: int, stop_below: float = 0.0) -> Proposal:
         _check_count("num_tokens", num_tokens, 1, MAX_DRAFT_TOKENS)
+        if not 0.0 <= stop_below <= 1.0:  # NaN fails too
+            raise InvalidArgument("stop_below", "must be in [0, 1]")
         session, _ = self._arrive(request_id, round_number)
-        return await self.engine.submit(session, self._propose(session, commit, position, num_tokens))
+        return await self.engine.submit(session, self._propose(session, commit, position, num_tokens, stop_below))
 
-    def _propose(self, session: Session, commit: CommitSpec | None, position: int, num_tokens: int):
+    def _propose(self, session: Session, commit: CommitSpec | None, position: int, num_tokens: int,
+                 stop_below: float):
         """A job (specmesh.batching) -> Proposal."""
         if commit is not None:
             self._apply_commit(session, commit)
         if position != len(session.token_ids):
             raise PositionMismatch(
                 f"position {position} is not the sequence length {len(session.token_ids)}")
-        return (yield from self._draft(session, num_tokens))
+        return (yield from self._draft(session, num_tokens, stop_below=stop_below))
 
-    def _draft(self, session: Session, num_tokens: int, interrupted: Callable[[], bool] = lambda: False):
+    def _draft(self, session: Session, num_tokens: int, interrupted: Callable[[], bool] = lambda: False,
+               stop_below: float = 0.0):
         """In a job: draft up to num_tokens after the session's sequence, one step each, stopping
-        early when interrupted -> Proposal."""
+        early when interrupted, at EOS, or after the token whose run probability falls below
+        stop_below -> Proposal."""
         position = len(session.token_ids)
         generator = generator_at(session.seed, position)
         room = self.engine.context_window - position - 1  # the target adds one token after the draft
-        tokens, distributions, total_ns = [], [], 0
+        tokens, distributions, probabilities, total_ns, run = [], [], [], 0, 1.0
         for _ in range(min(num_tokens, room)):
             if interrupted():
                 break
             logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1)  # [1, V]
             total_ns += forward_ns
-            token_id, distribution = self._draw(session, logits, generator)
+            token_id, distribution, probability = self._draw(session, logits, generator)
             session.token_ids.append(token_id)
             tokens.append(token_id)
+            probabilities.append(probability)
             if distribution is not None:
                 distributions.append(distribution)
-            if token_id in self.engine.eos_token_ids:
-                break  # the target would stop here; drafting past EOS is wasted work
-        return Proposal(position, tokens, distributions, total_ns)
+            run *= probability
+            if token_id in self.engine.eos_token_ids or run < stop_below:
+                break  # the target would stop at EOS; past a doubtful token, drafting costs more than it gains
+        return Proposal(position, tokens, distributions, total_ns, probabilities)
 
     def _draw(self, session: Session, logits: torch.Tensor,
-              generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None]:
-        """logits [1, V] -> (token, the exact distribution it was drawn from or None)."""
+              generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None, float]:
+        """logits [1, V] -> (token, the exact distribution it was drawn from or None, the token's
+        probability under the draft)."""
         logits = session.penalize(logits)  # as the target will at this position
         if session.sampling.greedy or self.greedy_proposals:
-            return int(logits[0].argmax()), None
+            token_id = int(logits[0].argmax())
+            return token_id, None, _softmax_at(logits[0], token_id)
         distribution = encode_distribution(logits_to_probs(logits, session.sampling)[0])
         # Sample from the decoded wire form: the target's q is then exactly ours.
         q = decode_distribution(distribution, self.engine.vocab_size)
-        return sample_token(q, generator), distribution
+        token_id = sample_token(q, generator)
+        return token_id, distribution, float(q[token_id])
 
     async def predraft(self, request_id: str, round_number: int, commit: CommitSpec | None, position: int,
                        assumed: Sequence[int], num_tokens: int,
@@ -196,7 +208,7 @@ class DraftEngine:
             session.token_ids.append(bonus)
             proposal = yield from self._draft(session, num_tokens, interrupted)
         proposal = Proposal(proposal.position, proposal.token_ids, proposal.distributions,
-                            proposal.forward_ns + score_ns)
+                            proposal.forward_ns + score_ns, proposal.probabilities)
         return BranchProposal(len(assumed), bonus, proposal, tuple(plans))
 
     def _score_assumed(self, session: Session, position: int, assumed: list[int], extra_branches: int):
@@ -223,6 +235,12 @@ class DraftEngine:
             return None
         session.ahead.branches.append(branch)
         return proposal
+
+
+def _softmax_at(logits: torch.Tensor, token_id: int) -> float:
+    """softmax(logits)[token_id] for logits [V], without materialising the softmax."""
+    logits = logits.float()
+    return math.exp(float(logits[token_id] - torch.logsumexp(logits, dim=0)))
 
 
 def _check_count(field: str, value: int, low: int, high: int) -> None:

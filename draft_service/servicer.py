@@ -33,13 +33,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext):
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None
         proposal = await self.engine.propose(request.request_id, request.round, commit,
-                                             request.position, request.num_tokens)
+                                             request.position, request.num_tokens, request.stop_below)
         self.metrics.observe_forward("propose", proposal.forward_ns)
         annotate_current_span(forward_ns=proposal.forward_ns, proposed=len(proposal.token_ids))
         return draft_pb2.ProposeResponse(
             request_id=request.request_id, round=request.round, position=proposal.position,
             token_ids=proposal.token_ids, distributions=proposal.distributions,
-            forward_ns=proposal.forward_ns)
+            forward_ns=proposal.forward_ns, probabilities=proposal.probabilities)
 
     async def PreDraft(self, request: draft_pb2.PreDraftRequest, context: grpc.aio.ServicerContext):
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None

@@ -75,7 +75,8 @@ class VerifyAllSuffixes:
     def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
     def choose(self, k_max, context=0): return 0
     def worth_opening(self, k, catch_up, tokens_left): return False
-    def observe(self, timing, drafted, accepted, free=None): pass
+    def draft_plan(self, k): return k, 0.0
+    def observe(self, timing, drafted, accepted, free=None, probabilities=None): pass
     def close(self): pass
 
     def choose_proposal(self, k, offers):

@@ -142,3 +142,37 @@ class RequestAcceptance:
 
     def expected_tokens(self, k: int) -> float:
         return expected_tokens(self.rates(), k)
+
+
+class DraftConfidence:
+    """How far the draft's own probabilities can be trusted as acceptance probabilities.
+
+    A round's proposal carries the draft's probability of each token; the running product
+    up to token i is the draft's estimate that tokens 1..i are all accepted, and their sum
+    its expected count of accepted tokens. `factor` is the accepted count over that estimate,
+    decayed like the deployment's acceptance: below 1 for an overconfident draft (or under
+    sampling, where acceptance is the overlap of the two distributions, not the draft's
+    probability), so the draft's stop (orchestrator.decoding.policy) comes sooner.
+    """
+
+    DECAY = 0.995
+    PRIOR_TOKENS = 4.0  # a calibrated draft until a few rounds say otherwise
+    BOUNDS = (0.1, 10.0)
+
+    def __init__(self):
+        self.expected = self.accepted = self.PRIOR_TOKENS
+
+    def observe(self, probabilities: list[float], accepted: int) -> None:
+        if not probabilities:
+            return
+        expected, run = 0.0, 1.0
+        for probability in probabilities:
+            run *= probability
+            expected += run
+        self.expected = self.expected * self.DECAY + expected
+        self.accepted = self.accepted * self.DECAY + min(accepted, len(probabilities))
+
+    @property
+    def factor(self) -> float:
+        low, high = self.BOUNDS
+        return min(high, max(low, self.accepted / max(self.expected, 1e-9)))

@@ -30,8 +30,10 @@ class DraftEndpoint(Protocol):
         """Prefill a session; max_new_tokens: what it may add to the prompt (0: the context window)."""
 
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
-                      position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
-        """Apply the commit, then draft num_tokens after `position`."""
+                      position: int, num_tokens: int, timeout: float,
+                      stop_below: float = 0.0) -> draft_pb2.ProposeResponse:
+        """Apply the commit, then draft num_tokens after `position`, fewer where the draft's run
+        probability falls below stop_below (0: all of them)."""
 
     def predraft(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None, position: int,
                  assumed_token_ids: Sequence[int], num_tokens: int, extra_branches: int,

@@ -83,6 +83,7 @@ class SpeculativeGeneration:
         self._draft_retry_rounds = 1
         self._round = 0
         self._clock = RoundClock()
+        self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
 
     @property
     def generated(self) -> int:
@@ -173,8 +174,10 @@ class SpeculativeGeneration:
             k = self._choose_k()
             free = self._free_proposal(k)
             k = 0 if free is not None else k
+            k, self._stop_below = self._draft_plan(k)
             span.set_attributes({"specmesh.draft_length": k, "specmesh.proposer": _proposer(k, free),
-                                 "specmesh.free_length": len(free.tokens) if free else 0})
+                                 "specmesh.free_length": len(free.tokens) if free else 0,
+                                 "specmesh.stop_below": self._stop_below})
             # Off, the draft keeps its session: the next commit catches it up if speculation returns.
             started = time.monotonic()
             self._clock = RoundClock()
@@ -188,7 +191,7 @@ class SpeculativeGeneration:
         accepted = verified.accepted_count
         drafted = 0 if free else len(draft_ids)  # by the draft model
         self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
-                            drafted, accepted, free)
+                            drafted, accepted, free, list(proposal.probabilities) if proposal else [])
         batch = draft_ids[:accepted] + [verified.next_token_id]
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
@@ -248,6 +251,10 @@ class SpeculativeGeneration:
         self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
         return verified
 
+    def _draft_plan(self, k: int) -> tuple[int, float]:
+        """(tokens to ask the draft for, its stop_below) for a round of k: the policy's plan, else k exactly."""
+        return self.policy.draft_plan(k) if self.policy is not None else (k, 0.0)
+
     def _k_max(self) -> int:
         return max(0, min(self.request.num_speculative_tokens, self.tokens_left - 1))
 
@@ -279,10 +286,11 @@ class SpeculativeGeneration:
             return 0  # never wait for the draft's prefill
         return k
 
-    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None) -> None:
+    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None,
+                       probabilities: list[float]) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""
         if self.policy is not None:
-            self.policy.observe(timing, drafted, accepted, free)
+            self.policy.observe(timing, drafted, accepted, free, probabilities)
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1
@@ -301,7 +309,8 @@ class SpeculativeGeneration:
                 opening, self._draft_opening = self._draft_opening, None
                 await asyncio.wait_for(opening, self._timeout(self.config.draft_timeout_s))
             proposal = await self.draft.propose(self.session_id, self._round, commit, position, k,
-                                                timeout=self._timeout(self.config.draft_timeout_s))
+                                                timeout=self._timeout(self.config.draft_timeout_s),
+                                                stop_below=self._stop_below)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
                 self._pause_draft(error.details())

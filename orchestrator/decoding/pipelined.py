@@ -155,6 +155,11 @@ class PipelinedGeneration(SpeculativeGeneration):
         self._outcome: tuple[int, int] = (0, 0)  # (accepted, next token) of the last verification
         self._agreed_floor: int | None = None  # set when an extra branch was used: see _take_branch
 
+    def _draft_plan(self, k: int) -> tuple[int, float]:
+        """k exactly: a pre-draft runs the next round's k ahead while this one is verified, and a
+        draft that stops on its own doubt would leave the branch short."""
+        return k, 0.0
+
     async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
         if self._agreed_floor is not None:
             self.draft_agreed = min(self.draft_agreed, self._agreed_floor)

@@ -13,7 +13,17 @@ load grows and is 0 (target-only) wherever no k pays. Every request runs the sam
 over the same state, so the requests of a batch draft the same k and their draft and
 verification steps meet in the services' batches.
 
-k moves only for a predicted gain over the current k of at least MARGIN. Then the round's
+k moves only for a predicted gain over the current k of at least MARGIN. A drafting round then
+asks the draft for up to the request's k_max tokens and lets it stop on its own doubt: after
+token i it drafts on only while its run probability r_i (the product of its probabilities of
+tokens 1..i, corrected by how well such estimates have matched acceptance) is at least
+
+    stop_below = goodput(k) * (round_s(k_max) - round_s(1)) / (k_max - 1) / n
+
+the next token's expected tokens against what one more token per request costs the batch of n
+(averaged over the span, as step costs jump at row counts) at the rate the round earns.
+Confident runs go past k; doubtful ones end before it. Where stop_below reaches 1 no token
+past the first pays, and the round drafts k as before. Then the round's
 proposer: the draft model at k, or tokens proposed at no model cost (orchestrator.decoding.
 proposals: prompt lookup, the suffix index of earlier requests), as many as maximise the
 same tokens per second with that proposer's own acceptance, their rows in the target step
@@ -32,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.decoding.acceptance import AcceptanceMemory, RequestAcceptance
+from orchestrator.decoding.acceptance import AcceptanceMemory, DraftConfidence, RequestAcceptance
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
@@ -82,6 +92,20 @@ class DraftLength:
             if self.shared.goodput(best, self._batch) > (1.0 + MARGIN) * self.shared.goodput(self.k, self._batch):
                 self.k = best
         return min(self.k, self.k_max)
+
+    def draft_plan(self, k: int) -> tuple[int, float]:
+        """(tokens to ask the draft for, the run probability it stops below) for a round of k draft
+        tokens (module docstring); (k, 0.0), exactly k, before any round was timed or where no token
+        past the first ever pays."""
+        if k <= 0 or not self.costs.known or self.k_max is None or self.k_max <= 1:
+            return k, 0.0
+        batch = self._batch
+        # A token's cost averaged over the span the draft may run: step-cost tables jump at row counts.
+        per_token_s = (self.costs.round_s(self.k_max, batch) - self.costs.round_s(1, batch)) / (self.k_max - 1)
+        stop = self.shared.goodput(k, batch) * per_token_s / batch.requests / self.shared.confidence.factor
+        if stop >= 1.0:
+            return k, 0.0
+        return self.k_max, max(0.0, stop)
 
     def wants_draft(self, k_max: int, catch_up: int, tokens_left: int, context: int = 0) -> bool:
         """Whether the first round would draft and pay for the draft's prefill of `catch_up` tokens."""
@@ -147,10 +171,14 @@ class DraftLength:
         return best if self._free_goodput(acceptance, best, k) > (1.0 + MARGIN) * self._free_goodput(
             acceptance, 0, k) else 0
 
-    def observe(self, timing: RoundTiming, drafted: int, accepted: int, free: FreeProposal | None = None) -> None:
-        """A round's waits and outcome: `drafted` draft-model tokens, or the `free` proposal's tokens
-        verified (as many as it holds), `accepted` of them accepted."""
+    def observe(self, timing: RoundTiming, drafted: int, accepted: int, free: FreeProposal | None = None,
+                probabilities: list[float] | None = None) -> None:
+        """A round's waits and outcome: `drafted` draft-model tokens (with the draft's `probabilities`
+        of them), or the `free` proposal's tokens verified (as many as it holds), `accepted` of them
+        accepted."""
         offered = len(free.tokens) if free is not None else 0
+        if drafted and probabilities:
+            self.shared.confidence.observe(probabilities[:drafted], accepted)
         self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered)
         self.acceptance.observe(drafted, 0 if offered else accepted)
         if offered:
@@ -165,6 +193,7 @@ class Speculation:
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
     lookup: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=LOOKUP_PRIOR))
     suffix: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=SUFFIX_PRIOR))
+    confidence: DraftConfidence = field(default_factory=DraftConfidence)
     active: dict[int, DraftLength] = field(default_factory=dict)
 
     def for_request(self, prompt_class: str) -> DraftLength:

@@ -55,9 +55,10 @@ class DraftClient:
             max_new_tokens=max_new_tokens), timeout=timeout)
 
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
-                      position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
+                      position: int, num_tokens: int, timeout: float,
+                      stop_below: float = 0.0) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(request_id=request_id, round=round_number, position=position,
-                                           num_tokens=num_tokens, commit=commit)
+                                           num_tokens=num_tokens, commit=commit, stop_below=stop_below)
         return await self.stub.Propose(request, timeout=timeout)
 
     def predraft(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None, position: int,

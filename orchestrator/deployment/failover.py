@@ -179,12 +179,13 @@ class PooledDraftClient(PooledClient):
     service = "draft"
 
     async def propose(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None,
-                      position: int, num_tokens: int, timeout: float) -> draft_pb2.ProposeResponse:
+                      position: int, num_tokens: int, timeout: float,
+                      stop_below: float = 0.0) -> draft_pb2.ProposeResponse:
         placement = self.sessions[request_id]
         placement.opened = True  # an open lost with its replica is redone on the next one
         # A re-opened replica holds exactly `sequence`, so the same commit applies to it unchanged.
         proposal = await self._call(request_id, placement, timeout, lambda client, t: client.propose(
-            request_id, round_number, commit, position, num_tokens, t))
+            request_id, round_number, commit, position, num_tokens, t, stop_below))
         if commit is not None:
             _apply(placement.sequence, commit)
         placement.sequence.extend(proposal.token_ids)

@@ -38,34 +38,38 @@ class Commit(_message.Message):
     def __init__(self, position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "round", "commit", "position", "num_tokens")
+    __slots__ = ("request_id", "round", "commit", "position", "num_tokens", "stop_below")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_BELOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     commit: Commit
     position: int
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    stop_below: float
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., stop_below: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "round", "position", "token_ids", "distributions", "forward_ns")
+    __slots__ = ("request_id", "round", "position", "token_ids", "distributions", "forward_ns", "probabilities")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDistribution]
     forward_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PreDraftRequest(_message.Message):
     __slots__ = ("request_id", "round", "commit", "position", "assumed_token_ids", "num_tokens", "extra_branches")
