@@ -142,7 +142,7 @@ def int8_if_faster(model: torch.nn.Module, kernels: str, device: str,
     return int8 if seconds["int8"] < PICK_GAIN * seconds["float32"] else model
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a model timed here may be trained next (specmesh distill)
 def one_row_step_s(model: torch.nn.Module, repeats: int = 3) -> float:
     """The fastest of `repeats` one-token forwards (after one to warm up): a decode step's weight pass."""
     ids = torch.ones((1, 1), dtype=torch.long, device=output_device(model))
@@ -150,6 +150,8 @@ def one_row_step_s(model: torch.nn.Module, repeats: int = 3) -> float:
     for attempt in range(repeats + 1):
         start = time.perf_counter()
         model(input_ids=ids, use_cache=False)
+        if ids.device.type == "cuda":  # kernels run asynchronously: wait for them, not for their launch
+            torch.cuda.synchronize(ids.device)
         if attempt:
             best = min(best, time.perf_counter() - start)
     return best

@@ -3,6 +3,7 @@ draft's held-out acceptance, the distilled directory serves losslessly, and bad 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -13,9 +14,11 @@ from harness import load, start_stack
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
 
-from orchestrator.distill import teacher
+from orchestrator.distill import defaults, teacher
 from orchestrator.distill.acceptance import replay_rounds
-from orchestrator.distill.examples import DistillInputError, check_token_ids, load_examples
+from orchestrator.distill.draft_length import choose_k, position_rates, relative_speed
+from orchestrator.distill.early_stopping import EarlyStopping
+from orchestrator.distill.examples import DistillInputError, Example, check_token_ids, load_examples, split_examples
 from orchestrator.distill.training import bucket_divergence
 from orchestrator.frontend import cli
 from specmesh.models import eos_token_ids, load_model, vocab_fingerprint
@@ -99,7 +102,7 @@ def distilled(tmp_path_factory, tiny_llama_dir, tiny_llama_unrelated_dir):
 
 def test_distillation_raises_held_out_acceptance(distilled, tiny_llama_dir):
     output, report = distilled
-    assert (report["train_prompts"], report["held_out_prompts"]) == (90, 30)
+    assert (report["train_prompts"], report["validation_prompts"], report["held_out_prompts"]) == (78, 12, 30)
     assert report["after"]["acceptance_rate"] >= report["before"]["acceptance_rate"] + 0.15, report
     assert report["after"]["tokens_per_round"] > report["before"]["tokens_per_round"] * 1.3
     assert report["loss"]["last"] < report["loss"]["first"]
@@ -194,12 +197,113 @@ def test_full_fine_tune_from_chat_prompts_under_bfloat16(tmp_path, tiny_llama_di
     code = cli.main(["distill", "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
                      "--prompts", str(prompts), "--output", str(output), "--lora-rank", "0", "--steps", "3",
                      "--batch-size", "16", "--max-new-tokens", "8", "--teacher-dtype", "bfloat16",
-                     "--train-dtype", "bfloat16", "--no-progress"])
-    assert code == 0
+                     "--train-dtype", "bfloat16", "--on-policy-samples", "1", "--patience", "0", "--force",
+                     "--no-progress"])
+    assert code in (0, 3)  # three steps may not gain: --force writes the model either way
     report = json.loads((output / "distill_report.json").read_text())
-    assert (report["train_prompts"], report["training_sequences"]) == (13, 26)  # target + on-policy per prompt
+    assert (report["train_prompts"], report["training_sequences"]) == (11, 22)  # target + on-policy per prompt
     before, _ = load(str(tiny_llama_perturbed_dir), "cpu")
     after, _ = load_model(str(output))
     changed = [name for name, weight in after.state_dict().items()
                if not torch.equal(weight, before.state_dict()[name])]
     assert after.dtype == torch.float32 and len(changed) == len(before.state_dict())
+
+
+def run_defaults(tmp_path, target_dir, draft_dir, prompt_count, *flags):
+    """`specmesh distill` with only the required flags (and `flags`): (exit code, output dir)."""
+    tmp_path.mkdir(exist_ok=True)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(word_prompts(prompt_count, seed=3)) + "\n")
+    output = tmp_path / "draft"
+    code = cli.main(["distill", "--target", str(target_dir), "--draft", str(draft_dir), "--prompts", str(prompts),
+                     "--output", str(output), "--no-progress", *flags])
+    return code, output
+
+
+def test_the_defaults_improve_a_poor_draft_on_80_prompts(tmp_path, capsys, tiny_llama_dir, tiny_llama_unrelated_dir):
+    code, output = run_defaults(tmp_path, tiny_llama_dir, tiny_llama_unrelated_dir, 80)
+    assert code == 0, capsys.readouterr().out
+    report = json.loads((output / "distill_report.json").read_text())
+    settings = report["settings"]
+    assert (settings["lora_rank"], settings["learning_rate"]) == (0, 1e-3)  # a tiny draft: full fine-tune
+    assert (report["train_prompts"], report["validation_prompts"], report["held_out_prompts"]) == (56, 8, 16)
+    assert 1 <= settings["k"] <= 7 and settings["k_source"] == "chosen on the validation prompts"
+    before, after = report["before"], report["after"]
+    assert after["acceptance_rate"] >= before["acceptance_rate"] + 0.15, report
+    assert after["tokens_per_round"] >= 1.1 * before["tokens_per_round"], report
+    assert report["improved"] and (output / "model.safetensors").is_file()
+    assert report["early_stopping"]["evaluations"][0][0] == 0  # the untrained draft was scored too
+
+
+def test_a_draft_that_cannot_improve_exits_3_and_writes_nothing_unless_forced(tmp_path, capsys, tiny_llama_dir):
+    """The target as its own draft accepts everything already: training can only match it."""
+    code, output = run_defaults(tmp_path / "plain", tiny_llama_dir, tiny_llama_dir, 24, "--max-new-tokens", "12")
+    printed = capsys.readouterr().out
+    assert code == 3 and "NO GAIN" in printed, printed
+    assert not output.exists()
+    code, output = run_defaults(tmp_path / "forced", tiny_llama_dir, tiny_llama_dir, 24, "--max-new-tokens", "12",
+                                "--force")
+    report = json.loads((output / "distill_report.json").read_text())
+    assert code == 3 and (output / "model.safetensors").is_file()
+    assert (report["improved"], report["written"]) == (False, True)
+    assert report["after"]["acceptance_rate"] == report["before"]["acceptance_rate"] > 0.9
+
+
+def test_k_is_where_expected_tokens_per_second_peak():
+    falling = [0.9, 0.9, 0.9, 0.3, 0.3, 0.3, 0.3]  # acceptance drops after the third position
+    assert choose_k(falling, cost_ratio=0.1, k_max=7) == 3
+    assert choose_k(falling, cost_ratio=1.0, k_max=7) == 1  # a draft as slow as the target: shortest rounds
+    assert choose_k([0.95] * 7, cost_ratio=0.01, k_max=7) == 7
+    assert choose_k([0.95] * 7, cost_ratio=0.01, k_max=4) == 4  # never past the server's most
+    assert relative_speed(falling, 3, 0.1) == pytest.approx((1 + 0.9 + 0.81 + 0.729) / 1.3)
+
+
+def test_k_follows_the_replayed_acceptance_per_position():
+    """Every round of a draft that gets two tokens right and the third wrong: k = 2 at a cheap draft."""
+    continuation = list(range(10, 60))
+    draft = [token if (index - 1) % 3 != 2 else 0 for index, token in enumerate(continuation)]
+    stats = replay_rounds(continuation, draft, k=7, max_tokens=50, target_eos=set(), draft_eos=set())
+    rates = position_rates(stats, positions=7)
+    assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] < 0.2
+    assert choose_k(rates, cost_ratio=0.1, k_max=7) == 2
+
+
+@pytest.mark.parametrize("prompts, train, validation, held_out, steps", [
+    (50, 35, 5, 10, defaults.MIN_STEPS),  # a small set still gets a real budget (early stopping ends it)
+    (50_000, 48_800, 200, 1000, defaults.MAX_STEPS),  # a huge one is capped, its evaluations too
+])
+def test_the_budget_grows_with_the_prompts_within_bounds(prompts, train, validation, held_out, steps):
+    examples = [Example(str(i), (i,)) for i in range(prompts)]
+    split = split_examples(examples, held_out_fraction=0.2, seed=0)
+    assert [len(part) for part in split] == [train, validation, held_out]
+    flags = argparse.Namespace(steps=None, epochs=None, batch_size=8, on_policy_samples=0)
+    used = min(train, defaults.training_prompt_limit(flags))
+    assert defaults.training_steps(flags, used) == steps
+    assert steps * flags.batch_size >= used  # at least one pass over what was made into data
+    assert defaults.evaluation_interval(validation, 8) * 5 <= steps
+
+
+def test_the_method_and_rate_follow_the_drafts_size_unless_given():
+    tiny, half_billion = 100_000, 494_000_000
+    assert defaults.lora_rank_for(tiny, None) == 0 and defaults.lora_rank_for(half_billion, None) == 16
+    assert defaults.lora_rank_for(half_billion, 0) == 0 and defaults.lora_rank_for(tiny, 8) == 8
+    assert defaults.learning_rate_for(16, None) == defaults.LEARNING_RATE["lora"]
+    assert defaults.learning_rate_for(0, 5e-4) == 5e-4
+
+
+def test_early_stopping_keeps_the_best_weights_and_cuts_the_rate_before_stopping():
+    model = torch.nn.Linear(2, 2)
+    scores = iter([0.5, 0.7, 0.6, 0.6, 0.6, 0.65, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6])
+    stopping = EarlyStopping(score=lambda m: next(scores), interval=1, patience=3, cuts_left=1)
+    outcomes, best_weight = [], None
+    for step in range(12):
+        with torch.no_grad():
+            model.weight.add_(1.0)  # every "step" changes the weights
+        outcomes.append(stopping.evaluate(model, step))
+        if outcomes[-1] == "improved":
+            best_weight = model.weight.detach().clone()
+        if outcomes[-1] == "stop":
+            break
+    assert outcomes == ["improved", "improved", "wait", "wait", "cut", "wait", "wait", "stop"]
+    stopping.restore_best(model)
+    assert torch.equal(model.weight, best_weight) and stopping.best == 0.7 and stopping.best_step == 1

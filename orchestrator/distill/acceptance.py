@@ -13,7 +13,7 @@ k cut to the tokens left, stop at max_tokens or an eos) without running either s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ class AcceptanceStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     round_tokens: int = 0  # tokens committed by verification rounds
+    outcomes: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (drafted, accepted) a round
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,6 +39,7 @@ class AcceptanceStats:
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
         self.round_tokens += other.round_tokens
+        self.outcomes += other.outcomes
 
     def as_dict(self) -> dict:
         return {"rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
@@ -72,6 +74,7 @@ def replay_rounds(continuation: Sequence[int], draft_argmax: Sequence[int], k: i
         stats.draft_tokens += drafted
         stats.accepted_tokens += accepted
         stats.round_tokens += len(committed)
+        stats.outcomes.append((drafted, accepted))
         generated += len(committed)
         if any(token in target_eos for token in committed):
             break

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from orchestrator.distill import defaults
+
 DIVERGENCES = ("kl", "tvd")  # see training.bucket_divergence
-DEFAULT_LEARNING_RATE = {"lora": 2e-4, "full": 2e-5}
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -14,7 +16,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "distill", help="train the draft on the target's outputs (on-policy distillation) and save it",
         description="Distil the target into the draft: the target's greedy continuations and the draft's own "
                     "samples scored by the target train the draft; the held-out prompts measure greedy "
-                    "acceptance at fixed k before and after. Writes a servable model directory and a report.")
+                    "acceptance before and after at the k the server would draft. Writes a servable model "
+                    "directory and a report only when the draft improved (exit status 3 when it did not, unless "
+                    "--force).")
     parser.add_argument("--target", required=True, help="target model: embedded alias, directory, .gguf or hub id")
     parser.add_argument("--draft", required=True, help="draft model to start from (same vocabulary as the target)")
     parser.add_argument("--prompts", required=True, metavar="FILE",
@@ -22,12 +26,22 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "written with --disagreement-log-context")
     parser.add_argument("--output", required=True, metavar="DIR", help="directory for the distilled draft")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --output directory")
+    parser.add_argument("--force", action="store_true",
+                        help="write the model even when held-out tokens per round did not rise (exit status "
+                             "stays 3)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=float, default=2.0, help="passes over the training sequences")
+    length.add_argument("--epochs", type=float, default=None,
+                        help=f"passes over the training sequences (default: {defaults.PASSES}, within "
+                             f"{defaults.MIN_STEPS}..{defaults.MAX_STEPS} steps; early stopping ends sooner)")
     length.add_argument("--steps", type=int, default=None, help="optimiser steps (instead of --epochs)")
     parser.add_argument("--learning-rate", type=float, default=None,
-                        help=f"default {DEFAULT_LEARNING_RATE['lora']} with LoRA, "
-                             f"{DEFAULT_LEARNING_RATE['full']} for a full fine-tune")
+                        help=f"default {defaults.LEARNING_RATE['lora']:g} with LoRA, "
+                             f"{defaults.LEARNING_RATE['full']:g} for a full fine-tune (cut when validation "
+                             "acceptance stops rising)")
+    parser.add_argument("--patience", type=int, default=defaults.PATIENCE,
+                        help="validation evaluations without improvement before the learning rate is cut "
+                             f"({defaults.LEARNING_RATE_CUTS} times at most) and then training stops on the best "
+                             "weights; 0: no early stopping, the last weights are kept")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     parser.add_argument("--generation-batch-size", type=int, default=16,
                         help="prompts per generate / teacher-forced forward (a decode step costs about the same "
@@ -35,9 +49,14 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "embedded pair)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="continuation length per example")
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="keep each prompt's last N tokens")
-    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank; 0 = full fine-tune")
-    parser.add_argument("--held-out-fraction", type=float, default=0.2, help="prompts kept for the report")
-    parser.add_argument("--on-policy-samples", type=int, default=1,
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help=f"LoRA rank; 0 = full fine-tune (default: full up to "
+                             f"{defaults.FULL_FINE_TUNE_MAX_PARAMETERS / 1e6:g}M draft parameters, "
+                             f"else rank {defaults.LORA_RANK})")
+    parser.add_argument("--held-out-fraction", type=float, default=0.2,
+                        help=f"prompts kept for the report (at most {defaults.HELD_OUT_MAX}; a further "
+                             f"{defaults.VALIDATION_FRACTION:.0%}% validate, at most {defaults.VALIDATION_MAX})")
+    parser.add_argument("--on-policy-samples", type=int, default=0,
                         help="draft continuations per training prompt scored by the target (0 = none)")
     parser.add_argument("--draft-temperature", type=float, default=1.0,
                         help="temperature of the draft's on-policy samples (0 = its greedy continuation)")
@@ -45,12 +64,16 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="target distributions are kept as their top K tokens plus the rest mass")
     parser.add_argument("--divergence", choices=DIVERGENCES, default="kl",
                         help="kl: forward KL(target||draft); tvd: total variation (1 - acceptance probability)")
-    parser.add_argument("--teacher-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="target precision for the training data (the held-out evaluation is always float32)")
-    parser.add_argument("--train-dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--teacher-dtype", choices=DTYPES, default="auto",
+                        help="target precision for the training data (auto: bfloat16 where the device computes "
+                             "it natively; the held-out evaluation is always float32)")
+    parser.add_argument("--train-dtype", choices=DTYPES, default="auto",
                         help="bfloat16: the draft's sampling and training run under bf16 autocast (weights and "
-                             "updates stay float32; several times faster on CPUs with AMX)")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round for the acceptance report")
+                             "updates stay float32; several times faster on CPUs with AMX); auto: where native")
+    parser.add_argument("--k", type=int, default=None,
+                        help="draft tokens per round for the report (default: the k that commits the most tokens "
+                             "per second at the measured acceptance and step costs, up to serve's default "
+                             "--num-speculative-tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -61,7 +84,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     """The first problem with the flags, as a message naming the flag; None when they are usable."""
     positive = {"--batch-size": args.batch_size, "--generation-batch-size": args.generation_batch_size,
                 "--max-new-tokens": args.max_new_tokens,
-                "--max-prompt-tokens": args.max_prompt_tokens, "--k": args.k,
+                "--max-prompt-tokens": args.max_prompt_tokens, "--k": 1 if args.k is None else args.k,
                 "--distribution-top-k": args.distribution_top_k}
     for flag, value in positive.items():
         if value < 1:
@@ -70,10 +93,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--max-new-tokens must be at least 2 (the first token is the target's own)"
     if args.steps is not None and args.steps < 1:
         return f"--steps must be at least 1, got {args.steps}"
-    if args.steps is None and not args.epochs > 0:
+    if args.epochs is not None and not args.epochs > 0:
         return f"--epochs must be positive, got {args.epochs}"
-    if args.lora_rank < 0 or args.on_policy_samples < 0 or args.draft_temperature < 0:
-        return "--lora-rank, --on-policy-samples and --draft-temperature must not be negative"
+    if min(args.lora_rank or 0, args.on_policy_samples, args.draft_temperature, args.patience) < 0:
+        return "--lora-rank, --on-policy-samples, --draft-temperature and --patience must not be negative"
     if args.learning_rate is not None and not args.learning_rate > 0:
         return f"--learning-rate must be positive, got {args.learning_rate}"
     if not 0 < args.held_out_fraction < 1:
@@ -90,8 +113,3 @@ def _check_output(output: Path, overwrite: bool) -> str | None:
         return f"--output: {output} is not empty (pass --overwrite to write into it)"
     return None
 
-
-def learning_rate(args: argparse.Namespace) -> float:
-    if args.learning_rate is not None:
-        return args.learning_rate
-    return DEFAULT_LEARNING_RATE["lora" if args.lora_rank > 0 else "full"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.bench.prompts import PromptFileError, json_object, load_jsonl
+from orchestrator.distill.defaults import HELD_OUT_MAX, VALIDATION_FRACTION, VALIDATION_MAX
 from specmesh.models import chat_token_ids
 
 if TYPE_CHECKING:
@@ -114,11 +115,19 @@ def check_token_ids(examples: list[Example], vocab_size: int) -> None:
 
 
 def split_examples(examples: list[Example], held_out_fraction: float,
-                   seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, held out), shuffled with `seed`; both non-empty."""
-    if len(examples) < 2:
-        raise DistillInputError(f"need at least 2 prompts to split train/held-out, got {len(examples)}")
+                   seed: int) -> tuple[list[Example], list[Example], list[Example]]:
+    """(train, validation, held out), shuffled with `seed`; all three non-empty. The held-out prompts
+    are only ever reported on; early stopping and the choice of k look at the validation prompts."""
+    if len(examples) < 3:
+        raise DistillInputError(f"need at least 3 prompts to split train/validation/held-out, got {len(examples)}")
     order = list(examples)
     random.Random(seed).shuffle(order)
-    held = min(len(order) - 1, max(1, round(len(order) * held_out_fraction)))
-    return order[held:], order[:held]
+    held = _share(len(order), held_out_fraction, HELD_OUT_MAX)
+    validation = _share(len(order), VALIDATION_FRACTION, VALIDATION_MAX)
+    held = min(held, len(order) - 2)
+    validation = min(validation, len(order) - held - 1)
+    return order[held + validation:], order[held:held + validation], order[:held]
+
+
+def _share(total: int, fraction: float, most: int) -> int:
+    return min(most, max(1, round(total * fraction)))

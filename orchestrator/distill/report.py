@@ -7,38 +7,85 @@ from pathlib import Path
 
 import matplotlib
 
+from orchestrator.distill.acceptance import AcceptanceStats
+from orchestrator.distill.early_stopping import EarlyStopping
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+
+
+# Held-out tokens per round must rise by 2 % for the draft to count as better: a smaller change is
+# within what one more or one fewer accepted run moves on a few hundred held-out rounds.
+MIN_GAIN = 0.02
+SETTINGS = ("max_new_tokens", "max_prompt_tokens", "batch_size", "generation_batch_size", "lora_rank",
+            "learning_rate", "patience", "on_policy_samples", "draft_temperature", "distribution_top_k",
+            "divergence", "teacher_dtype", "train_dtype", "held_out_fraction", "seed", "device")
 
 
 def relative_change(before: float, after: float) -> float | None:
     return (after - before) / before if before else None
 
 
+def improved(before: AcceptanceStats, after: AcceptanceStats) -> bool:
+    return after.tokens_per_round >= (1 + MIN_GAIN) * before.tokens_per_round and after.rounds > 0
+
+
+def build_report(args, counts: dict, stats: dict[str, AcceptanceStats], losses: list[float], k: int,
+                 k_source: str, stopping: EarlyStopping, cost_ratio: float, times: dict[str, float],
+                 written: bool) -> dict:
+    """counts: prompts by split ("train", "validation", "held_out") and training "sequences"."""
+    before, after = stats["before"], stats["after"]
+    settings = {name: getattr(args, name) for name in SETTINGS}
+    settings.update(k=k, k_source=k_source, steps=len(losses), epochs=args.epochs)
+    return {
+        "target": args.target, "draft": args.draft, "prompts": args.prompts, "output": args.output,
+        "train_prompts": counts["train"], "validation_prompts": counts["validation"],
+        "held_out_prompts": counts["held_out"], "training_sequences": counts["sequences"], "settings": settings,
+        "draft_target_step_ratio": cost_ratio,
+        "early_stopping": {"best_step": stopping.best_step, "evaluations": stopping.history},
+        "before": before.as_dict(), "after": after.as_dict(),
+        "tokens_per_round_relative_change": relative_change(before.tokens_per_round, after.tokens_per_round),
+        "acceptance_rate_change": after.acceptance_rate - before.acceptance_rate,
+        "improved": improved(before, after), "written": written,
+        "loss": {"first": losses[0], "last": losses[-1]},
+        "wall_time_s": {name: round(seconds, 2) for name, seconds in times.items()},
+    }
+
+
 def format_report(report: dict) -> str:
-    """Markdown: what was trained on, acceptance before/after at fixed k, losses, wall time."""
-    before, after, k = report["before"], report["after"], report["settings"]["k"]
+    """Markdown: what was trained on, acceptance before/after at the report's k, the verdict, wall time."""
+    before, after, settings = report["before"], report["after"], report["settings"]
     change = report["tokens_per_round_relative_change"]
-    times = report["wall_time_s"]
+    stopping = report["early_stopping"]
     lines = [
         "# specmesh distill report", "",
         f"- target: `{report['target']}`; draft: `{report['draft']}` -> `{report['output']}`",
-        f"- prompts: `{report['prompts']}`: {report['train_prompts']} train, "
-        f"{report['held_out_prompts']} held out; {report['training_sequences']} training sequences "
-        f"of {report['settings']['max_new_tokens']} tokens",
-        f"- {report['settings']['steps']} steps, batch {report['settings']['batch_size']}, "
-        f"{_method(report['settings'])}", "",
-        f"Held-out greedy speculation at k = {k} (exact replay of the rounds from teacher-forced forwards):", "",
+        f"- prompts: `{report['prompts']}`: {report['train_prompts']} train, {report['validation_prompts']} "
+        f"validation, {report['held_out_prompts']} held out; {report['training_sequences']} training sequences "
+        f"of {settings['max_new_tokens']} tokens",
+        f"- {settings['steps']} steps (best weights after step {stopping['best_step']}), batch "
+        f"{settings['batch_size']}, {_method(settings)}", "",
+        f"Held-out greedy speculation at k = {settings['k']} ({settings['k_source']}; draft step "
+        f"{report['draft_target_step_ratio']:.2f} x the target's), exact replay of the rounds:", "",
         "| | acceptance rate | tokens per round | accepted / drafted | rounds |",
         "|---|---|---|---|---|",
         _row("before", before), _row("after", after), "",
         f"Tokens per round: {before['tokens_per_round']:.3f} -> {after['tokens_per_round']:.3f}"
         + (f" ({change:+.1%})" if change is not None else ""), "",
-        f"Training loss ({report['settings']['divergence']}): first {report['loss']['first']:.4f}, "
-        f"last {report['loss']['last']:.4f} (plot: loss.png)", "",
-        "Wall time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items()), "",
+        _verdict(report), "",
+        f"Training loss ({settings['divergence']}): first {report['loss']['first']:.4f}, "
+        f"last {report['loss']['last']:.4f}" + (" (plot: loss.png)" if report["written"] else ""), "",
+        "Wall time: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report["wall_time_s"].items()), "",
     ]
     return "\n".join(lines)
+
+
+def _verdict(report: dict) -> str:
+    if report["improved"]:
+        return f"Verdict: the distilled draft is better (tokens per round rose by at least {MIN_GAIN:.0%})."
+    written = "written anyway (--force)" if report["written"] else "not written"
+    return (f"Verdict: NO GAIN: tokens per round did not rise by {MIN_GAIN:.0%}; the model was {written}. "
+            "Try more or closer-to-serving prompts, or a larger --max-new-tokens.")
 
 
 def _method(settings: dict) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from orchestrator.distill.batches import continuation_logits
+from orchestrator.distill.early_stopping import CUT, CUT_FACTOR, STOP, EarlyStopping
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -105,15 +106,19 @@ def finish_training(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def train(model: PreTrainedModel, sequences: list[TrainingSequence], settings: TrainingSettings, pad_id: int,
-          on_step: Callable[[int, float], None] = lambda step, loss: None) -> list[float]:
-    """`settings.steps` optimiser steps over shuffled batches (reshuffled every pass); the losses."""
+          on_step: Callable[[int, float], None] = lambda step, loss: None,
+          stopping: EarlyStopping | None = None) -> list[float]:
+    """Up to `settings.steps` optimiser steps over shuffled batches (reshuffled every pass), ending on the
+    best weights `stopping` measured; the losses of the steps run."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimiser = torch.optim.AdamW(parameters, lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, _warmup_cosine(settings.steps))
     rng = random.Random(settings.seed)
     losses: list[float] = []
     batches = _batches(sequences, settings.batch_size, rng)
-    for step in range(settings.steps):
+    if stopping is not None and stopping.enabled:
+        stopping.evaluate(model, 0)
+    for step in range(1, settings.steps + 1):
         with autocast(model, settings.compute_dtype):
             loss = batch_loss(model, next(batches), pad_id, settings.divergence)
         optimiser.zero_grad(set_to_none=True)
@@ -123,6 +128,15 @@ def train(model: PreTrainedModel, sequences: list[TrainingSequence], settings: T
         schedule.step()
         losses.append(loss.item())
         on_step(step, losses[-1])
+        if stopping is not None and stopping.due(step, step == settings.steps):
+            outcome = stopping.evaluate(model, step)
+            if outcome == STOP:
+                break
+            if outcome == CUT:  # the best weights are back: fresh moments at the lower rate
+                optimiser.state.clear()
+                schedule.base_lrs = [rate * CUT_FACTOR for rate in schedule.base_lrs]
+    if stopping is not None:
+        stopping.restore_best(model)
     return losses
 
 
@@ -145,6 +159,3 @@ def _warmup_cosine(steps: int) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
 
-
-def steps_for(epochs: float, num_sequences: int, batch_size: int) -> int:
-    return max(1, math.ceil(epochs * num_sequences / batch_size))
