@@ -101,18 +101,17 @@ def phase_specmesh(args) -> tuple[Run, list[Run]]:
 def phase_transformers(args) -> tuple[Run, Run]:
     draft_device = args.draft_device or args.device
     pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype)
-    target_only = PeerPair(pair.target, None, pair.tokenizer)
     baseline, assisted = Run("transformers target-only"), Run(f"transformers assisted (k={args.assisted_k})")
-    generate(target_only, PROMPTS[:1], 8, Run("warm-up"), 0)
-    generate(target_only, args.prompts, args.max_tokens, baseline, 0)
+    generate(pair, PROMPTS[:1], 8, Run("warm-up"), None)
+    generate(pair, args.prompts, args.max_tokens, baseline, None)
     generate(pair, args.prompts, args.max_tokens, assisted, args.assisted_k)
-    del pair, target_only
+    del pair
     gc.collect()
     return baseline, assisted
 
 
-def generate(pair: PeerPair, prompts, max_tokens, run: Run, k: int) -> None:
-    """Greedy transformers `generate` per prompt (assisted when the pair has a draft), timed."""
+def generate(pair: PeerPair, prompts, max_tokens, run: Run, k: int | None) -> None:
+    """Greedy transformers `generate` per prompt (the target alone when k is None, else assisted), timed."""
     for prompt in prompts:
         start = time.perf_counter()
         generated = hf_generate(pair, pair.tokenizer.encode(prompt), max_tokens, k)

@@ -50,6 +50,9 @@ JSONL = [
 ]
 
 
+NOT_SPECULATIVE = {"off", "peer-off"}
+
+
 def check_aggregate(figures: dict, requests: int, speculative: bool) -> None:
     assert set(figures) == AGGREGATE_KEYS
     assert figures["num_requests"] == figures["completed"] == requests and figures["failed"] == 0
@@ -69,10 +72,10 @@ def check_result(result_dir: Path, names: list[str], modes: set[str], requests: 
     assert set(result) == RESULT_KEYS
     assert [entry["name"] for entry in result["configurations"]] == names
     for entry in result["configurations"]:
-        expected_modes = modes if entry["max_concurrency"] == 1 else modes - {"peer"}
+        expected_modes = modes if entry["max_concurrency"] == 1 else {m for m in modes if not m.startswith("peer")}
         assert CONFIGURATION_KEYS <= set(entry) and set(entry["modes"]) == expected_modes
         for mode, figures in entry["modes"].items():
-            check_aggregate(figures["overall"], requests, mode != "off")
+            check_aggregate(figures["overall"], requests, mode not in NOT_SPECULATIVE)
             assert set(figures["per_kind"]) == kinds
             assert sum(k["num_requests"] for k in figures["per_kind"].values()) == requests
         assert set(entry["speedup_on_vs_off"]) >= {"output_throughput", "ttft_ms.p50", "e2e_ms.p99"}
@@ -140,6 +143,8 @@ def test_sweep_k_outside_the_draft_limit_is_rejected(capsys, k):
 
 
 def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
+    """On and off served, then the peer at --peer-k 1 2 and with its target alone, beside concurrency 1 only;
+    the tables compare on with the peer at its best k."""
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("\n".join(json.dumps(line) for line in JSONL) + "\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -147,17 +152,36 @@ def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_p
         [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--target", str(tiny_llama_dir),
          "--draft", str(tiny_llama_perturbed_dir), "--num-speculative-tokens", "3",
          "--speculation-policy", "fixed", "--prompt-file", str(prompt_file),
-         "--num-prompts", "4", "--max-concurrency", "1", "2", "--ab", "--peer", "--num-warmups", "1",
+         "--num-prompts", "4", "--max-concurrency", "1", "2", "--ab", "--peer-k", "1", "2", "--num-warmups", "1",
          "--result-dir", str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in ("== c=1 T=default (4 requests) ==", "on/off", "on/peer", "HF assisted", "== summary"):
-        assert line in done.stdout
-    result = check_result(tmp_path / "out", ["c=1 T=default", "c=2 T=default"], {"on", "off", "peer"}, 4,
-                          {"code", "chat", "story"})
+    result = check_result(tmp_path / "out", ["c=1 T=default", "c=2 T=default"],
+                          {"on", "off", "peer-off", "peer k=1", "peer k=2"}, 4, {"code", "chat", "story"})
+    check_peer(result["configurations"][0], [r for r in result["requests"] if r["mode"].startswith("peer")],
+               done.stdout)
+    c2_table = done.stdout.split("== c=2 T=default", 1)[1].split("\n\n", 1)[0]
+    assert "peer" not in result["configurations"][1] and "HF" not in c2_table and "on/off" in c2_table
     limits = {line.get("prompt"): line["max_tokens"] for line in JSONL}
     for record in result["requests"]:  # each line's own max_tokens
         assert 0 < record["output_tokens"] <= limits[result["prompts"][record["index"]]["prompt"]]
     assert result["server"]["self_started"] and result["config"]["request_rate"] == "inf"
+
+
+def check_peer(entry: dict, records: list[dict], out: str) -> None:
+    """The best k is the faster of k=1 and k=2; the peer's speedup is its best k over its target alone; the
+    target alone drafts nothing and k=1 at most one token a round."""
+    throughput = {mode: figures["overall"]["output_throughput"] for mode, figures in entry["modes"].items()}
+    best = max((1, 2), key=lambda k: throughput[f"peer k={k}"])
+    assert entry["peer"] == {"ks": [1, 2], "best_k": best, "best_mode": f"peer k={best}"}
+    assert entry["speedup_peer_vs_peer_off"]["output_throughput"] == pytest.approx(
+        throughput[f"peer k={best}"] / throughput["peer-off"])
+    assert entry["speedup_on_vs_peer"]["output_throughput"] == pytest.approx(throughput["on"] /
+                                                                             throughput[f"peer k={best}"])
+    assert all(r["draft_tokens"] == r["rounds"] == 0 for r in records if r["mode"] == "peer-off")
+    assert all(r["draft_tokens"] == r["rounds"] > 0 for r in records if r["mode"] == "peer k=1")
+    for line in ("== c=1 T=default (4 requests) ==", "on/off", "on/HF", "HF/HF off", f"HF k={best}",
+                 "HF target-only", "HF assisted output tokens/s by constant k: k=1 ", "is a lower bound", "== summary"):
+        assert line in out
 
 
 async def test_bench_against_running_http_server(tmp_path, capsys, tiny_llama_dir, tiny_llama_perturbed_dir, device):

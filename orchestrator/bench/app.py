@@ -3,10 +3,11 @@
 Order: start the stack (unless --endpoint), warm up, then for every configuration
 (max concurrency x temperature) speculation on (the server's default policy) and,
 with --ab or --sweep-k, off right after it, then with --sweep-k every fixed k,
-all on the same prompts in the same order; stop the stack; then the peer (--peer)
-in this process, one request at a time, beside every configuration of max
+all on the same prompts in the same order; stop the stack; then the peer (--peer,
+--peer-k) in this process, one request at a time, beside every configuration of max
 concurrency 1 (it has no batching), so the served models and the peer's never
-compete for the CPU or memory.
+compete for the CPU or memory: transformers' generate with the target alone and
+assisted at each constant k, the modes taking turns prompt by prompt.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from orchestrator.bench.args import sweep_ks
+from orchestrator.bench.args import peer_ks, sweep_ks
 from orchestrator.bench.clients import clear_suffix_index, make_client
 from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, pass_figures, speedups
-from orchestrator.bench.modes import DEFAULT, OFF, PEER, served_modes
+from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, peer_modes, served_modes
 from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
 from orchestrator.bench.runner import Configuration, LoadSettings, run_modes, warm_up
-from orchestrator.bench.sweep import draft_length_sweep
+from orchestrator.bench.sweep import draft_length_sweep, peer_standing
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, model_service_options, start_stack
 from orchestrator.decoding.options import loop_config
 from orchestrator.frontend.options import FrontendOptions
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as error:
         print(f"specmesh bench: {error}", file=sys.stderr)
         return 1
-    if args.peer:
+    if peer_ks(args):
         runs.update(peer_phase(args, prompts, configurations, load))
     result = build_result(args, prompts, configurations, runs, endpoint, started_at)
     result_dir = Path(args.result_dir or Path("bench-results") / started_at.strftime("%Y%m%d-%H%M%S"))
@@ -144,16 +145,12 @@ def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configurat
           "generation ...", file=sys.stderr, flush=True)
     pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype,
                          args.cpu_linear)
-    k = args.num_speculative_tokens
+    modes = peer_modes(peer_ks(args))
     warm = LoadSettings(8, load.request_rate, load.seed, None, load.timeout_s, False)
-    run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, k)
-    return {(c.name, "peer"): _one_pass(run_peer(pair, prompts, c, load, k)) for c in sequential}
-
-
-def _one_pass(run: tuple[list[RequestRecord], float]) -> tuple[list[RequestRecord], list[float]]:
-    """The peer runs the prompts once, whatever --repeats says (it shares no machine with the served modes)."""
-    records, seconds = run
-    return records, [seconds]
+    run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, modes)
+    # the peer runs the prompts once, whatever --repeats says (it shares no machine with the served modes)
+    return {(c.name, mode): (records, [seconds]) for c in sequential
+            for mode, (records, seconds) in run_peer(pair, prompts, c, load, modes).items()}
 
 
 def build_result(args, prompts: list[BenchPrompt], configurations: list[Configuration], runs: Runs,
@@ -161,7 +158,7 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
     entries, requests = [], []
     for configuration in configurations:
         modes = {}
-        for mode in (*served_modes(args.ab, sweep_ks(args)), PEER):
+        for mode in (*served_modes(args.ab, sweep_ks(args)), *peer_modes(peer_ks(args))):
             if (configuration.name, mode) not in runs:
                 continue
             records, seconds = runs[configuration.name, mode]
@@ -171,9 +168,7 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
             requests += [{"configuration": configuration.name, **r.to_json()} for r in records]
         entry = {"name": configuration.name, "max_concurrency": configuration.max_concurrency,
                  "temperature": configuration.temperature, "modes": modes}
-        for other in (OFF, PEER):
-            if other in modes:
-                entry[f"speedup_on_vs_{other}"] = speedups(modes[DEFAULT]["overall"], modes[other]["overall"])
+        entry.update(speedup_fields(modes))
         if "passes" in modes[DEFAULT] and "passes" in modes.get(OFF, {}):
             entry["speedup_on_vs_off_by_pass"] = [speedups(on, off)["output_throughput"] for on, off in
                                                   zip(modes[DEFAULT]["passes"], modes[OFF]["passes"])]
@@ -195,6 +190,25 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
         "configurations": entries,
         "requests": requests,
     }
+
+
+def speedup_fields(modes: dict[str, dict]) -> dict:
+    """On against off and against the peer at its best constant k, and the peer's own speedup (its best k
+    against its target alone), each as speedups() per metric; "peer" names the ks and the best one."""
+    overall = {mode: figures["overall"] for mode, figures in modes.items()}
+    fields = {}
+    if OFF in overall:
+        fields["speedup_on_vs_off"] = speedups(overall[DEFAULT], overall[OFF])
+    peer = peer_standing(modes)
+    if peer is None:
+        return fields
+    fields["peer"] = peer
+    best = overall.get(peer["best_mode"])
+    if best is not None:
+        fields["speedup_on_vs_peer"] = speedups(overall[DEFAULT], best)
+    if best is not None and PEER_OFF in overall:
+        fields["speedup_peer_vs_peer_off"] = speedups(best, overall[PEER_OFF])
+    return fields
 
 
 def report_failures(result: dict) -> int:

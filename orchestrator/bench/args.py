@@ -16,6 +16,8 @@ EPILOG = """examples:
   specmesh bench --ab --max-concurrency 4 8 --repeats 2   # on, off, off, on: the A/B with drift cancelled
   specmesh bench --sweep-k --max-tokens 96 --temperature 0   # the default policy against fixed k = 1..8 and off
   specmesh bench --ab --peer --max-concurrency 1 4 --temperature 0 1 --num-prompts 8 --max-tokens 48
+  specmesh bench --ab --peer-k 2 4 6 --temperature 0   # on vs off beside transformers' assisted generation
+                                                        # at its best constant k and its target alone
   specmesh bench --endpoint 127.0.0.1:8000 --protocol http --prompt-file prompts.jsonl
   specmesh bench --ab --kinds code repeat rewrite samples --num-prompts 38   # suffix drafting's workloads, all
                                                         # of their prompts, beside the plain code workload
@@ -60,6 +62,14 @@ def sweep_ks(args: argparse.Namespace) -> list[int]:
     if args.sweep_k is None:
         return []
     return sorted(set(args.sweep_k or DEFAULT_SWEEP))
+
+
+def peer_ks(args: argparse.Namespace) -> list[int]:
+    """The peer's constant ks, ascending: none without --peer or --peer-k, else --peer-k's or the server's
+    --num-speculative-tokens."""
+    if args.peer_k is None and not args.peer:
+        return []
+    return sorted(set(args.peer_k or [args.num_speculative_tokens]))
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -119,7 +129,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
                             "speculation off, and show where the server's default policy stands against the "
                             "best fixed k")
     modes.add_argument("--peer", action="store_true",
-                       help="also run transformers' assisted generation in-process on the same pair and prompts")
+                       help="also run transformers in-process on the same pair and prompts, one request at a "
+                            "time beside concurrency 1: assisted generation at the server's k as a constant k "
+                            "(transformers' default confidence stop kept) and the target alone")
+    modes.add_argument("--peer-k", type=_draft_length, nargs="+", default=None, metavar="K",
+                       help="the peer's constant ks (implies --peer): it runs assisted at each, and the tables "
+                            "compare spec on with the peer at its best k (the most output tokens/s)")
     output = bench.add_argument_group("output")
     output.add_argument("--result-dir", default=None, help="default: ./bench-results/<timestamp>")
     output.add_argument("--no-progress", action="store_true", help="no progress bars")

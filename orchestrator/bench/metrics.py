@@ -25,7 +25,7 @@ LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 @dataclass
 class RequestRecord:
     kind: str
-    mode: str  # "on", "off", "k=N" or "peer" (orchestrator.bench.modes)
+    mode: str  # "on", "off", "k=N", "peer-off" or "peer k=N" (orchestrator.bench.modes)
     index: int  # position in the prompt list, the same across modes
     repeat: int = 0  # the pass over the list (--repeats) it ran in
     ok: bool = True

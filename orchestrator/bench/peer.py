@@ -1,11 +1,20 @@
-"""The peer: transformers' assisted generation in-process on the same pair and prompts.
+"""The peer: transformers' `generate` in-process on the same pair and prompts.
+
+Its modes (orchestrator.bench.modes): "peer-off" generates with the target alone,
+"peer k=N" is assisted generation with the draft as assistant at a constant k of N
+(num_assistant_tokens_schedule "constant"), with transformers' default confidence
+stop left as users get it: the assistant also ends a round early when its token's
+probability is below generation_config.assistant_confidence_threshold (0.4 to start;
+transformers retunes it during a request when scikit-learn is installed).
 
 transformers has no batching, so the peer runs one request at a time (its
-figures belong beside concurrency 1). A streamer records when each round's
-tokens appear: the first round's time is TTFT, the gaps between rounds are
-ITL, and tokens per round give the mean acceptance length. transformers does
-not report how many tokens the assistant drafted; with the constant schedule
-it drafts k a round, so the acceptance rate is estimated as accepted / (k x rounds).
+figures belong beside concurrency 1), its modes taking turns prompt by prompt
+as the served modes do there. A streamer records when each round's tokens
+appear: the first round's time is TTFT, the gaps between rounds are ITL, and
+tokens per round give the mean acceptance length. transformers does not report
+how many tokens the assistant drafted, so the acceptance rate is estimated as
+accepted / (k x rounds): a lower bound, since a round the confidence stop cut
+short drafted fewer than k.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.bench.metrics import RequestRecord
-from orchestrator.bench.modes import DEFAULT, PEER
+from orchestrator.bench.modes import DEFAULT, peer_k_of
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.runner import Configuration, LoadSettings, request_params
 from specmesh import models
@@ -67,9 +76,10 @@ class PeerPair:
 
 
 @torch.inference_mode()
-def hf_generate(pair: PeerPair, prompt_ids: list[int], max_tokens: int, k: int, temperature: float = 0.0,
+def hf_generate(pair: PeerPair, prompt_ids: list[int], max_tokens: int, k: int | None, temperature: float = 0.0,
                 seed: int | None = None, streamer: BaseStreamer | None = None) -> list[int]:
-    """transformers' `generate`: target-only without a draft, else assisted with a constant k.
+    """transformers' `generate`: the target alone when `k` is None, else assisted by the pair's draft
+    at a constant k (with transformers' default confidence stop, module docstring).
 
     Returns the generated ids up to and including the first EOS. Sampling is plain
     temperature sampling (no top-k/top-p or repetition penalty from the model's
@@ -81,7 +91,9 @@ def hf_generate(pair: PeerPair, prompt_ids: list[int], max_tokens: int, k: int, 
         kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
         if seed is not None:
             torch.manual_seed(seed)
-    if pair.draft is not None:
+    if k is not None:
+        if pair.draft is None:
+            raise ValueError("assisted generation needs the pair's draft")
         pair.draft.generation_config.num_assistant_tokens = k
         pair.draft.generation_config.num_assistant_tokens_schedule = "constant"
         kwargs["assistant_model"] = pair.draft
@@ -95,8 +107,8 @@ def hf_generate(pair: PeerPair, prompt_ids: list[int], max_tokens: int, k: int, 
 
 
 def run_peer_request(pair: PeerPair, item: BenchPrompt, record: RequestRecord, max_tokens: int,
-                     temperature: float, seed: int | None, k: int, run_start: float) -> None:
-    """One timed assisted generation, filling `record` like a served request."""
+                     temperature: float, seed: int | None, k: int | None, run_start: float) -> None:
+    """One timed generation (`k` as in hf_generate), filling `record` like a served request."""
     prompt_ids = pair.encode(item)
     timer = RoundTimer()
     start = time.perf_counter()
@@ -110,18 +122,26 @@ def run_peer_request(pair: PeerPair, item: BenchPrompt, record: RequestRecord, m
     record.ttft_ms = (timer.times[0] - start) * 1e3 if timer.times else record.e2e_ms
     record.itl_ms = [(b - a) * 1e3 for a, b in zip(timer.times, timer.times[1:])]
     record.prompt_tokens, record.output_tokens = len(prompt_ids), len(generated)
-    record.rounds = len(timer.times)
-    record.accepted_tokens = max(0, len(generated) - record.rounds)
-    record.draft_tokens = k * record.rounds if pair.draft is not None else 0
+    if k is not None:  # the target alone verifies nothing: no rounds, as the server reports speculation off
+        record.rounds = len(timer.times)
+        record.accepted_tokens = max(0, len(generated) - record.rounds)
+        record.draft_tokens = k * record.rounds
 
 
 def run_peer(pair: PeerPair, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
-             k: int) -> tuple[list[RequestRecord], float]:
-    """Every prompt once, one at a time, with `config`'s temperature; (records, wall seconds)."""
-    records = [RequestRecord(kind=item.kind, mode=PEER, index=i) for i, item in enumerate(prompts)]
-    start = time.perf_counter()
+             modes: list[str]) -> dict[str, tuple[list[RequestRecord], float]]:
+    """Every prompt once in each of `modes` ("peer-off", "peer k=N"), one request at a time, with `config`'s
+    temperature; the modes take turns prompt by prompt, so drift favours none. Per mode: (records, seconds
+    of its requests)."""
+    records = {mode: [RequestRecord(kind=item.kind, mode=mode, index=i) for i, item in enumerate(prompts)]
+               for mode in modes}
+    seconds = dict.fromkeys(modes, 0.0)
     for i, item in enumerate(tqdm(prompts, desc=f"{config.name} peer", unit="req",
                                   disable=not load.progress, leave=False)):
         params = request_params(item, i, config, load, DEFAULT)  # its lengths, temperature and seed
-        run_peer_request(pair, item, records[i], params.max_tokens, params.temperature, params.seed, k, start)
-    return records, time.perf_counter() - start
+        for mode in modes:
+            start = time.perf_counter()
+            run_peer_request(pair, item, records[mode][i], params.max_tokens, params.temperature, params.seed,
+                             peer_k_of(mode), start - seconds[mode])  # start_s: seconds into the mode's own run
+            seconds[mode] += time.perf_counter() - start
+    return {mode: (records[mode], seconds[mode]) for mode in modes}

@@ -10,10 +10,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from orchestrator.bench.metrics import LATENCIES, lookup  # noqa: E402
-from orchestrator.bench.modes import DEFAULT, MODE_TITLES, OFF, PEER, fixed_k  # noqa: E402
-from orchestrator.bench.report import LATENCY_TITLES  # noqa: E402
+from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, fixed_k, mode_title, peer_k_of  # noqa: E402
+from orchestrator.bench.report import LATENCY_TITLES, ab_modes  # noqa: E402
 
-COLOURS = {DEFAULT: "tab:blue", OFF: "tab:orange", PEER: "tab:green"}
+COLOURS = {DEFAULT: "tab:blue", OFF: "tab:orange", PEER_OFF: "tab:olive"}
+PEER_COLOUR = "tab:green"  # the peer at any constant k (a plot shows its best k only)
+
+
+def colour(mode: str) -> str:
+    return PEER_COLOUR if peer_k_of(mode) is not None else COLOURS[mode]
 
 
 def write_plots(result: dict, directory: Path) -> list[Path]:
@@ -35,19 +40,20 @@ def _latencies(requests: list[dict], configuration: str, mode: str, metric: str)
 
 
 def latency_distributions(result: dict, path: Path) -> Path:
-    """One row per configuration, one box plot per latency metric, spec on vs off (vs the peer)."""
+    """One row per configuration, one box plot per latency metric, spec on vs off (vs the peer at its best k
+    and its target alone)."""
     configurations = result["configurations"]
     figure, axes = plt.subplots(len(configurations), len(LATENCIES), squeeze=False,
                                 figsize=(4 * len(LATENCIES), 2.8 * len(configurations)))
     for row, entry in enumerate(configurations):
-        modes = [m for m in ("on", "off", "peer") if m in entry["modes"]]
+        modes = ab_modes(entry)
         for column, metric in enumerate(LATENCIES):
             axis = axes[row][column]
             data = [_latencies(result["requests"], entry["name"], m, metric) or [float("nan")] for m in modes]
             boxes = axis.boxplot(data, patch_artist=True, showfliers=True)
-            axis.set_xticks(range(1, len(modes) + 1), [MODE_TITLES[m] for m in modes])
+            axis.set_xticks(range(1, len(modes) + 1), [mode_title(m) for m in modes])
             for box, mode in zip(boxes["boxes"], modes):
-                box.set_facecolor(COLOURS[mode])
+                box.set_facecolor(colour(mode))
                 box.set_alpha(0.6)
             axis.set_title(f"{entry['name']}: {LATENCY_TITLES[metric]}", fontsize=9)
             axis.set_ylabel("ms")
@@ -83,19 +89,17 @@ def _by_concurrency(axis, result: dict, metric: str, unit: str) -> None:
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for entry in result["configurations"]:
         temperature = entry["name"].split(" ", 1)[1]
-        for mode, figures in entry["modes"].items():
-            if mode not in MODE_TITLES:  # the fixed ks of a sweep: tokens_by_k.png
-                continue
-            value = lookup(figures["overall"], metric)
+        for mode in ab_modes(entry):  # the fixed ks of a sweep are in tokens_by_k.png
+            value = lookup(entry["modes"][mode]["overall"], metric)
             if value is not None:
                 series.setdefault((mode, temperature), []).append((entry["max_concurrency"], value))
     styles = ["-", "--", ":", "-."]
     temperatures = sorted({t for _, t in series})
     for (mode, temperature), points in sorted(series.items()):
         points.sort()
-        axis.plot([c for c, _ in points], [v for _, v in points], marker="o", color=COLOURS[mode],
+        axis.plot([c for c, _ in points], [v for _, v in points], marker="o", color=colour(mode),
                   linestyle=styles[temperatures.index(temperature) % len(styles)],
-                  label=f"{MODE_TITLES[mode]}, {temperature}")
+                  label=f"{mode_title(mode)}, {temperature}")
     axis.set_xlabel("max concurrency")
     axis.set_ylabel(unit)
     axis.set_xscale("log", base=2)  # the sweep doubles: 1, 2, 4, 8, 16

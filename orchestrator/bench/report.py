@@ -10,8 +10,14 @@ import sys
 from pathlib import Path
 
 from orchestrator.bench.metrics import LATENCIES, lookup
-from orchestrator.bench.modes import DEFAULT, MODE_TITLES, OFF, fixed_k
+from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, fixed_k, mode_title, peer_k
+from orchestrator.bench.sweep import kind_throughput
 
+PEER_NOTE = ("HF k=N, HF target-only: transformers' generate in-process, one request at a time, assisted by the "
+             "draft at a constant k of N (with transformers' default confidence stop: the assistant ends a round "
+             "early below assistant_confidence_threshold, 0.4 to start) and with the target alone; the A/B "
+             "columns show the peer at its best k (the most output tokens/s of the configuration). Its "
+             "acceptance rate, accepted / (k x rounds), is a lower bound: a round cut short drafted fewer than k.")
 LATENCY_TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
 
 
@@ -57,29 +63,48 @@ def metric_rows() -> list[tuple[str, str, int]]:
     return rows
 
 
+# entry key -> column title: on vs off, on vs the peer at its best k, the peer's own speedup
+RATIOS = {"speedup_on_vs_off": "on/off", "speedup_on_vs_peer": "on/HF", "speedup_peer_vs_peer_off": "HF/HF off"}
+
+
+def ab_modes(entry: dict) -> list[str]:
+    """The A/B tables' modes that ran: on, off, the peer at its best constant k, the peer's target alone
+    (the fixed ks of a sweep and the peer's other ks have their own lines)."""
+    best = entry.get("peer", {}).get("best_mode")
+    return [mode for mode in (DEFAULT, OFF, best, PEER_OFF) if mode in entry["modes"]]
+
+
+def _done_failed(overall: dict) -> str:
+    return f"{overall['completed']} / {overall['failed']}"
+
+
 def configuration_table(entry: dict) -> str:
-    """Metrics as rows; spec on, spec off and the peer as columns with the speedups."""
+    """Metrics as rows; spec on, spec off and the peer (best k, target alone) as columns with the speedups."""
     modes = entry["modes"]
-    columns = [m for m in ("on", "off", "peer") if m in modes]
-    header = f"{'metric':<26}" + "".join(f"{MODE_TITLES[m]:>13}" for m in columns)
-    if "off" in modes:
-        header += f"{'on/off':>9}"
-    if "peer" in modes:
-        header += f"{'on/peer':>9}"
+    columns = ab_modes(entry)
+    ratios = [key for key in RATIOS if key in entry]
+    header = (f"{'metric':<26}" + "".join(f"{mode_title(m):>15}" for m in columns)
+              + "".join(f"{RATIOS[key]:>10}" for key in ratios))
     lines = [f"== {entry['name']} ({modes[columns[0]]['overall']['num_requests']} requests) ==", header,
              "-" * len(header)]
     for label, metric, digits in metric_rows():
         if not metric:
-            cells = "".join(f"{str(modes[m]['overall']['completed']) + ' / ' + str(modes[m]['overall']['failed']):>13}"
-                            for m in columns)
-            lines.append(f"{label:<26}{cells}")
+            lines.append(f"{label:<26}" + "".join(f"{_done_failed(modes[m]['overall']):>15}" for m in columns))
             continue
-        line = f"{label:<26}" + "".join(f"{_cell(lookup(modes[m]['overall'], metric), digits):>13}" for m in columns)
-        for other, key in (("off", "speedup_on_vs_off"), ("peer", "speedup_on_vs_peer")):
-            if other in modes:
-                line += f"{_ratio(entry[key].get(metric)):>9}"
-        lines.append(line)
-    return "\n".join(lines + pass_lines(entry))
+        lines.append(f"{label:<26}" + "".join(f"{_cell(lookup(modes[m]['overall'], metric), digits):>15}"
+                                              for m in columns)
+                     + "".join(f"{_ratio(entry[key].get(metric)):>10}" for key in ratios))
+    return "\n".join(lines + pass_lines(entry) + peer_lines(entry))
+
+
+def peer_lines(entry: dict) -> list[str]:
+    """With the peer: its output tokens/s at each constant k, and the k its A/B column shows."""
+    peer = entry.get("peer")
+    if peer is None:
+        return []
+    by_k = ", ".join(f"k={k} {_cell(entry['modes'][peer_k(k)]['overall']['output_throughput'])}" for k in peer["ks"])
+    best = "-" if peer["best_k"] is None else f"k={peer['best_k']}"
+    return [f"HF assisted output tokens/s by constant k: {by_k}; best {best}"]
 
 
 def pass_lines(entry: dict) -> list[str]:
@@ -89,7 +114,7 @@ def pass_lines(entry: dict) -> list[str]:
     if not passes:
         return []
     lines = ["output tokens/s by pass: " + "; ".join(
-        f"{MODE_TITLES.get(mode, mode)} " + ", ".join(_cell(p["output_throughput"]) for p in figures)
+        f"{mode_title(mode)} " + ", ".join(_cell(p["output_throughput"]) for p in figures)
         for mode, figures in passes.items())]
     if "speedup_on_vs_off_by_pass" in entry:
         ratios = entry["speedup_on_vs_off_by_pass"]
@@ -100,38 +125,42 @@ def pass_lines(entry: dict) -> list[str]:
 
 
 def kind_table(result: dict) -> str:
-    """Per configuration and prompt kind: acceptance and output tokens/s, on vs off."""
+    """Per configuration and prompt kind: acceptance and output tokens/s, on vs off, and the peer at the
+    configuration's best constant k vs its target alone."""
     header = (f"{'configuration':<18}{'kind':<10}{'accept':>8}{'acc.len':>9}{'tok/s on':>10}{'tok/s off':>11}"
-              f"{'on/off':>8}{'tok/s peer':>12}")
+              f"{'on/off':>8}{'tok/s HF':>10}{'HF k':>6}{'HF off':>8}{'HF/HF off':>11}")
     lines = ["== by prompt kind (tokens/s over each kind's own request time) ==", header, "-" * len(header)]
     for entry in result["configurations"]:
-        modes = entry["modes"]
-        for kind, on in modes["on"]["per_kind"].items():
-            off = modes.get("off", {}).get("per_kind", {}).get(kind, {})
-            peer = modes.get("peer", {}).get("per_kind", {}).get(kind, {})
-            speedup = on["output_throughput"] / off["output_throughput"] \
-                if on.get("output_throughput") and off.get("output_throughput") else None
+        modes, peer = entry["modes"], entry.get("peer", {})
+        for kind, on in modes[DEFAULT]["per_kind"].items():
+            off, best, alone = (kind_throughput(modes, mode, kind) for mode in (OFF, peer.get("best_mode"), PEER_OFF))
             lines.append(f"{entry['name']:<18}{kind:<10}{_cell(on['acceptance_rate'], 3):>8}"
                          f"{_cell(on['mean_acceptance_length']):>9}{_cell(on['output_throughput']):>10}"
-                         f"{_cell(off.get('output_throughput')):>11}{_ratio(speedup):>8}"
-                         f"{_cell(peer.get('output_throughput')):>12}")
+                         f"{_cell(off):>11}{_ratio(_divide(on['output_throughput'], off)):>8}{_cell(best):>10}"
+                         f"{_best_k(peer):>6}{_cell(alone):>8}{_ratio(_divide(best, alone)):>11}")
     return "\n".join(lines)
 
 
+def _best_k(peer: dict) -> str:
+    return "-" if peer.get("best_k") is None else str(peer["best_k"])
+
+
 def summary_table(result: dict) -> str:
-    """One line per configuration: the headline figures."""
-    header = (f"{'configuration':<18}{'tok/s on':>10}{'tok/s off':>11}{'speedup':>9}{'tok/s peer':>12}"
-              f"{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}{'accept':>8}{'acc.len':>9}")
-    lines = ["== summary (latencies: spec on, ms) ==", header, "-" * len(header)]
+    """One line per configuration: the headline figures, and the peer at its best constant k."""
+    header = (f"{'configuration':<18}{'tok/s on':>10}{'tok/s off':>11}{'speedup':>9}{'tok/s HF':>10}{'HF k':>6}"
+              f"{'HF/HF off':>11}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}{'E2E p50':>10}{'accept':>8}"
+              f"{'acc.len':>9}")
+    lines = ["== summary (latencies: spec on, ms; HF: the peer at its best k) ==", header, "-" * len(header)]
     for entry in result["configurations"]:
-        modes = entry["modes"]
-        on = modes["on"]["overall"]
-        off = modes.get("off", {}).get("overall", {})
-        peer = modes.get("peer", {}).get("overall", {})
+        modes, peer = entry["modes"], entry.get("peer", {})
+        on = modes[DEFAULT]["overall"]
+        off = modes.get(OFF, {}).get("overall", {})
+        best = modes.get(peer.get("best_mode"), {}).get("overall", {})
         lines.append(f"{entry['name']:<18}{_cell(on['output_throughput']):>10}"
                      f"{_cell(off.get('output_throughput')):>11}"
                      f"{_ratio(entry.get('speedup_on_vs_off', {}).get('output_throughput')):>9}"
-                     f"{_cell(peer.get('output_throughput')):>12}"
+                     f"{_cell(best.get('output_throughput')):>10}{_best_k(peer):>6}"
+                     f"{_ratio(entry.get('speedup_peer_vs_peer_off', {}).get('output_throughput')):>11}"
                      + "".join(f"{_cell(on[name]['p50'], 1):>{w}}" for name, w in
                                (("ttft_ms", 10), ("tpot_ms", 10), ("itl_ms", 9), ("e2e_ms", 10)))
                      + f"{_cell(on['acceptance_rate'], 3):>8}{_cell(on['mean_acceptance_length']):>9}")
@@ -141,29 +170,24 @@ def summary_table(result: dict) -> str:
 def concurrency_table(result: dict) -> str:
     """One row per configuration and mode: how throughput and latency move with concurrency, also as
     ratios to the lowest concurrency of the same mode and temperature (the batching criteria read so)."""
-    header = (f"{'configuration':<18}{'mode':<13}{'tok/s':>9}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
+    header = (f"{'configuration':<18}{'mode':<16}{'tok/s':>9}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
               f"{'TTFT p50':>10}{'E2E p50':>10}{'tok/s/c1':>10}{'ITLp99/c1':>11}{'done/failed':>13}")
     lines = ["== by concurrency (ms; /c1: ratio to the lowest concurrency) ==", header, "-" * len(header)]
     lowest: dict[tuple, dict] = {}  # (temperature, mode) -> figures at the lowest concurrency
     for entry in sorted(result["configurations"], key=lambda e: e["max_concurrency"]):
-        for mode, figures in _ab_modes(entry):
-            lowest.setdefault((entry["temperature"], mode), figures["overall"])
+        for mode in ab_modes(entry):
+            lowest.setdefault((entry["temperature"], mode), entry["modes"][mode]["overall"])
     for entry in result["configurations"]:
-        for mode, figures in _ab_modes(entry):
-            overall, base = figures["overall"], lowest[entry["temperature"], mode]
-            lines.append(f"{entry['name']:<18}{MODE_TITLES[mode]:<13}{_cell(overall['output_throughput']):>9}"
+        for mode in ab_modes(entry):
+            overall, base = entry["modes"][mode]["overall"], lowest[entry["temperature"], mode]
+            lines.append(f"{entry['name']:<18}{mode_title(mode):<16}{_cell(overall['output_throughput']):>9}"
                          f"{_cell(overall['itl_ms']['p50'], 1):>9}{_cell(overall['itl_ms']['p99'], 1):>9}"
                          f"{_cell(overall['tpot_ms']['p50'], 1):>10}{_cell(overall['ttft_ms']['p50'], 1):>10}"
                          f"{_cell(overall['e2e_ms']['p50'], 1):>10}"
                          f"{_ratio(_divide(overall['output_throughput'], base['output_throughput'])):>10}"
                          f"{_ratio(_divide(overall['itl_ms']['p99'], base['itl_ms']['p99'])):>11}"
-                         f"{str(overall['completed']) + ' / ' + str(overall['failed']):>13}")
+                         f"{_done_failed(overall):>13}")
     return "\n".join(lines)
-
-
-def _ab_modes(entry: dict) -> list[tuple[str, dict]]:
-    """On, off and the peer: the fixed ks of a sweep have their own table."""
-    return [(mode, figures) for mode, figures in entry["modes"].items() if mode in MODE_TITLES]
 
 
 def sweep_table(entry: dict) -> str:
@@ -218,9 +242,8 @@ def print_report(result: dict, out=None) -> None:
     print(kind_table(result) + "\n", file=out)
     print(concurrency_table(result) + "\n", file=out)
     print(summary_table(result), file=out)
-    if any("peer" in e["modes"] for e in result["configurations"]):
-        print("\nHF assisted: transformers' assisted generation in-process, one request at a time; its acceptance "
-              "rate assumes k drafted tokens per round.", file=out)
+    if any("peer" in entry for entry in result["configurations"]):
+        print("\n" + PEER_NOTE, file=out)
     swept = [entry for entry in result["configurations"] if "draft_length_sweep" in entry]
     for entry in swept:
         print("\n" + sweep_table(entry), file=out)

@@ -1,16 +1,18 @@
-"""The draft-length sweep's figures: where the default policy stands against every fixed k and off.
+"""The draft-length sweeps' figures: where the default policy stands against every fixed k and off,
+and the peer's best constant k (--peer-k).
 
 Computed from one configuration's aggregates (mode -> {"overall", "per_kind"}):
 overall on the run's wall time, and per prompt kind on the kind's own request
-time like the by-kind table. The best fixed k is the one with the most output
-tokens/s (the smallest such k on a tie).
+time like the by-kind table. The best k is the one with the most output
+tokens/s (the smallest such k on a tie); the peer's, on the configuration's
+overall figures only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.bench.modes import DEFAULT, OFF, fixed_k, fixed_k_of
+from orchestrator.bench.modes import DEFAULT, OFF, fixed_k, fixed_k_of, peer_k, peer_k_of
 
 
 def draft_length_sweep(modes: dict[str, dict]) -> dict | None:
@@ -28,7 +30,7 @@ def draft_length_sweep(modes: dict[str, dict]) -> dict | None:
         "fixed_ks": ks,
         "output_throughput_vs_off": {mode: _ratio(overall(mode), off) for mode in modes if mode in _swept(ks)},
         **standing(overall, ks),
-        "per_kind": {kind: standing(lambda mode, kind=kind: _kind_throughput(modes, mode, kind), ks)
+        "per_kind": {kind: standing(lambda mode, kind=kind: kind_throughput(modes, mode, kind), ks)
                      for kind in kinds},
     }
 
@@ -36,8 +38,7 @@ def draft_length_sweep(modes: dict[str, dict]) -> dict | None:
 def standing(throughput: Callable[[str], float | None], ks: list[int]) -> dict:
     """The default against the best of `ks` and against off; `throughput(mode)` gives output tokens/s."""
     measured = {k: throughput(fixed_k(k)) for k in ks}
-    candidates = [k for k in ks if measured[k]]
-    best = max(candidates, key=lambda k: measured[k]) if candidates else None  # first maximum: the smallest k
+    best = best_k(measured)
     default, off, best_value = throughput(DEFAULT), throughput(OFF), measured.get(best)
     return {"default_output_throughput": default, "off_output_throughput": off,
             "best_fixed_k": best, "best_fixed_k_output_throughput": best_value,
@@ -45,11 +46,27 @@ def standing(throughput: Callable[[str], float | None], ks: list[int]) -> dict:
             "default_vs_best_fixed_k": _ratio(default, best_value)}
 
 
+def best_k(measured: dict[int, float | None]) -> int | None:
+    """The k with the most output tokens/s, the smallest on a tie; None when none was measured (all failed)."""
+    candidates = sorted(k for k, value in measured.items() if value)
+    return max(candidates, key=lambda k: measured[k]) if candidates else None  # first maximum: the smallest k
+
+
+def peer_standing(modes: dict[str, dict]) -> dict | None:
+    """The peer's constant ks and the best of them (its mode is what the A/B tables compare "on" with);
+    None when the configuration ran no peer."""
+    ks = sorted(k for k in map(peer_k_of, modes) if k is not None)
+    if not ks:
+        return None
+    best = best_k({k: modes[peer_k(k)]["overall"]["output_throughput"] for k in ks})
+    return {"ks": ks, "best_k": best, "best_mode": None if best is None else peer_k(best)}
+
+
 def _swept(ks: list[int]) -> set[str]:
     return {DEFAULT, OFF, *map(fixed_k, ks)}
 
 
-def _kind_throughput(modes: dict[str, dict], mode: str, kind: str) -> float | None:
+def kind_throughput(modes: dict[str, dict], mode: str, kind: str) -> float | None:
     return ((modes.get(mode) or {}).get("per_kind", {}).get(kind) or {}).get("output_throughput")
 
 
