@@ -18,6 +18,7 @@ import grpc
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.ray_controller import PoolSpec
 
+from orchestrator.deployment.online_distill import online_distill_options
 from orchestrator.deployment.options import PoolsOptions
 from specmesh.service import ReplicaConfig, ServiceOptions
 from target_service.disagreements import disagreement_log_settings
@@ -107,7 +108,8 @@ def pools_options(args: argparse.Namespace, security=None, internal_token: str |
                           server_tls, internal_token, greedy_proposals=args.greedy_draft)
     return PoolsOptions(backend="ray", namespace=args.ray_namespace, target=target, draft=draft,
                         max_replica_failures=args.max_replica_failures,
-                        channel_tls=security.channel_tls if security else None)
+                        channel_tls=security.channel_tls if security else None,
+                        online_distill=online_distill_options(args))
 
 
 def local_cpus(options: PoolsOptions) -> int:
