@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,8 +38,9 @@ from test_local_pools import RESTART_WAIT_S
 CYCLE_WAIT_S = 600.0  # a distill child and a new draft replica start on a shared 2-core machine
 K = 4
 MAX_TOKENS = 16
-# The flags that raised this pair's held-out acceptance in tests/test_distill.py's `distilled`.
-FAST_DISTILL = ("--lora-rank", "16", "--learning-rate", "1e-2", "--steps", "60", "--batch-size", "32",
+# The flags that raised this pair's held-out acceptance in tests/test_distill.py's `distilled`, fewer steps.
+TRAFFIC = 80  # prompts served before the first cycle: 52 train, 8 validate, 20 held out
+FAST_DISTILL = ("--lora-rank", "16", "--learning-rate", "1e-2", "--steps", "40", "--batch-size", "32",
                 "--max-new-tokens", "16", "--held-out-fraction", "0.25", "--k", str(K))
 
 
@@ -175,7 +176,7 @@ async def test_a_rollout_whose_live_acceptance_falls_is_rolled_back(tmp_path, ac
 @pytest.fixture(scope="module")
 async def deployment(tmp_path_factory, tiny_llama_dir, tiny_llama_unrelated_dir):
     online = OnlineDistillOptions(directory=tmp_path_factory.mktemp("online"), tokens=1, interval_s=0.0,
-                                  cpus=2, min_prompts=120, poll_s=0.1, distill_args=FAST_DISTILL,
+                                  min_prompts=TRAFFIC, poll_s=0.1, distill_args=FAST_DISTILL,
                                   rollback_window=10 ** 9, timeout_s=CYCLE_WAIT_S)
     service = lambda model: ServiceOptions(model=str(model), shutdown_grace_s=1.0)  # noqa: E731
     options = PoolsOptions(backend="local", target=PoolSpec(ReplicaConfig("target", service(tiny_llama_dir))),
@@ -199,7 +200,7 @@ async def generate(deployment, prompt: str) -> tuple[list[int], generation_pb2.G
     return tokens, last.stats
 
 
-async def drive(deployment, prompts: list[str], target_dir: Path, concurrency: int = 8) -> float:
+async def drive(deployment, prompts: list[str], target_dir: Path, concurrency: int = 16) -> float:
     """Serve every prompt (none may fail), check each output is the target's own; the acceptance rate."""
     results = []
     for start in range(0, len(prompts), concurrency):
@@ -217,14 +218,14 @@ def draft_model(deployment) -> str:
 
 
 async def test_a_cycle_rolls_out_a_better_draft_and_live_acceptance_rises(deployment, tiny_llama_dir, caplog):
-    before = await drive(deployment, word_prompts(120, seed=11), tiny_llama_dir)
+    before = await drive(deployment, word_prompts(TRAFFIC, seed=11), tiny_llama_dir)
     online = deployment.online
     await eventually(lambda: online.cycle is not None, True)  # started by the tokens served
     online.options = replace(online.options, tokens=10 ** 9)  # the next cycles only when a test asks
     with caplog.at_level(logging.INFO):
         await eventually(lambda: deployment.online.outcomes, ["rolled_out"], timeout_s=CYCLE_WAIT_S)
     assert draft_model(deployment) == str(deployment.online.drafts / "v1")  # `specmesh replicas` names the version
-    after = await drive(deployment, word_prompts(40, seed=12), tiny_llama_dir)
+    after = await drive(deployment, word_prompts(32, seed=12), tiny_llama_dir)
     assert after >= 1.2 * before and after > before + 0.05, (before, after)
     metrics = deployment.metrics.registry.get_sample_value
     assert metrics("specmesh_online_distill_cycles_total", {"outcome": "rolled_out"}) == 1
@@ -245,7 +246,7 @@ async def test_a_failed_cycle_is_counted_and_logged_and_serving_goes_on(deployme
         await served  # every request during the cycle succeeded with the target's output
     assert deployment.metrics.registry.get_sample_value("specmesh_online_distill_cycles_total",
                                                         {"outcome": outcome}) == 1
-    assert f"cycle v2: {outcome}" in caplog.text and draft_model(deployment) == str(online.drafts / "v1")
+    assert re.search(f"cycle v[23]: {outcome}", caplog.text) and draft_model(deployment) == str(online.drafts / "v1")
 
 
 async def test_a_fall_in_live_acceptance_rolls_the_previous_draft_back(deployment, tiny_llama_dir,

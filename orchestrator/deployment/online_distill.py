@@ -35,6 +35,7 @@ DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") /
 # distill splits the prompts three ways: with fewer, its held-out verdict rests on a handful of rounds
 MIN_PROMPTS = 24
 VERSION = re.compile(r"v(\d+)$")
+KEPT_CYCLES = 20  # cycle directories (prompts gone, log and report left) kept for a look back
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def online_distill_options(args: argparse.Namespace) -> OnlineDistillOptions | N
     if not args.online_distill:
         return None
     return OnlineDistillOptions(
-        directory=Path(args.online_distill_dir).expanduser(), max_bytes=args.online_distill_bytes,
+        # absolute: the draft replicas (and Ray's workers) load the versions from their own working directory
+        directory=Path(args.online_distill_dir).expanduser().resolve(), max_bytes=args.online_distill_bytes,
         tokens=args.online_distill_tokens, interval_s=args.online_distill_interval,
         sample=args.online_distill_sample, cpus=args.online_distill_cpus, gpus=args.online_distill_gpus,
         device=args.online_distill_device, timeout_s=args.online_distill_timeout,
@@ -191,14 +193,17 @@ class OnlineDistiller:
         except Exception as error:  # noqa: BLE001 - counted and logged; serving goes on
             log.exception("online distillation cycle v%d failed", version)
             job, result, outcome = None, CycleResult("failed", None, f"{type(error).__name__}: {error}"), "failed"
+        self._prune()
         self.outcomes.append(outcome)
         self.metrics.online_distill_cycles.labels(outcome=outcome).inc()
         log.log(logging.INFO if outcome in ("rolled_out", "no_gain") else logging.WARNING, "%s",
                 cycle_line(version, outcome, result, job, time.monotonic() - started))
 
     def _next_version(self) -> int:
-        existing = [self.version_of(str(path)) for path in self.drafts.glob("v*")] if self.drafts.is_dir() else []
-        return max([0, self.version_of(self.draft_model), *existing]) + 1
+        """Never a number used before: a model's name labels its acceptance counters (the latest cycle's
+        directory is always kept)."""
+        used = [int(path.name[1:]) for path in self.options.directory.glob("*/v*") if VERSION.match(path.name)]
+        return max([0, self.version_of(self.draft_model), *used]) + 1
 
     def _prepare(self, version: int) -> DistillJob:
         """The cycle's prompts (the evidence now, and the target's newly logged rejections) and paths."""
@@ -253,21 +258,25 @@ class OnlineDistiller:
         _, drafted, accepted = self._counts(previous)
         self.watch = Watch(model, previous, accepted / drafted if drafted else 0.0, self._counts(model))
         self.metrics.online_distill_draft_version.set(self.version_of(model))
-        self._prune(keep={model, previous})
 
-    def _prune(self, keep: set[str]) -> None:
-        """Distilled drafts other than the serving one and the one a rollback would return to."""
+    def _prune(self) -> None:
+        """Distilled drafts other than the serving one and the one a rollback would return to; old cycles."""
+        keep = {self.draft_model, *([self.watch.previous] if self.watch is not None else [])}
         for path in self.drafts.glob("v*"):
             if str(path) not in keep and self.version_of(str(path)):
                 shutil.rmtree(path, ignore_errors=True)
+        cycles = sorted((p for p in self.options.directory.glob("cycles/v*") if VERSION.match(p.name)),
+                        key=lambda p: int(p.name[1:]))
+        for path in cycles[:-KEPT_CYCLES]:
+            shutil.rmtree(path, ignore_errors=True)
 
     # ---- probation and rollback
 
     def _counts(self, model: str) -> tuple[float, float, float]:
         """(rounds, drafted, accepted) the orchestrator has counted for `model`'s rounds."""
-        sample, labels = self.metrics.registry.get_sample_value, {"draft_model": model}
-        return tuple(sample(f"specmesh_draft_model_{name}_total", labels) or 0.0
-                     for name in ("rounds", "draft_tokens", "accepted_tokens"))
+        m = self.metrics
+        return tuple(_counted(counter, model) for counter in (m.draft_model_rounds, m.draft_model_draft_tokens,
+                                                             m.draft_model_accepted_tokens))
 
     def _check_watch(self, watch: Watch) -> None:
         if self.draft_model != watch.model:
@@ -296,6 +305,15 @@ class OnlineDistiller:
         self.metrics.online_distill_rollbacks.inc()
         self.metrics.online_distill_draft_version.set(self.version_of(watch.previous))
         log.warning("online distillation: rolled back to %s", watch.previous)
+
+
+def _counted(counter, model: str) -> float:
+    """One draft model's total of a `draft_model`-labelled counter (read alone: a registry read collects all)."""
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("draft_model") == model:
+                return sample.value
+    return 0.0
 
 
 def _idle(task: asyncio.Task | None) -> bool:

@@ -115,6 +115,8 @@ def pools_options(args: argparse.Namespace, security=None, internal_token: str |
 def local_cpus(options: PoolsOptions) -> int:
     """Logical CPUs for a local cluster: room for every pool at its largest (Ray oversubscribes)."""
     wanted = sum(spec.num_cpus * spec.bounds[1] for spec in (options.target, options.draft) if spec)
+    if options.online_distill is not None:
+        wanted += options.online_distill.cpus  # the distillation task's own CPUs
     return max(os.cpu_count() or 1, math.ceil(wanted))
 
 
