@@ -105,12 +105,14 @@ async def _stop(process: asyncio.subprocess.Process) -> None:
             continue
 
 
-def run_command(command: list[str], env: dict[str, str], log_path: str, timeout_s: float) -> int | None:
-    """The run, blocking (a Ray task's body): its exit status, None when killed at the deadline."""
-    with open(log_path, "wb") as log_file:
+def run_blocking(job: DistillJob, timeout_s: float) -> int | None:
+    """The run, blocking (a Ray task's body: the command and environment are the worker's own): its exit
+    status, None when killed at the deadline."""
+    with job.log.open("wb") as log_file:
         try:
-            return subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=env, timeout=timeout_s, check=False).returncode
+            return subprocess.run(distill_command(job), stdout=log_file, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, env=distill_environment(job), timeout=timeout_s,
+                                  check=False).returncode
         except subprocess.TimeoutExpired:
             return None
 
@@ -119,8 +121,8 @@ async def run_on_ray(job: DistillJob, timeout_s: float, num_cpus: float, num_gpu
     """The run as a Ray task with its own resources; cancelled with it at the deadline."""
     import ray  # only with the Ray backend
 
-    task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0)(run_command)
-    reference = task.remote(distill_command(job), distill_environment(job), str(job.log), timeout_s)
+    task = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0)(run_blocking)
+    reference = task.remote(job, timeout_s)
     try:
         code = await asyncio.wait_for(reference, timeout_s + KILL_GRACE_S)  # the task ends its own run first
     except asyncio.TimeoutError:
