@@ -62,8 +62,8 @@ def test_evidence_is_bounded_on_disk_and_drops_the_oldest_first(tmp_path):
 
 def test_logged_rejection_contexts_join_the_evidence_once(tmp_path):
     log_path = tmp_path / "disagreements.jsonl"
-    records = [{"context_hash": "a", "context_token_ids": [5, 6, 7]}, {"context_hash": "a", "context_token_ids": [5, 6, 7]},
-               {"context_hash": "b"}]
+    seen = {"context_hash": "a", "context_token_ids": [5, 6, 7]}
+    records = [seen, seen, {"context_hash": "b"}]  # the same context twice, and one without ids
     log_path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"context_hash": "c", "cont')
     store = EvidenceStore(tmp_path / "evidence", max_bytes=10_000, sample=0.0)
     assert store.add_disagreements(log_path) == 1 and store.prompts == 1
