@@ -249,6 +249,22 @@ async def test_a_failed_cycle_is_counted_and_logged_and_serving_goes_on(deployme
     assert re.search(f"cycle v[23]: {outcome}", caplog.text) and draft_model(deployment) == str(online.drafts / "v1")
 
 
+async def test_a_real_cycle_without_gain_rolls_nothing_out(deployment, tiny_llama_dir, caplog):
+    """distill itself says NO GAIN (exit 3): training that cannot move the weights matches the draft at best."""
+    online = deployment.online
+    frozen = ("--lora-rank", "16", "--learning-rate", "1e-12", "--steps", "1", "--max-new-tokens", "16",
+              "--held-out-fraction", "0.25", "--k", str(K))
+    online.options = replace(online.options, distill_args=frozen, timeout_s=CYCLE_WAIT_S)
+    cycles = len(online.outcomes)
+    with caplog.at_level(logging.INFO):
+        online.run_now()
+        await eventually(lambda: online.outcomes[cycles:], ["no_gain"], timeout_s=CYCLE_WAIT_S)
+    assert draft_model(deployment) == str(online.drafts / "v1") and sorted(online.drafts.iterdir()) == [
+        online.drafts / "v1"]  # no candidate left behind
+    assert re.search(r"cycle v\d+: no_gain; held-out at k = 4: tokens per round (\S+) -> \1 \(\+0\.0%\)", caplog.text)
+    await drive(deployment, word_prompts(8, seed=15), tiny_llama_dir)
+
+
 async def test_a_fall_in_live_acceptance_rolls_the_previous_draft_back(deployment, tiny_llama_dir,
                                                                        tiny_llama_unrelated_dir):
     online, metrics = deployment.online, deployment.metrics
