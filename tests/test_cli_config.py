@@ -17,6 +17,7 @@ from harness import serve_config
 from orchestrator.decoding.options import loop_config
 from orchestrator.deployment import ray_cli
 from orchestrator.deployment.launch import local_pools_options
+from orchestrator.deployment.online_distill import fraction
 from orchestrator.frontend.cli import build_parser, frontend_options, main, metrics_ports_of
 from orchestrator.frontend.config_file import ConfigError, settings_by_key
 from orchestrator.frontend.serve_args import serve_settings
@@ -37,6 +38,7 @@ SAMPLES = {
     parse_cpu_list: ([0, 2], (0, 2)),
     parse_kv_cache_memory: ("1GiB", parse_kv_cache_memory("1GiB")),
     ray_cli._resources: ({"specmesh_pool": 1}, {"specmesh_pool": 1}),
+    fraction: (0.25, 0.25),
 }
 
 

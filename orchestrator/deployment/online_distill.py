@@ -29,6 +29,8 @@ from typing import Awaitable, Callable, Sequence
 
 from orchestrator.deployment.online_cycle import CycleResult, DistillJob, run_local, run_on_ray
 from orchestrator.deployment.online_evidence import EvidenceStore
+from specmesh.connections import positive_seconds
+from specmesh.service import positive_int
 
 log = logging.getLogger(__name__)
 DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specmesh" / "online-distill"
@@ -56,6 +58,17 @@ class OnlineDistillOptions:
     poll_s: float = 1.0
 
 
+def fraction(text: str) -> float:
+    """A share, 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
+    return value
+
+
 def add_online_distill_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = OnlineDistillOptions()
     group = parser.add_argument_group("online distillation (docs/design/distillation.md)")
@@ -70,19 +83,19 @@ def add_online_distill_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens served since the last cycle before the next one starts")
     group.add_argument("--online-distill-interval", type=float, default=defaults.interval_s, metavar="SECONDS",
                        help="least time between two cycles")
-    group.add_argument("--online-distill-sample", type=float, default=defaults.sample,
+    group.add_argument("--online-distill-sample", type=fraction, default=defaults.sample,
                        help="share of served requests whose prompt token ids are kept")
     group.add_argument("--online-distill-cpus", type=float, default=defaults.cpus,
                        help="CPU threads of a cycle (Ray: the task's num_cpus)")
     group.add_argument("--online-distill-gpus", type=float, default=defaults.gpus, help="Ray: the task's num_gpus")
     group.add_argument("--online-distill-device", default=defaults.device, help="torch device of a cycle")
-    group.add_argument("--online-distill-timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
+    group.add_argument("--online-distill-timeout", type=positive_seconds, default=defaults.timeout_s, metavar="SECONDS",
                        help="a cycle still running after this long is stopped and counted as timed out")
     group.add_argument("--online-distill-args", default="", metavar="FLAGS",
                        help="further `specmesh distill` flags, e.g. '--max-new-tokens 32'")
-    group.add_argument("--online-distill-rollback-margin", type=float, default=defaults.rollback_margin,
+    group.add_argument("--online-distill-rollback-margin", type=fraction, default=defaults.rollback_margin,
                        help="relative fall in live acceptance, against the draft replaced, that rolls it back")
-    group.add_argument("--online-distill-rollback-window", type=int, default=defaults.rollback_window,
+    group.add_argument("--online-distill-rollback-window", type=positive_int, default=defaults.rollback_window,
                        help="rounds of the new draft per comparison")
 
 
