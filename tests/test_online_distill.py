@@ -70,17 +70,6 @@ def test_logged_rejection_contexts_join_the_evidence_once(tmp_path):
     assert store.add_disagreements(log_path) == 0  # read from where it stopped; the half line waits
 
 
-def test_distill_reads_prompt_token_ids(tmp_path, tiny_llama_dir):
-    from orchestrator.distill.examples import load_examples
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt_token_ids": [5, 6, 7]}\n{"prompt_token_ids": [5, 6, 7]}\n{"prompt_token_ids": [9]}\n')
-    _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    assert [e.prompt_token_ids for e in load_examples(path, tokenizer, 2)] == [(6, 7), (9,)]
-    path.write_text('{"prompt_token_ids": []}\n')
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        load_examples(path, tokenizer, 2)
-
-
 # ---- the loop over a stand-in for the pools
 
 class StandInPools:

@@ -1,4 +1,4 @@
-"""Online distillation while serving (`specmesh serve --online-distill`).
+"""Online distillation while serving (`online-distill: true` in `specmesh serve`'s config file).
 
 The deployment keeps a sample of served prompts (orchestrator.deployment.online_evidence).
 Once enough tokens have been served since the last cycle (and the minimum interval has passed),
