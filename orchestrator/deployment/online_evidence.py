@@ -24,7 +24,7 @@ class EvidenceStore:
 
     def __init__(self, directory: Path, max_bytes: int, sample: float, rng: random.Random | None = None):
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # users' prompts: for this user only
         self.max_bytes = max_bytes
         self.segment_bytes = max(1, max_bytes // SEGMENTS)
         self.sample = sample
