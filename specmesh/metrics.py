@@ -113,6 +113,17 @@ class OrchestratorMetrics:
         self.draft_model_accepted_tokens = Counter(
             "specmesh_draft_model_accepted_tokens", "Draft tokens accepted, by the draft model that proposed them "
             "(its acceptance rate: the ratio of the two rates)", ("draft_model",), registry=r)
+        self.draft_model_rounds = Counter("specmesh_draft_model_rounds", "Rounds that verified draft tokens, by "
+                                          "the draft model that proposed them", ("draft_model",), registry=r)
+        self.online_distill_cycles = Counter(
+            "specmesh_online_distill_cycles", "Online distillation cycles by outcome: rolled_out, no_gain, failed, "
+            "timed_out, rollout_failed, stale (the draft changed while it ran)", ("outcome",), registry=r)
+        self.online_distill_rollbacks = Counter("specmesh_online_distill_rollbacks", "Rollouts of a distilled "
+                                                "draft undone because live acceptance fell", registry=r)
+        self.online_distill_last_gain = Gauge("specmesh_online_distill_last_gain", "Relative change in held-out "
+                                              "tokens per round of the last evaluated candidate", registry=r)
+        self.online_distill_draft_version = Gauge("specmesh_online_distill_draft_version", "Version of the "
+                                                  "draft serving (0: the one serving started with)", registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
 
     def prompt_class_label(self, prompt_class: str) -> str:
@@ -268,6 +279,7 @@ class RequestRecorder:
         if draft_model:
             m.draft_model_draft_tokens.labels(draft_model=draft_model).inc(drafted)
             m.draft_model_accepted_tokens.labels(draft_model=draft_model).inc(accepted)
+            m.draft_model_rounds.labels(draft_model=draft_model).inc()
 
     def proposer(self, proposer: str, proposed: int, accepted: int) -> None:
         """One round's proposer (orchestrator.decoding.proposals) and what it delivered."""

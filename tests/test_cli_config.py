@@ -17,6 +17,7 @@ from harness import serve_config
 from orchestrator.decoding.options import loop_config
 from orchestrator.deployment import ray_cli
 from orchestrator.deployment.launch import local_pools_options
+from orchestrator.deployment.online_distill import fraction
 from orchestrator.frontend.cli import build_parser, frontend_options, main, metrics_ports_of
 from orchestrator.frontend.config_file import ConfigError, settings_by_key
 from orchestrator.frontend.serve_args import serve_settings
@@ -37,6 +38,7 @@ SAMPLES = {
     parse_cpu_list: ([0, 2], (0, 2)),
     parse_kv_cache_memory: ("1GiB", parse_kv_cache_memory("1GiB")),
     ray_cli._resources: ({"specmesh_pool": 1}, {"specmesh_pool": 1}),
+    fraction: (0.25, 0.25),
 }
 
 
@@ -110,8 +112,15 @@ def options_land_where_they_are_used(args: argparse.Namespace) -> None:
     assert (restarts.max_restarts, restarts.window_s, local.max_replica_failures) == (3, 0.25, 3)
     assert (restarts.crash_loop_backoff_s, restarts.max_crash_loop_backoff_s) == (0.25, 0.25)
     assert (local.target.replicas, local.draft.replicas) == (3, 3)
+    online = local.online_distill
+    assert online.directory == Path("value-of-online-distill-dir").resolve() and online.distill_args == (
+        "value-of-online-distill-args",)
+    assert (online.max_bytes, online.tokens, online.interval_s, online.sample, online.cpus, online.gpus) == (
+        3, 3, 0.25, 0.25, 0.25, 0.25)
+    assert (online.device, online.timeout_s, online.rollback_margin, online.rollback_window) == (
+        "value-of-online-distill-device", 0.25, 0.25, 7)
     ray = ray_cli.pools_options(args, security, "token")
-    assert ray.namespace == "value-of-ray-namespace"
+    assert ray.namespace == "value-of-ray-namespace" and ray.online_distill == online
     for spec in (ray.target, ray.draft):
         assert (spec.num_cpus, spec.num_gpus, spec.resources) == (0.25, 0.25, {"specmesh_pool": 1})
         assert (spec.load_per_replica, spec.drain_grace_s, spec.replica.service.max_step_tokens) == (0.25, 0.25, 7)

@@ -189,6 +189,16 @@ async def test_a_disagreement_log_with_contexts_becomes_distillation_prompts(tmp
         check_token_ids(examples, vocab_size=3)
 
 
+def test_distill_reads_prompt_token_ids(tmp_path, tiny_llama_dir):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_token_ids": [5, 6, 7]}\n{"prompt_token_ids": [5, 6, 7]}\n{"prompt_token_ids": [9]}\n')
+    _, tokenizer = load(str(tiny_llama_dir), "cpu")
+    assert [e.prompt_token_ids for e in load_examples(path, tokenizer, 2)] == [(6, 7), (9,)]
+    path.write_text('{"prompt_token_ids": []}\n')
+    with pytest.raises(DistillInputError, match="prompt_token_ids"):
+        load_examples(path, tokenizer, 2)
+
+
 def test_full_fine_tune_from_chat_prompts_under_bfloat16(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
     """Rank 0 trains every weight; chat messages go through the template; bf16 teacher and autocast."""
     prompts = tmp_path / "chat.jsonl"

@@ -32,6 +32,7 @@ from specmesh import openmp  # noqa: E402
 from specmesh.metrics import OrchestratorMetrics  # noqa: E402
 from specmesh.roles import DRAFT  # noqa: E402
 from specmesh.security import token_interceptors  # noqa: E402
+from orchestrator.deployment.online_cycle import DistillJob, run_on_ray  # noqa: E402
 from orchestrator.deployment.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
@@ -256,3 +257,18 @@ async def test_rolling_the_draft_over_on_ray_loses_nothing(ray_stack, tiny_llama
     assert not {r.name for r in state.replicas} & old
     assert all(r.model == str(tiny_llama_unrelated_dir) for r in state.replicas)
     assert ray_stack.pools.controllers["draft"].spec.replica.service.model == str(tiny_llama_unrelated_dir)
+
+
+@pytest.mark.parametrize("flags, timeout_s, outcome", [(("--no-such-flag",), 120.0, "failed"),
+                                                       ((), 0.5, "timed_out")])
+async def test_an_online_distillation_run_is_a_ray_task_with_its_own_resources(ray_cluster, tmp_path, flags,
+                                                                               timeout_s, outcome):
+    """The Ray backend's cycle: the same `specmesh distill` child, inside a task holding a CPU; a crash
+    names its status, an overrun is stopped at its deadline."""
+    job = DistillJob("target", "draft", tmp_path / "prompts.jsonl", tmp_path / "v1", tmp_path / "report.json",
+                     tmp_path / "distill.log", extra_args=flags)
+    result = await run_on_ray(job, timeout_s, num_cpus=1, num_gpus=0)
+    assert result.outcome == outcome and result.report is None
+    if outcome == "failed":
+        assert "exit status 2" in result.detail and "--no-such-flag" in job.log.read_text()
+

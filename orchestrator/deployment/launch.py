@@ -31,6 +31,7 @@ from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.replicas import create_model_server
+from orchestrator.deployment.online_distill import OnlineDistillOptions, online_distill_options
 from orchestrator.deployment.options import PoolsOptions, RestartPolicy
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.options import FrontendOptions
@@ -105,7 +106,8 @@ def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_
                 draft_replicas: int = 1, greedy_draft: bool = False,
                 disagreement_log: tuple[str, float, bool] | None = None, channel_tls: TLSConfig | None = None,
                 max_replica_failures: int = MAX_REPLICA_FAILURES,
-                restart_policy: RestartPolicy = RestartPolicy()) -> PoolsOptions:
+                restart_policy: RestartPolicy = RestartPolicy(),
+                online_distill: OnlineDistillOptions | None = None) -> PoolsOptions:
     """Each role a pool of local child processes (draft None or no draft replicas: target-only)."""
     target_pool = PoolSpec(ReplicaConfig(TARGET.name, target, disagreement_log=disagreement_log),
                            replicas=target_replicas)
@@ -114,7 +116,7 @@ def local_pools(target: ServiceOptions, draft: ServiceOptions | None, *, target_
         draft_pool = PoolSpec(ReplicaConfig(DRAFT.name, draft, greedy_proposals=greedy_draft), replicas=draft_replicas)
     return PoolsOptions(backend="local", target=target_pool, draft=draft_pool, channel_tls=channel_tls,
                         max_replica_failures=max_replica_failures,
-                        restart_policy=restart_policy)
+                        restart_policy=restart_policy, online_distill=online_distill)
 
 
 def model_service_options(args: argparse.Namespace, role_name: str, **common) -> ServiceOptions:
@@ -146,7 +148,8 @@ def local_pools_options(args: argparse.Namespace, security, metrics_ports, inter
         channel_tls=security.channel_tls, max_replica_failures=args.max_replica_failures,
         restart_policy=RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window,
                                      crash_loop_backoff_s=args.crash_loop_backoff,
-                                     max_crash_loop_backoff_s=args.max_crash_loop_backoff))
+                                     max_crash_loop_backoff_s=args.max_crash_loop_backoff),
+        online_distill=online_distill_options(args))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
+from orchestrator.deployment.online_distill import OnlineDistillOptions
 from orchestrator.deployment.pool import PoolSpec
 from specmesh.roles import START_TIMEOUT_S
 from specmesh.security import TLSConfig
@@ -55,6 +56,7 @@ class PoolsOptions:
     restart_policy: RestartPolicy = RestartPolicy()  # local backend: restarts of a dead replica
     start_timeout_s: float = START_TIMEOUT_S
     channel_tls: TLSConfig | None = None  # the orchestrator's channels to replicas; None = plaintext
+    online_distill: OnlineDistillOptions | None = None  # None: the draft changes only by rollouts asked for
 
     @property
     def manage(self) -> bool:

@@ -18,6 +18,7 @@ import grpc
 from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.ray_controller import PoolSpec
 
+from orchestrator.deployment.online_distill import online_distill_options
 from orchestrator.deployment.options import PoolsOptions
 from specmesh.service import ReplicaConfig, ServiceOptions
 from target_service.disagreements import disagreement_log_settings
@@ -107,12 +108,15 @@ def pools_options(args: argparse.Namespace, security=None, internal_token: str |
                           server_tls, internal_token, greedy_proposals=args.greedy_draft)
     return PoolsOptions(backend="ray", namespace=args.ray_namespace, target=target, draft=draft,
                         max_replica_failures=args.max_replica_failures,
-                        channel_tls=security.channel_tls if security else None)
+                        channel_tls=security.channel_tls if security else None,
+                        online_distill=online_distill_options(args))
 
 
 def local_cpus(options: PoolsOptions) -> int:
     """Logical CPUs for a local cluster: room for every pool at its largest (Ray oversubscribes)."""
     wanted = sum(spec.num_cpus * spec.bounds[1] for spec in (options.target, options.draft) if spec)
+    if options.online_distill is not None:
+        wanted += options.online_distill.cpus  # the distillation task's own CPUs
     return max(os.cpu_count() or 1, math.ceil(wanted))
 
 

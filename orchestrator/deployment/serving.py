@@ -22,6 +22,7 @@ from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClie
 from orchestrator.deployment.options import BACKENDS, PoolsOptions
 from orchestrator.deployment.pool import PoolSpec, ReplicaPool, new_pool
 from orchestrator.deployment.ray_controller import PoolController, ray_discovery
+from orchestrator.deployment.online_distill import OnlineDistiller
 from orchestrator.deployment.rollout import Rollout
 from orchestrator.deployment.supervisor import LocalPoolController
 from orchestrator.decoding.background import spawn_background
@@ -53,6 +54,7 @@ class Pools:
         self.metrics = None  # specmesh.metrics.OrchestratorMetrics, once the servicer has one
         self.target_info = None  # the target's ModelInfo(timeout), once the servicer has a target client
         self.rollout: Rollout | None = None  # the draft pool's latest rollout
+        self.online: OnlineDistiller | None = None  # with online distillation on (and a draft pool here)
         self._health = None  # the orchestrator's grpc.health.v1 servicer, once it serves
         self._serving_names: tuple[str, ...] = ()
 
@@ -159,6 +161,8 @@ class Pools:
         return addresses
 
     async def stop(self) -> None:
+        if self.online is not None:
+            await self.online.stop()  # no cycle may start a rollout while the pools stop
         if self.rollout is not None and self.rollout.task is not None:
             self.rollout.task.cancel()
             await asyncio.gather(self.rollout.task, return_exceptions=True)
@@ -268,4 +272,21 @@ async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, 
         pool.on_info = backends.step_reports.update
     servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider))
     servicer.pools = pools
+    start_online_distillation(pools, servicer)
     return servicer
+
+
+def start_online_distillation(pools: Pools, servicer: GenerationServicer) -> None:
+    """With `online_distill` set and a draft pool this orchestrator owns: the online loop, fed by every
+    finished request."""
+    options = pools.options.online_distill
+    if options is None:
+        return
+    if "draft" not in pools.controllers:
+        log.warning("online distillation is on but this orchestrator owns no draft pool: it stays off")
+        return
+    pools.online = OnlineDistiller(pools, options, pools.metrics)
+    servicer.on_served = pools.online.served
+    pools.online.start()
+    log.info("online distillation on: evidence in %s, a cycle after %d tokens served and %.0f s",
+             options.directory, options.tokens, options.interval_s)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from orchestrator.distill import defaults, teacher
 from orchestrator.distill.acceptance import AcceptanceStats, measure_acceptance
-from orchestrator.distill.args import check_args
+from orchestrator.distill.args import NO_GAIN_EXIT, check_args
 from orchestrator.distill.draft_length import (SERVER_MAX_K, choose_k, position_rates, relative_speed,
                                                step_cost_ratio)
 from orchestrator.distill.early_stopping import EarlyStopping
@@ -33,8 +34,6 @@ from orchestrator.distill.examples import DistillInputError, Example, check_toke
 from orchestrator.distill.report import build_report, format_report, improved, write_report
 from orchestrator.distill.training import TrainingSettings, finish_training, make_trainable, train
 from specmesh.models import ModelNotFoundError, eos_token_ids, load_model, load_tokenizer, vocab_fingerprint
-
-NO_GAIN_EXIT = 3  # the draft did not improve (2 is a bad input)
 
 
 @dataclass
@@ -82,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specmesh distill: {error}", file=sys.stderr)
         return 2
     print(format_report(report))
+    if args.report_json:
+        Path(args.report_json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if report["written"]:
         print(f"model and report: {args.output}")
     else:

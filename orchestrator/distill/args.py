@@ -9,6 +9,7 @@ from orchestrator.distill import defaults
 
 DIVERGENCES = ("kl", "tvd")  # see training.bucket_divergence
 DTYPES = ("auto", "float32", "bfloat16")
+NO_GAIN_EXIT = 3  # the draft did not improve (2 is a bad input)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,8 +23,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--target", required=True, help="target model: embedded alias, directory, .gguf or hub id")
     parser.add_argument("--draft", required=True, help="draft model to start from (same vocabulary as the target)")
     parser.add_argument("--prompts", required=True, metavar="FILE",
-                        help="text lines, JSONL with 'prompt' or 'messages', or a target disagreement log "
-                             "written with --disagreement-log-context")
+                        help="text lines, JSONL with 'prompt', 'messages' or 'prompt_token_ids', or a target "
+                             "disagreement log written with --disagreement-log-context")
     parser.add_argument("--output", required=True, metavar="DIR", help="directory for the distilled draft")
     parser.add_argument("--overwrite", action="store_true", help="allow a non-empty --output directory")
     parser.add_argument("--force", action="store_true",
@@ -77,6 +78,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--report-json", default=None, metavar="FILE",
+                        help="also write the report's JSON to FILE, whatever the verdict (what serving's online "
+                             "distillation reads)")
     return parser
 
 

@@ -1,10 +1,12 @@
 """Training prompts for `specmesh distill`: where they come from and how they are split.
 
-Three file forms are accepted, told apart by their first non-empty line:
+Four file forms are accepted, told apart by their first non-empty line:
 
 - plain text: every non-empty line is one raw completion prompt;
 - JSONL prompts: `{"prompt": ...}` or `{"messages": [...]}` per line, the format
   `specmesh bench --prompt-file` reads (messages go through the chat template);
+- JSONL token ids: `{"prompt_token_ids": [...]}` per line, prompts already tokenized by the
+  target's tokenizer (what `specmesh serve --online-distill` keeps of served requests);
 - the target's disagreement log (`--disagreement-log`): records with `context_token_ids`
   (written when the target runs with `--disagreement-log-context`) become prompts that end
   exactly where the draft was rejected; records without them carry only a hash of the
@@ -50,8 +52,10 @@ def load_examples(path: str | Path, tokenizer: PreTrainedTokenizerBase,
     first = numbered[0][1].lstrip()
     if not first.startswith("{"):
         examples = [Example(f"{path}:{n}", tuple(tokenizer.encode(line))) for n, line in numbered]
-    elif "context_hash" in _json_object(first, f"{path}:{numbered[0][0]}"):
+    elif "context_hash" in (record := _json_object(first, f"{path}:{numbered[0][0]}")):
         examples = _from_disagreements(path, numbered)
+    elif "prompt_token_ids" in record:
+        examples = _from_token_ids(path, numbered)
     else:
         examples = _from_jsonl(path, tokenizer)
     examples = [Example(e.source, e.prompt_token_ids[-max_prompt_tokens:]) for e in examples]
@@ -86,6 +90,25 @@ def _from_jsonl(path: Path, tokenizer: PreTrainedTokenizerBase) -> list[Example]
     return examples
 
 
+def _token_ids(value, where: str, field_name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise DistillInputError(f"{where}: field {field_name!r}: must be a non-empty list of token ids")
+    return tuple(value)
+
+
+def _from_token_ids(path: Path, numbered: list[tuple[int, str]]) -> list[Example]:
+    """One prompt per distinct `prompt_token_ids` list."""
+    examples, seen = [], set()
+    for number, line in numbered:
+        where = f"{path}:{number}"
+        ids = _token_ids(_json_object(line, where).get("prompt_token_ids"), where, "prompt_token_ids")
+        if ids not in seen:
+            seen.add(ids)
+            examples.append(Example(where, ids))
+    return examples
+
+
 def _from_disagreements(path: Path, numbered: list[tuple[int, str]]) -> list[Example]:
     """One prompt per distinct rejected context: the ids before the rejected position."""
     examples, seen = [], set()
@@ -97,12 +120,10 @@ def _from_disagreements(path: Path, numbered: list[tuple[int, str]]) -> list[Exa
             raise DistillInputError(
                 f"{where}: disagreement record has no 'context_token_ids' (only a hash of the context); "
                 "run the target with --disagreement-log-context so the log can be distilled from")
-        if not isinstance(context, list) or not context or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in context):
-            raise DistillInputError(f"{where}: field 'context_token_ids': must be a non-empty list of token ids")
+        context = _token_ids(context, where, "context_token_ids")
         if record.get("context_hash") not in seen:
             seen.add(record.get("context_hash"))
-            examples.append(Example(where, tuple(context)))
+            examples.append(Example(where, context))
     return examples
 
 

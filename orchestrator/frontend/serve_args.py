@@ -14,6 +14,7 @@ import argparse
 
 from orchestrator.deployment import ray_cli as pools_cli
 from orchestrator.deployment.launch import add_model_arguments, add_supervision_arguments
+from orchestrator.deployment.online_distill import add_online_distill_arguments
 from orchestrator.frontend.config_file import ConfigurableParser
 from specmesh.connections import add_connection_arguments
 from specmesh.drain import add_shutdown_arguments
@@ -58,6 +59,7 @@ def serve_settings() -> argparse.ArgumentParser:
     add_shutdown_arguments(settings)
     pools_cli.add_serve_arguments(settings)
     add_supervision_arguments(settings)
+    add_online_distill_arguments(settings)
     return settings
 
 

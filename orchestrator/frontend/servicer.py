@@ -56,6 +56,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # Earlier and running requests' sequences, for suffix proposals (orchestrator.decoding.suffix_index).
         self.history = SuffixIndex(config.suffix_index_bytes) if config.suffix_index else None
         self.pools = None  # orchestrator.deployment.serving.Pools when serving from replica pools
+        self.on_served = None  # (prompt token ids, completion tokens) of each finished completion, or None
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
@@ -139,6 +140,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     response.stats.CopyFrom(_stats(generation.stats, started, first_token_at, completion_tokens,
                                                    len(checked.prompt_token_ids)))
                     _record_finish(recorder, response)
+                    if self.on_served is not None:
+                        self.on_served(checked.prompt_token_ids, completion_tokens)
                     yield response
                     return
                 yield response
