@@ -84,7 +84,7 @@ def summarise(rows: list[dict]) -> dict:
     return {"acceptance_before_first_rollout": before, "acceptance_after_last_rollout": after,
             "acceptance_relative_change": relative(after, before),
             "tokens_per_s_outside_cycles": outside, "tokens_per_s_while_cycle_runs": during,
-            "throughput_lost_while_cycle_runs": None if change is None else -change,
+            "throughput_lost_while_cycle_runs": None if change is None else 0.0 - change,  # never -0.0
             "cycles": {outcome: int(count) for outcome, count in rows[-1]["cycles"].items() if count},
             "rollouts": len(rollouts), "rollbacks": int(rows[-1]["rollbacks"]),
             "requests": rows[-1]["requests"], "failed_requests": rows[-1]["failed"],
