@@ -35,8 +35,9 @@ REPLICA_EXIT = re.compile(r"(draft|target) replica \S+ stopped: exit code (-?\d+
 def print_header(script: str, argv: list[str] | None) -> None:
     """The machine and the exact command, first in the output."""
     info = machine_info()
+    gpu = f", GPU {info['cuda']}" if info["cuda"] else ""
     print(f"machine: {info['platform']}, {info['cpu']}, {info['cpu_count']} cores, python {info['python']}, "
-          f"torch {info['torch']} ({info['torch_threads']} threads)")
+          f"torch {info['torch']} ({info['torch_threads']} threads){gpu}")
     print(f"command: python {script} " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
 
 

@@ -122,6 +122,9 @@ class OrchestratorMetrics:
                                                 "draft undone because live acceptance fell", registry=r)
         self.online_distill_last_gain = Gauge("specmesh_online_distill_last_gain", "Relative change in held-out "
                                               "tokens per round of the last evaluated candidate", registry=r)
+        self.online_distill_cycle_running = Gauge("specmesh_online_distill_cycle_running", "1 while an online "
+                                                  "distillation cycle runs (trains and judges a candidate)",
+                                                  registry=r)
         self.online_distill_draft_version = Gauge("specmesh_online_distill_draft_version", "Version of the "
                                                   "draft serving (0: the one serving started with)", registry=r)
         prometheus_client.ProcessCollector(registry=r)  # process_resident_memory_bytes and friends

@@ -134,6 +134,19 @@ async def test_a_candidate_that_does_not_beat_the_draft_is_never_rolled_out(tmp_
         assert "tokens per round 1.500 -> 1.300" in caplog.text
 
 
+async def test_the_running_gauge_reads_1_while_a_cycle_runs_and_0_after(tmp_path):
+    running = []
+
+    async def recorded(job: DistillJob) -> CycleResult:
+        running.append(metrics.registry.get_sample_value("specmesh_online_distill_cycle_running"))
+        return await candidate(False, 3)(job)
+    distiller, _, metrics = await stand_in_distiller(tmp_path, recorded)
+    distiller.start()
+    await eventually(lambda: distiller.outcomes, ["no_gain"])
+    await distiller.stop()
+    assert running == [1.0] and metrics.registry.get_sample_value("specmesh_online_distill_cycle_running") == 0
+
+
 def inject_rounds(metrics: OrchestratorMetrics, model: str, rounds: int, drafted: int, accepted: int) -> None:
     metrics.draft_model_rounds.labels(draft_model=model).inc(rounds)
     metrics.draft_model_draft_tokens.labels(draft_model=model).inc(drafted)

@@ -199,6 +199,7 @@ class OnlineDistiller:
     async def _cycle(self) -> None:
         started, version = time.monotonic(), self._next_version()
         self.tokens, self.last_cycle_at, self.forced = 0, started, False
+        self.metrics.online_distill_cycle_running.set(1)
         try:
             job = self._prepare(version)
             result = await self._distill(job)
@@ -206,6 +207,8 @@ class OnlineDistiller:
         except Exception as error:  # noqa: BLE001 - counted and logged; serving goes on
             log.exception("online distillation cycle v%d failed", version)
             job, result, outcome = None, CycleResult("failed", None, f"{type(error).__name__}: {error}"), "failed"
+        finally:
+            self.metrics.online_distill_cycle_running.set(0)
         self._prune()
         self.outcomes.append(outcome)
         self.metrics.online_distill_cycles.labels(outcome=outcome).inc()

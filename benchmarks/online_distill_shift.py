@@ -1,0 +1,285 @@
+"""Traffic shift: a draft poorly matched to the traffic, online distillation on, and what it does over time.
+
+Starts `specmesh serve` (--target, --draft; its output in RESULT_DIR/serve.log) with a config file
+(RESULT_DIR/serve.yaml: --config's settings, online distillation on with this script's thresholds,
+and prompt lookup and the suffix index off unless --config turns them on, so that the draft alone
+proposes: a closed loop repeats its prompts, which the suffix index would otherwise answer). Then it
+drives a closed loop over gRPC: --concurrency clients, each sending the next prompt of --prompts
+(shuffled, repeated) as soon as its last one finished, until --duration seconds, --requests requests,
+or --tail-s seconds after --until-cycles cycles finished. Every --sample-s seconds it scrapes the
+orchestrator's /metrics: tokens drafted and accepted by the draft model (the live acceptance of each
+interval), the client's output tokens (tokens/s of each interval), the serving draft's version (a
+change is a rollout), whether a cycle runs (specmesh_online_distill_cycle_running), cycles by outcome.
+
+Writes RESULT_DIR/timeline.json, timeline.csv and timeline.png (acceptance and tokens/s over time,
+cycles shaded, rollouts marked) and prints: acceptance before the first rollout against after the
+last; tokens/s outside cycles against while one runs (the throughput a cycle costs); cycles by
+outcome; failed requests (must be 0); with --check-greedy, whether every greedy output equals the
+target-only output of its prompt (the same prompt sent with speculation off, after the loop). The
+machine and the exact command come first.
+
+    python benchmarks/online_distill_shift.py --duration 1800 --concurrency 4
+    python benchmarks/online_distill_shift.py --target DIR --draft DIR --prompts FILE --until-cycles 2 \\
+        --distill-tokens 5000 --distill-args '--max-new-tokens 32' --check-greedy --result-dir shift
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_pipeline import scrape  # noqa: E402
+from shift_timeline import add_intervals, rate, sample_row, summarise, summary_lines, write_files  # noqa: E402
+from stack_checks import print_header  # noqa: E402
+from orchestrator.bench.clients import GrpcClient, RequestParams  # noqa: E402
+from orchestrator.bench.prompts import BenchPrompt, load_jsonl  # noqa: E402
+from specmesh.models import load_tokenizer  # noqa: E402
+
+SCRIPT = "benchmarks/online_distill_shift.py"
+READY = re.compile(r"client endpoint \S+?:(\d+)")
+METRICS = re.compile(r"orchestrator http://\S+?:(\d+)/metrics")
+STOP_WAIT_S = 120.0  # serve drains and stops its replicas (and a running cycle) on SIGTERM
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="as `specmesh serve --target` takes it")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="the draft to start from")
+    parser.add_argument("--prompts", default=str(ROOT / "benchmarks" / "data" / "function_requests.jsonl"),
+                        help="JSONL prompts (`specmesh bench --prompts` form: prompt or messages)")
+    parser.add_argument("--result-dir", default="online-distill-shift")
+    parser.add_argument("--config", help="further `specmesh serve --config` settings (its online-distill keys "
+                                         "give way to this script's flags)")
+    parser.add_argument("--device", help="serve's --device (and the cycles' online-distill-device)")
+    parser.add_argument("--k", type=int, default=4, help="serve's --num-speculative-tokens")
+    parser.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed",
+                        help="serve's --speculation-policy (fixed: the draft drafts every round, whatever it earns)")
+    load = parser.add_argument_group("the closed loop")
+    load.add_argument("--concurrency", type=int, default=4)
+    load.add_argument("--duration", type=float, default=1800.0, metavar="SECONDS", help="at most this long")
+    load.add_argument("--requests", type=int, default=None, help="at most this many requests")
+    load.add_argument("--until-cycles", type=int, default=0, metavar="N", help="stop --tail-s after N cycles")
+    load.add_argument("--tail-s", type=float, default=60.0, help="served after the --until-cycles-th cycle")
+    load.add_argument("--sample-s", type=float, default=5.0, help="seconds between two scrapes of /metrics")
+    load.add_argument("--max-tokens", type=int, default=128, help="per request (a prompt's own max_tokens wins)")
+    load.add_argument("--temperature", type=float, default=None, help="default: each prompt's own (greedy)")
+    load.add_argument("--request-timeout", type=float, default=600.0)
+    load.add_argument("--seed", type=int, default=0, help="the prompts' order")
+    load.add_argument("--check-greedy", action="store_true",
+                      help="after the loop: every greedy output must equal its prompt's target-only output")
+    online = parser.add_argument_group("online distillation (serve's online-distill-* settings)")
+    online.add_argument("--distill-tokens", type=int, default=20_000, help="tokens served before a cycle")
+    online.add_argument("--distill-interval", type=float, default=60.0, help="least seconds between cycles")
+    online.add_argument("--distill-args", default="", help="further `specmesh distill` flags of a cycle")
+    online.add_argument("--distill-cpus", type=float, default=1.0, help="threads of a cycle")
+    online.add_argument("--distill-timeout", type=float, default=3600.0)
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds serve may take to be ready")
+    return parser.parse_args(argv)
+
+
+def write_serve_config(args: argparse.Namespace, directory: Path) -> Path:
+    """serve.yaml: --config's settings, the proposers off unless it says otherwise, online distillation on."""
+    settings = {}
+    if args.config:
+        settings = {str(key).replace("_", "-"): value
+                    for key, value in (yaml.safe_load(Path(args.config).read_text()) or {}).items()}
+    for proposer in ("prompt-lookup", "suffix-index"):
+        settings.setdefault(proposer, "off")
+    online = directory / "online-distill"
+    shutil.rmtree(online, ignore_errors=True)  # no evidence or draft versions of an earlier run
+    settings.update({"online-distill": True, "online-distill-dir": str(online.resolve()),
+                     "online-distill-tokens": args.distill_tokens, "online-distill-interval": args.distill_interval,
+                     "online-distill-args": args.distill_args, "online-distill-cpus": args.distill_cpus,
+                     "online-distill-timeout": args.distill_timeout})
+    if args.device:
+        settings["online-distill-device"] = args.device
+    path = directory / "serve.yaml"
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path
+
+
+def serve_command(args: argparse.Namespace, config: Path) -> list[str]:
+    command = [sys.executable, "-m", "orchestrator.frontend.cli", "serve", "--target", args.target,
+               "--draft", args.draft, "--port", "0", "--http-port", "-1", "--metrics-port", "0",
+               "--num-speculative-tokens", str(args.k), "--speculation-policy", args.policy, "--config", str(config)]
+    return command + (["--device", args.device] if args.device else [])
+
+
+def start_serve(args: argparse.Namespace, config: Path, log_path: Path) -> tuple[subprocess.Popen, int, int]:
+    """`specmesh serve` with its output in log_path; (process, gRPC port, orchestrator metrics port) once ready."""
+    command = serve_command(args, config)
+    print("serve: " + shlex.join(command[1:]), flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        text = log_path.read_text(errors="replace")
+        ready, metrics = READY.search(text), METRICS.search(text)
+        if ready and metrics:
+            return process, int(ready.group(1)), int(metrics.group(1))
+        time.sleep(0.2)  # paces reading another process's log
+    stop_serve(process)
+    raise SystemExit("serve did not become ready:\n" + log_path.read_text(errors="replace")[-3000:])
+
+
+def stop_serve(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@dataclass
+class Load:
+    """What the clients sent and got: the counts the sampler reads, and the greedy outputs by prompt."""
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    tokens: int = 0
+    errors: Counter = field(default_factory=Counter)
+    greedy: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)  # by index into the prompt order
+
+
+class Workload:
+    """The closed loop's prompts, their request parameters and one gRPC client."""
+
+    def __init__(self, args: argparse.Namespace, endpoint: str):
+        self.args = args
+        self.order = load_jsonl(args.prompts)
+        random.Random(args.seed).shuffle(self.order)
+        chat = any(item.messages is not None for item in self.order)
+        self.client = GrpcClient(endpoint, load_tokenizer(args.target) if chat else None)
+
+    def params(self, item: BenchPrompt) -> RequestParams:
+        temperature = self.args.temperature if self.args.temperature is not None else item.default_temperature()
+        return RequestParams(max_tokens=item.max_tokens or self.args.max_tokens, temperature=temperature, seed=None,
+                             speculation=True, timeout_s=self.args.request_timeout)
+
+    async def generate(self, item: BenchPrompt, params: RequestParams, load: Load | None = None) -> tuple[int, ...]:
+        tokens: list[int] = []
+        async for response in self.client.stub.Generate(self.client.request(item, params), timeout=params.timeout_s):
+            tokens.extend(response.token_ids)
+            if load is not None:
+                load.tokens += len(response.token_ids)  # as they stream: an interval counts what it served
+        return tuple(tokens)
+
+    async def client_loop(self, load: Load, stop: asyncio.Event) -> None:
+        """One closed-loop client: the next prompt as soon as the last one finished."""
+        while not stop.is_set() and (self.args.requests is None or load.started < self.args.requests):
+            index = load.started % len(self.order)
+            load.started += 1
+            item, params = self.order[index], self.params(self.order[index])
+            try:
+                tokens = await self.generate(item, params, load)
+            except grpc.aio.AioRpcError as error:
+                load.failed += 1
+                load.errors[error.code().name] += 1
+                continue
+            load.completed += 1
+            if params.temperature == 0 and item.n == 1:
+                load.greedy.setdefault(index, set()).add(tokens)
+
+    async def check_greedy(self, load: Load) -> dict:
+        """Each greedy prompt sent once more with speculation off: its outputs must all equal that one."""
+        limit = asyncio.Semaphore(self.args.concurrency)
+
+        async def agrees(index: int, outputs: set[tuple[int, ...]]) -> bool:
+            item = self.order[index]
+            async with limit:
+                return outputs == {await self.generate(item, replace(self.params(item), speculation=False))}
+        verdicts = await asyncio.gather(*(agrees(index, outputs) for index, outputs in load.greedy.items()))
+        return {"prompts": len(verdicts), "outputs": sum(len(outputs) for outputs in load.greedy.values()),
+                "differ": verdicts.count(False)}
+
+
+async def sample_until_done(args: argparse.Namespace, metrics_port: int, load: Load, stop: asyncio.Event,
+                            clients: asyncio.Future) -> list[dict]:
+    """A row every --sample-s seconds until the clients have stopped; tells them when to stop."""
+    rows: list[dict] = []
+    started, cycles_done_at = time.monotonic(), None
+    while True:
+        samples = await asyncio.to_thread(scrape, metrics_port)
+        elapsed = time.monotonic() - started
+        rows.append(sample_row(samples, elapsed, load.completed, load.failed, load.tokens))
+        print_progress(rows)
+        if clients.done():
+            return rows
+        if cycles_done_at is None and args.until_cycles and rows[-1]["cycles_done"] >= args.until_cycles:
+            cycles_done_at = elapsed
+        if elapsed >= args.duration or (cycles_done_at is not None and elapsed - cycles_done_at >= args.tail_s):
+            stop.set()
+        await asyncio.wait({clients}, timeout=args.sample_s)
+
+
+def print_progress(rows: list[dict]) -> None:
+    row = rows[-1]
+    line = f"  {row['t_s']:6.0f} s: {row['requests']} requests, draft v{row['draft_version']:.0f}"
+    if len(rows) > 1:
+        acceptance, seconds = rate(rows[-2], row), row["t_s"] - rows[-2]["t_s"]
+        line += (f", acceptance {'-' if acceptance is None else f'{acceptance:.3f}'}, "
+                 f"{(row['tokens'] - rows[-2]['tokens']) / max(seconds, 1e-9):.1f} tok/s")
+    print(line + (", cycle running" if row["cycle_running"] else ""), flush=True)
+
+
+async def run(args: argparse.Namespace, grpc_port: int, metrics_port: int) -> tuple[list[dict], Load, dict | None]:
+    workload, load, stop = Workload(args, f"127.0.0.1:{grpc_port}"), Load(), asyncio.Event()
+    try:
+        clients = asyncio.ensure_future(asyncio.gather(*(workload.client_loop(load, stop)
+                                                         for _ in range(args.concurrency))))
+        rows = await sample_until_done(args, metrics_port, load, stop, clients)
+        await clients  # a client's own error (not a failed request) surfaces here
+        greedy = await workload.check_greedy(load) if args.check_greedy else None
+    finally:
+        await workload.client.close()
+    return rows, load, greedy
+
+
+def greedy_line(greedy: dict) -> str:
+    verdict = "ok" if greedy["differ"] == 0 else f"{greedy['differ']} prompts DIFFER"
+    return (f"greedy check: {greedy['prompts']} prompts, {greedy['outputs']} distinct outputs against the "
+            f"target-only output of each: {verdict}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    print_header(SCRIPT, argv)
+    directory = Path(args.result_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    process, grpc_port, metrics_port = start_serve(args, write_serve_config(args, directory), directory / "serve.log")
+    try:
+        rows, load, greedy = asyncio.run(run(args, grpc_port, metrics_port))
+    finally:
+        stop_serve(process)
+    summary = {**summarise(add_intervals(rows)), "errors": dict(load.errors), "greedy_check": greedy}
+    command = f"python {SCRIPT} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    paths = write_files(rows, {"command": command, "settings": vars(args), "summary": summary}, directory)
+    for line in summary_lines(summary) + ([greedy_line(greedy)] if greedy else []):
+        print(line)
+    print("wrote " + ", ".join(str(path) for path in paths), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
