@@ -317,3 +317,19 @@ def test_early_stopping_keeps_the_best_weights_and_cuts_the_rate_before_stopping
     assert outcomes == ["improved", "improved", "wait", "wait", "cut", "wait", "wait", "stop"]
     stopping.restore_best(model)
     assert torch.equal(model.weight, best_weight) and stopping.best == 0.7 and stopping.best_step == 1
+
+
+def test_the_teacher_on_onednn_gives_the_same_reference_continuations(tiny_llama_dir):
+    """distill puts the float32 teacher on the services' faster kernel where it is faster: the held-out
+    reference (what greedy serving commits) must not change with the kernel."""
+    from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear, onednn_usable
+
+    if not onednn_usable("cpu"):
+        pytest.skip("no oneDNN on this CPU")
+    prompts = [tuple(range(5 + i, 12 + 2 * i)) for i in range(6)]  # ragged lengths: padding is exercised
+    model, _ = load_model(str(tiny_llama_dir))
+    on_torch = teacher.greedy_continuations(model, prompts, 12, 4, 0, lambda items, label: items)
+    assert choose_cpu_linear(model, "onednn", "cpu") == "onednn"
+    assert any(isinstance(module, OneDnnLinear) for module in model.modules())
+    on_onednn = teacher.greedy_continuations(model, prompts, 12, 4, 0, lambda items, label: items)
+    assert torch.equal(on_torch, on_onednn)

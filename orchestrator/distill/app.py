@@ -33,6 +33,7 @@ from orchestrator.distill.early_stopping import EarlyStopping
 from orchestrator.distill.examples import DistillInputError, Example, check_token_ids, load_examples, split_examples
 from orchestrator.distill.report import build_report, format_report, improved, write_report
 from orchestrator.distill.training import TrainingSettings, finish_training, make_trainable, train
+from specmesh.cpu_linear import choose_cpu_linear
 from specmesh.models import ModelNotFoundError, eos_token_ids, load_model, load_tokenizer, vocab_fingerprint
 
 
@@ -54,6 +55,7 @@ class Run:
     vocab_size: int = 0  # ids both models can produce (the target's padded rows are never produced)
     eos_ids: dict[str, set[int]] = field(default_factory=dict)  # "target" / "draft" -> ids that end text
     cost_ratio: float = 1.0  # a draft step's time over a target step's
+    teacher_linear: str = "torch"  # the kernel of the teacher's float32 Linear layers (specmesh.cpu_linear)
     times: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -153,6 +155,8 @@ def load_models(run: Run) -> None:
     args.learning_rate = defaults.learning_rate_for(args.lora_rank, args.learning_rate)
     args.teacher_dtype = defaults.resolve_dtype(args.teacher_dtype, args.device)
     args.train_dtype = defaults.resolve_dtype(args.train_dtype, args.device)
+    if args.teacher_dtype == "float32":  # the teacher only infers: the services' faster kernel where it is faster
+        run.teacher_linear = choose_cpu_linear(run.target, "auto", args.device)
 
 
 def _output_size(model) -> int:
