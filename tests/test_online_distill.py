@@ -239,7 +239,7 @@ async def test_a_cycle_rolls_out_a_better_draft_and_live_acceptance_rises(deploy
 async def test_a_failed_cycle_is_counted_and_logged_and_serving_goes_on(deployment, tiny_llama_dir, caplog, case):
     online = deployment.online
     flags = ("--no-such-flag",) if case == "crash" else FAST_DISTILL
-    online.options = replace(online.options, distill_args=flags, timeout_s=0.5 if case == "deadline" else CYCLE_WAIT_S)
+    online.options = replace(online.options, distill_args=flags, timeout_s=0.5 if case == "deadline" else 60.0)
     outcome = {"crash": "failed", "deadline": "timed_out"}[case]
     with caplog.at_level(logging.INFO):
         online.run_now()
