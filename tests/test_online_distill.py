@@ -14,6 +14,8 @@ import asyncio
 import json
 import logging
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,7 @@ import pytest
 
 from harness import eventually, load
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.online_cycle import CycleResult, DistillJob, result_of
+from orchestrator.deployment.online_cycle import CycleResult, DistillJob, distill_command, result_of
 from orchestrator.deployment.online_distill import OnlineDistiller, OnlineDistillOptions
 from orchestrator.deployment.online_evidence import EvidenceStore
 from orchestrator.deployment.options import RestartPolicy
@@ -278,3 +280,19 @@ async def test_a_fall_in_live_acceptance_rolls_the_previous_draft_back(deploymen
     assert draft_model(deployment) == str(tiny_llama_unrelated_dir)
     assert metrics.registry.get_sample_value("specmesh_online_distill_draft_version") == 0
     await drive(deployment, word_prompts(8, seed=14), tiny_llama_dir)
+
+
+def test_the_distill_child_refuses_a_bad_flag_before_it_loads_torch(tmp_path):
+    """The child runs at nice 19: on a busy node, torch's import first would leave a bad flag unreported for minutes."""
+    command = distill_command(DistillJob("target", "draft", tmp_path / "p.jsonl", tmp_path / "v1", tmp_path / "r.json",
+                                         tmp_path / "distill.log", extra_args=("--no-such-flag",)))
+    module = command.index("-m") + 1
+    probe = ("import runpy, sys\n"
+             "try:\n"
+             f"    runpy.run_module({command[module]!r}, run_name='__main__')\n"
+             "finally:\n"
+             "    print('torch loaded' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe, *command[module + 1:]], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.returncode == 2 and "--no-such-flag" in done.stderr, done.stderr
+    assert done.stderr.rstrip().endswith("no torch"), done.stderr

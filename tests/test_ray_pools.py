@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ray = pytest.importorskip("ray")
 
-from harness import load  # noqa: E402
+from harness import WORK_TIMEOUT_S, load  # noqa: E402
 from orchestrator.decoding.request import LoopConfig  # noqa: E402
-from orchestrator.deployment.ray_controller import PoolSpec  # noqa: E402
+from orchestrator.deployment.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
 from specmesh.service import ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
 from orchestrator.frontend.server import serve_grpc  # noqa: E402
@@ -47,8 +47,11 @@ TOKEN = "ray-internal-token"
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # No idle workers started ahead: every replica starts its own (its runtime_env differs from the
+    # default), and on 2 cores the prestarted ones would hold Ray's worker-start slots (as many as cores).
     ray.init(num_cpus=4, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             object_store_memory=100 * 1024 * 1024)
+             object_store_memory=100 * 1024 * 1024,
+             _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
     yield
     ray.shutdown()
 
@@ -68,7 +71,7 @@ class RayStack:
     async def generate(self, prompt: str, max_tokens: int, first_token: asyncio.Event | None = None) -> list[int]:
         tokens = []
         request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
-        async for response in self.generation.Generate(request, timeout=120):
+        async for response in self.generation.Generate(request, timeout=WORK_TIMEOUT_S):
             tokens.extend(response.token_ids)
             if first_token is not None:
                 first_token.set()
@@ -77,7 +80,7 @@ class RayStack:
     def expected(self, prompt: str, max_tokens: int) -> list[int]:
         return list(target_greedy(self.target_dir, "cpu", prompt, max_tokens))
 
-    async def wait_serving(self, role: str, count: int, timeout_s: float = 90.0) -> None:
+    async def wait_serving(self, role: str, count: int, timeout_s: float = WORK_TIMEOUT_S) -> None:
         pool = self.pools.pools[role]
         deadline = time.monotonic() + timeout_s
         while len(pool.routable()) != count or len(pool.replicas) != count:
@@ -94,7 +97,7 @@ class RayStack:
 async def ray_stack(ray_cluster, tiny_llama_dir, tiny_llama_perturbed_dir):
     options = PoolsOptions(namespace=NAMESPACE, target=pool_spec("target", tiny_llama_dir),
                            draft=pool_spec("draft", tiny_llama_perturbed_dir), check_interval_s=0.25,
-                           start_timeout_s=120.0)
+                           start_timeout_s=2 * WORK_TIMEOUT_S)  # four replica processes start at once
     pools = Pools.from_options(options, token_interceptors(TOKEN))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2),
@@ -160,13 +163,22 @@ async def test_draft_replicas_start_with_a_short_openmp_spin_and_targets_with_li
             assert await ray_stack.actor(role, name).__ray_call__.remote(read_spin) == expected, name
 
 
+async def test_replicas_run_at_the_priority_of_the_process_that_started_ray(ray_stack):
+    """Not at the niceness Ray gives its workers (15): a replica serves requests, and on a busy node
+    a reniced one would get a sliver of the CPU."""
+    niceness = lambda actor: __import__("os").nice(0)  # noqa: E731  runs in the actor
+    for role in ("draft", "target"):
+        for name in ray_stack.pools.controllers[role].actors:
+            assert await ray_stack.actor(role, name).__ray_call__.remote(niceness) == os.nice(0), name
+
+
 async def test_a_wildcard_host_binds_only_the_nodes_address(ray_cluster, tiny_llama_dir):
     """--host 0.0.0.0 on a cluster: a replica listens on the address it advertises, not on every interface."""
     config = ReplicaConfig("target", ServiceOptions(model=str(tiny_llama_dir), host="0.0.0.0", num_threads=1,
                                                     internal_token=TOKEN))
-    replica = ray.remote(ReplicaActor).options(num_cpus=0.25).remote(config)
+    replica = ray.remote(ReplicaActor).options(num_cpus=0.25, runtime_env=replica_runtime_env("target")).remote(config)
     try:
-        address = await asyncio.wait_for(replica.address.remote(), 120)
+        address = await asyncio.wait_for(replica.address.remote(), WORK_TIMEOUT_S)
         host, port = address.rsplit(":", 1)
         bound = {ipaddress.ip_address(c.laddr.ip) for c in psutil.net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
@@ -178,7 +190,7 @@ async def start_streams(stack: RayStack) -> list[asyncio.Future]:
     """One long stream per prompt; returns once every one has its first token (its sessions are placed)."""
     started = [asyncio.Event() for _ in TINY_PROMPTS]
     streams = [asyncio.ensure_future(stack.generate(p, LONG, e)) for p, e in zip(TINY_PROMPTS, started)]
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WORK_TIMEOUT_S)
     return streams
 
 

@@ -44,7 +44,8 @@ class CycleResult:
 
 
 def distill_command(job: DistillJob) -> list[str]:
-    command = [sys.executable, "-m", "orchestrator.frontend.cli", "distill", "--target", job.target,
+    # `specmesh distill`, from the entry point that reads its flags before it loads torch.
+    command = [sys.executable, "-m", "orchestrator.distill", "--target", job.target,
                "--draft", job.draft, "--prompts", str(job.prompts), "--output", str(job.output),
                "--report-json", str(job.report), "--device", job.device, "--no-progress", *job.extra_args]
     nice = shutil.which("nice")

@@ -25,6 +25,16 @@ from specmesh.service import ReplicaConfig
 
 log = logging.getLogger(__name__)
 ACTOR_PREFIX = "specmesh-"
+# Ray's worker processes renice themselves to 15 unless told otherwise (RAY_worker_niceness).
+NORMAL_PRIORITY = {"RAY_worker_niceness": "0"}
+
+
+def replica_runtime_env(role_name: str) -> dict:
+    """A replica actor's environment, set before its worker starts: normal CPU priority (Ray renices
+    its workers to 15, so on a busy node a replica, which serves requests, would get a sliver of the
+    CPU behind every other process, and take minutes to start), and the role's OpenMP setting before
+    it loads torch (specmesh.openmp)."""
+    return {"env_vars": {**NORMAL_PRIORITY, **openmp.spin_environment(role(role_name))}}
 
 
 def actor_resolver(handle) -> Resolve:
@@ -139,10 +149,8 @@ class PoolController:
         log.info("started %s replica %s", spec.role, name)
         return name
 
-    def _runtime_env(self) -> dict | None:
-        """The role's OpenMP setting, in the actor's environment before it loads torch (specmesh.openmp)."""
-        settings = openmp.spin_environment(role(self.spec.role))
-        return {"env_vars": settings} if settings else None
+    def _runtime_env(self) -> dict:
+        return replica_runtime_env(self.spec.role)
 
     # ---- what a rollout (orchestrator.deployment.rollout) does with the replicas
 
