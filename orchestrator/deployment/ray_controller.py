@@ -140,7 +140,7 @@ class PoolController:
                 handle = remote.options(name=name, namespace=self.namespace, num_cpus=spec.num_cpus,
                                         num_gpus=spec.num_gpus, resources=spec.resources or None,
                                         max_restarts=spec.max_restarts, max_task_retries=2,
-                                        runtime_env=self._runtime_env()).remote(config or spec.replica)
+                                        runtime_env=replica_runtime_env(spec.role)).remote(config or spec.replica)
                 break
             except ValueError:  # the name is taken (another run in this namespace): try the next
                 continue
@@ -148,9 +148,6 @@ class PoolController:
         self.actors[name] = handle
         log.info("started %s replica %s", spec.role, name)
         return name
-
-    def _runtime_env(self) -> dict:
-        return replica_runtime_env(self.spec.role)
 
     # ---- what a rollout (orchestrator.deployment.rollout) does with the replicas
 

@@ -55,7 +55,6 @@ class Run:
     vocab_size: int = 0  # ids both models can produce (the target's padded rows are never produced)
     eos_ids: dict[str, set[int]] = field(default_factory=dict)  # "target" / "draft" -> ids that end text
     cost_ratio: float = 1.0  # a draft step's time over a target step's
-    teacher_linear: str = "torch"  # the kernel of the teacher's float32 Linear layers (specmesh.cpu_linear)
     times: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -156,7 +155,7 @@ def load_models(run: Run) -> None:
     args.teacher_dtype = defaults.resolve_dtype(args.teacher_dtype, args.device)
     args.train_dtype = defaults.resolve_dtype(args.train_dtype, args.device)
     if args.teacher_dtype == "float32":  # the teacher only infers: the services' faster kernel where it is faster
-        run.teacher_linear = choose_cpu_linear(run.target, "auto", args.device)
+        choose_cpu_linear(run.target, "auto", args.device)
 
 
 def _output_size(model) -> int:
