@@ -15,10 +15,12 @@ import pytest
 
 from harness import load, start_stack
 from orchestrator.bench import sweep
+from orchestrator.bench.clients import RunClient
 from orchestrator.bench.metrics import percentile
 from orchestrator.bench.prompts import BUILTIN, KINDS, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.report import standing_line
-from orchestrator.bench.modes import DEFAULT, OFF
+from orchestrator.bench.modes import DEFAULT, OFF, request_speculation
+from orchestrator.bench.round_parts import RoundParts
 from orchestrator.bench.runner import (MAX_PASSES, Configuration, LoadSettings, wants_another_pass, arrival_times,
                                        run_modes, warm_up)
 from orchestrator.frontend.cli import main as specmesh_main
@@ -178,10 +180,31 @@ def check_peer(entry: dict, records: list[dict], out: str) -> None:
     assert entry["speedup_on_vs_peer"]["output_throughput"] == pytest.approx(throughput["on"] /
                                                                              throughput[f"peer k={best}"])
     assert all(r["draft_tokens"] == r["rounds"] == 0 for r in records if r["mode"] == "peer-off")
-    assert all(r["draft_tokens"] == r["rounds"] > 0 for r in records if r["mode"] == "peer k=1")
+    # one draft forward a drafted token: k = 1 drafts one a round, none where only the last token is left
+    assert all(r["rounds"] - 1 <= r["draft_tokens"] <= r["rounds"] and r["rounds"] > 0
+               for r in records if r["mode"] == "peer k=1")
     for line in ("== c=1 T=default (4 requests) ==", "on/off", "on/HF", "HF/HF off", f"HF k={best}",
-                 "HF target-only", "HF assisted output tokens/s by constant k: k=1 ", "is a lower bound", "== summary"):
+                 "HF target-only", "HF assisted output tokens/s by constant k: k=1 ", "its drafted tokens are its "
+                 "draft's forward calls", "== summary", "== where a decode round's time goes"):
         assert line in out
+    check_round_parts(entry["modes"])
+
+
+def check_round_parts(modes: dict[str, dict]) -> None:
+    """Every mode's decode rounds split into parts: the served from the orchestrator's clocks, the peer's from
+    its forward hooks; a round drafts only where its mode drafts, and the parts add up to the round."""
+    parts = {mode: figures["round_parts"] for mode, figures in modes.items()}
+    assert set(parts) == {"on", "off", "peer-off", "peer k=1", "peer k=2"}
+    for mode, figures in parts.items():
+        assert figures["rounds"] > 0 and figures["target_busy_ms"] > 0, mode
+        assert figures["decode_ms"] >= figures["wall_ms"] * 0.99, mode
+        assembled = sum(figures[f"{part}_ms"] for part in ("draft_busy", "target_busy", "wire", "idle"))
+        assert assembled - figures["overlap_ms"] == pytest.approx(figures["wall_ms"], rel=0.01, abs=0.5), mode
+    assert parts["on"]["draft_busy_ms"] > 0 and 0 < parts["on"]["drafted_per_round"] <= 3
+    assert parts["off"]["draft_busy_ms"] == parts["off"]["drafted_per_round"] == 0
+    assert parts["peer-off"]["draft_busy_ms"] == parts["peer-off"]["drafted_per_round"] == 0
+    assert parts["peer k=1"]["draft_busy_ms"] > 0 and 0 < parts["peer k=1"]["drafted_per_round"] <= 1
+    assert 0 < parts["peer k=2"]["drafted_per_round"] <= 2
 
 
 async def test_bench_against_running_http_server(tmp_path, capsys, tiny_llama_dir, tiny_llama_perturbed_dir, device):
@@ -321,6 +344,39 @@ async def test_modes_take_turns_prompt_by_prompt_when_requests_run_one_at_a_time
         assert [r.index for r in records] == [0, 1, 2] and all(r.mode == mode for r in records)
         assert len(seconds) == 1 and seconds[0] >= 0
         assert [r.start_s for r in records] == sorted(r.start_s for r in records)
+
+
+class RoundCountingPeer(RecordingClient):
+    """A peer whose every request is one decode round of 10 ms of target time."""
+
+    def __init__(self, sent: list):
+        self.sent, self.parts = sent, {}
+
+    async def send(self, item, params, record, run_start) -> None:
+        await super().send(item, params, record, run_start)
+        done = RoundParts(rounds=1)
+        done.seconds["target_busy"] = 0.01
+        self.parts[record.mode] = self.parts.get(record.mode, RoundParts()) + done
+
+    async def round_parts(self, mode: str) -> RoundParts:
+        return self.parts.get(mode, RoundParts())
+
+
+async def test_the_peer_takes_turns_with_the_served_modes_and_its_rounds_are_counted_by_mode():
+    """The run's client sends a peer mode's requests to the peer, in turn with the served modes prompt by
+    prompt; each mode gets the rounds of its own requests, and served modes without /metrics get none."""
+    served = RecordingClient()
+    client = RunClient(served, RoundCountingPeer(served.sent))
+    load = LoadSettings(max_tokens=4, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
+                        progress=False, repeats=2)
+    modes = ["on", "off", "peer-off", "peer k=2"]
+    await run_modes(client, BUILTIN["code"][:2], Configuration(1, 0.0), load, modes)
+    assert served.sent == ([(mode, i) for i in range(2) for mode in modes]
+                           + [(mode, i) for i in range(2) for mode in reversed(modes)])
+    parts = client.rounds.take()
+    assert set(parts) == {"peer-off", "peer k=2"} and client.rounds.take() == {}
+    assert all(p.rounds == 4 and p.per_round()["target_busy_ms"] == pytest.approx(10.0) for p in parts.values())
+    assert request_speculation("peer k=2", None) == (True, 2) and request_speculation("peer-off", 3) == (False, None)
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])

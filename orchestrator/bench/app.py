@@ -1,13 +1,14 @@
 """`specmesh bench`: run the sweep, the A/B and the peer, then report.
 
-Order: start the stack (unless --endpoint), warm up, then for every configuration
-(max concurrency x temperature) speculation on (the server's default policy) and,
-with --ab or --sweep-k, off right after it, then with --sweep-k every fixed k,
-all on the same prompts in the same order; stop the stack; then the peer (--peer,
---peer-k) in this process, one request at a time, beside every configuration of max
-concurrency 1 (it has no batching), so the served models and the peer's never
-compete for the CPU or memory: transformers' generate with the target alone and
-assisted at each constant k, the modes taking turns prompt by prompt.
+Order: start the stack (unless --endpoint), then with --peer/--peer-k load the peer's pair
+in this process (after the services measured their step costs), warm up, then for every
+configuration (max concurrency x temperature) speculation on (the server's default policy)
+and, with --ab or --sweep-k, off right after it, then with --sweep-k every fixed k, all on
+the same prompts in the same order; beside every configuration of max concurrency 1 the
+peer's modes too (it has no batching): transformers' generate with the target alone and
+assisted at each constant k, taking turns with the served modes prompt by prompt, so the
+host's drift favours neither. The served models idle while the peer generates. Then stop
+the stack and report, with where each mode's decode rounds spent their time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from orchestrator.bench.args import peer_ks, sweep_ks
 from orchestrator.bench.clients import clear_suffix_index, make_client
 from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, pass_figures, speedups
 from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, peer_modes, served_modes
+from orchestrator.bench.round_parts import RoundParts
 from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
@@ -36,6 +38,7 @@ from specmesh.security import new_internal_token
 
 # (configuration, mode) -> (records, seconds of each pass over the prompts)
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], list[float]]]
+Rounds = dict[tuple[str, str], RoundParts]  # (configuration, mode) -> its decode rounds' time by part
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,13 +61,11 @@ def run(args: argparse.Namespace) -> int:
                         args.seeded_requests, args.repeats, args.min_seconds)
     started_at = datetime.now(timezone.utc)
     try:
-        endpoint, runs = serve_phase(args, prompts, configurations, load)
+        endpoint, (runs, rounds) = serve_phase(args, prompts, configurations, load)
     except RuntimeError as error:
         print(f"specmesh bench: {error}", file=sys.stderr)
         return 1
-    if peer_ks(args):
-        runs.update(peer_phase(args, prompts, configurations, load))
-    result = build_result(args, prompts, configurations, runs, endpoint, started_at)
+    result = build_result(args, prompts, configurations, runs, endpoint, started_at, rounds)
     result_dir = Path(args.result_dir or Path("bench-results") / started_at.strftime("%Y%m%d-%H%M%S"))
     result_dir.mkdir(parents=True, exist_ok=True)
     write_json(result, result_dir / "result.json")
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration],
-                load: LoadSettings) -> tuple[str, Runs]:
-    group = None
+                load: LoadSettings) -> tuple[str, tuple[Runs, Rounds]]:
+    group, metrics_url = None, None
     try:
         endpoint = args.endpoint
         # Where to empty the suffix index before each configuration: a stack of our own always, so that
@@ -84,16 +85,18 @@ def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configura
         admin = endpoint if args.clear_suffix_index and args.protocol == "grpc" else None
         if endpoint is None:
             group = ProcessGroup()
-            endpoint, admin = start_own_stack(group, args)
-        return endpoint, asyncio.run(run_served(args, endpoint, prompts, configurations, load, admin))
+            endpoint, admin, metrics_url = start_own_stack(group, args)
+        peer = load_peer(args, prompts, configurations)
+        return endpoint, asyncio.run(run_served(args, endpoint, prompts, configurations, load, admin, peer,
+                                                metrics_url))
     finally:
         if group is not None:
             group.stop()
 
 
-def start_own_stack(group: ProcessGroup, args) -> tuple[str, str]:
-    """The pair as `specmesh serve` runs it, on free local ports, metrics and tracing off; returns the
-    endpoint for --protocol and the gRPC one (Admin)."""
+def start_own_stack(group: ProcessGroup, args) -> tuple[str, str, str]:
+    """The pair as `specmesh serve` runs it, on free local ports, tracing off; returns the endpoint for
+    --protocol, the gRPC one (Admin) and the orchestrator's /metrics (its round clocks)."""
     http = args.protocol == "http"
     token = new_internal_token()  # as under `specmesh serve`: only this orchestrator may call the pair
     options = StackOptions(
@@ -101,60 +104,70 @@ def start_own_stack(group: ProcessGroup, args) -> tuple[str, str]:
         draft=model_service_options(args, DRAFT.name, trace_exporter="none", internal_token=token),
         loop=loop_config(args),
         address="127.0.0.1:0",
-        orchestrator=FrontendOptions(http_port=0 if http else -1, trace_exporter="none"))
+        orchestrator=FrontendOptions(http_port=0 if http else -1, metrics_port=0, trace_exporter="none"))
     print(f"specmesh bench: starting target {args.target} and draft {args.draft} ...", file=sys.stderr, flush=True)
     ready = start_stack(group, options)["orchestrator"]
-    return f"127.0.0.1:{ready.http_port if http else ready.port}", f"127.0.0.1:{ready.port}"
+    return (f"127.0.0.1:{ready.http_port if http else ready.port}", f"127.0.0.1:{ready.port}",
+            f"http://127.0.0.1:{ready.metrics_port}/metrics")
 
 
 async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurations: list[Configuration],
-                     load: LoadSettings, admin: str | None = None) -> Runs:
+                     load: LoadSettings, admin: str | None = None, peer=None,
+                     metrics_url: str | None = None) -> tuple[Runs, Rounds]:
     tokenizer = None
     if args.protocol == "grpc" and any(p.messages is not None for p in prompts):
         from specmesh.models import load_tokenizer
         tokenizer = load_tokenizer(args.tokenizer or args.target)
-    client = make_client(args.protocol, endpoint, tokenizer)
+    client = make_client(args.protocol, endpoint, tokenizer, peer, metrics_url)
     runs: Runs = {}
+    rounds: Rounds = {}
     try:
         await warm_up(client, prompts, args.num_warmups, load)
-        modes = served_modes(args.ab, sweep_ks(args))
+        if peer is not None:
+            await warm_up(client, prompts, args.num_warmups, load, modes=tuple(peer_modes(peer_ks(args))))
         for configuration in configurations:
             if args.num_warmups and configuration.max_concurrency > 1:
                 await warm_up(client, prompts, args.num_warmups, load, configuration.max_concurrency)
             if admin is not None:
                 await clear_suffix_index(admin)
-            by_mode = await run_modes(client, prompts, configuration, load, modes)
+            client.rounds.take()  # the warm-ups' rounds are not counted
+            by_mode = await run_modes(client, prompts, configuration, load, configuration_modes(args, configuration,
+                                                                                                 peer))
             runs.update({(configuration.name, mode): run for mode, run in by_mode.items()})
+            rounds.update({(configuration.name, mode): parts for mode, parts in client.rounds.take().items()})
     finally:
         await client.close()
-    return runs
+    return runs, rounds
 
 
-def peer_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration], load: LoadSettings) -> Runs:
-    from orchestrator.bench.peer import PeerPair, run_peer
-    sequential = [c for c in configurations if c.max_concurrency == 1]
-    if not sequential:
+def configuration_modes(args, configuration: Configuration, peer) -> list[str]:
+    """The served modes, and the peer's beside a configuration of max concurrency 1 (it has no batching)."""
+    modes = served_modes(args.ab, sweep_ks(args))
+    if peer is not None and configuration.max_concurrency == 1:
+        modes += peer_modes(peer_ks(args))
+    return modes
+
+
+def load_peer(args, prompts: list[BenchPrompt], configurations: list[Configuration]):
+    """With --peer/--peer-k: transformers on the same pair in this process (a PeerClient), else None."""
+    if not peer_ks(args):
+        return None
+    from orchestrator.bench.peer import PeerClient, PeerPair
+    if not any(c.max_concurrency == 1 for c in configurations):
         print("specmesh bench: --peer runs beside configurations of --max-concurrency 1; there are none",
               file=sys.stderr)
-        return {}
+        return None
     if any(p.n > 1 for p in prompts):
         print("specmesh bench: warning: the peer generates one completion of each prompt (assisted generation "
               "takes one row), whatever its n", file=sys.stderr)
-    draft_device = args.draft_device or args.device
     print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
           "generation ...", file=sys.stderr, flush=True)
-    pair = PeerPair.load(args.target, args.draft, args.device, draft_device, args.target_dtype, args.draft_dtype,
-                         args.cpu_linear)
-    modes = peer_modes(peer_ks(args))
-    warm = LoadSettings(8, load.request_rate, load.seed, None, load.timeout_s, False)
-    run_peer(pair, prompts[:args.num_warmups], Configuration(1, None), warm, modes)
-    # the peer runs the prompts once, whatever --repeats says (it shares no machine with the served modes)
-    return {(c.name, mode): (records, [seconds]) for c in sequential
-            for mode, (records, seconds) in run_peer(pair, prompts, c, load, modes).items()}
+    return PeerClient(PeerPair.load(args.target, args.draft, args.device, args.draft_device or args.device,
+                                    args.target_dtype, args.draft_dtype, args.cpu_linear))
 
 
 def build_result(args, prompts: list[BenchPrompt], configurations: list[Configuration], runs: Runs,
-                 endpoint: str, started_at: datetime) -> dict:
+                 endpoint: str, started_at: datetime, rounds: Rounds | None = None) -> dict:
     entries, requests = [], []
     for configuration in configurations:
         modes = {}
@@ -165,6 +178,10 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
             modes[mode] = {"overall": aggregate(records, sum(seconds)), "per_kind": aggregate_by_kind(records)}
             if len(seconds) > 1:
                 modes[mode]["passes"] = pass_figures(records, seconds)
+            decode_s = sum(r.e2e_ms - r.ttft_ms for r in records if r.ok) / 1e3
+            per_round = (rounds or {}).get((configuration.name, mode), RoundParts()).per_round(decode_s)
+            if per_round is not None:
+                modes[mode]["round_parts"] = per_round
             requests += [{"configuration": configuration.name, **r.to_json()} for r in records]
         entry = {"name": configuration.name, "max_concurrency": configuration.max_concurrency,
                  "temperature": configuration.temperature, "modes": modes}

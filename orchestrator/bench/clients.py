@@ -18,7 +18,9 @@ import grpc
 import httpx
 
 from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.modes import is_peer_mode
 from orchestrator.bench.prompts import BenchPrompt
+from orchestrator.bench.round_parts import ByMode, RoundParts, scrape_round_parts
 from specmesh.models import chat_token_ids
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -176,5 +178,37 @@ async def clear_suffix_index(endpoint: str) -> None:
         await admin_pb2_grpc.AdminStub(channel).ClearSuffixIndex(admin_pb2.ClearSuffixIndexRequest(), timeout=30)
 
 
-def make_client(protocol: str, endpoint: str, tokenizer=None):
-    return GrpcClient(endpoint, tokenizer) if protocol == "grpc" else HttpClient(endpoint)
+
+
+class RunClient:
+    """The run's one client: a request goes to the served stack, or in a peer mode to the peer
+    (orchestrator.bench.peer.PeerClient); and where each mode's rounds spent their time
+    (orchestrator.bench.round_parts), the served modes' from the orchestrator's /metrics where the
+    bench knows it (a stack it started)."""
+
+    def __init__(self, served, peer=None, metrics_url: str | None = None):
+        self.served, self.peer, self.metrics_url = served, peer, metrics_url
+        self.rounds = ByMode(self._snapshot)
+
+    async def _snapshot(self, mode: str) -> RoundParts | None:
+        if is_peer_mode(mode):
+            return await self.peer.round_parts(mode)
+        return None if self.metrics_url is None else await scrape_round_parts(self.metrics_url)
+
+    async def send(self, item: BenchPrompt, params: RequestParams, record: RequestRecord, run_start: float) -> None:
+        client = self.peer if is_peer_mode(record.mode) else self.served
+        if client is None:
+            raise ValueError(f"no peer loaded for mode {record.mode!r}")
+        await self.rounds.enter(record.mode)
+        try:
+            await client.send(item, params, record, run_start)
+        finally:
+            await self.rounds.leave(record.mode)
+
+    async def close(self) -> None:
+        await self.served.close()
+
+
+def make_client(protocol: str, endpoint: str, tokenizer=None, peer=None, metrics_url: str | None = None) -> RunClient:
+    served = GrpcClient(endpoint, tokenizer) if protocol == "grpc" else HttpClient(endpoint)
+    return RunClient(served, peer, metrics_url)

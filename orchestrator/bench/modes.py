@@ -48,16 +48,20 @@ def mode_title(mode: str) -> str:
     return f"HF k={k}" if k is not None else MODE_TITLES.get(mode, mode)
 
 
+def is_peer_mode(mode: str) -> bool:
+    return mode == PEER_OFF or mode.startswith(PEER_K)
+
+
 def request_speculation(mode: str, default_k: int | None) -> tuple[bool, int | None]:
     """(speculation, num_speculative_tokens) a request of `mode` sends; `default_k` is what "on" sends
-    (None: nothing, the server's own policy)."""
-    if mode == OFF:
+    (None: nothing, the server's own policy). The peer's modes: off, or its constant k."""
+    if mode in (OFF, PEER_OFF):
         return False, None
     if mode == DEFAULT:
         return True, default_k
-    k = fixed_k_of(mode)
+    k = peer_k_of(mode) if mode.startswith(PEER_K) else fixed_k_of(mode)
     if k is None:
-        raise ValueError(f"not a served mode: {mode!r}")
+        raise ValueError(f"not a bench mode: {mode!r}")
     return True, k
 
 

@@ -8,37 +8,75 @@ probability is below generation_config.assistant_confidence_threshold (0.4 to st
 transformers retunes it during a request when scikit-learn is installed).
 
 transformers has no batching, so the peer runs one request at a time (its
-figures belong beside concurrency 1), its modes taking turns prompt by prompt
-as the served modes do there. A streamer records when each round's tokens
-appear: the first round's time is TTFT, the gaps between rounds are ITL, and
-tokens per round give the mean acceptance length. transformers does not report
-how many tokens the assistant drafted, so the acceptance rate is estimated as
-accepted / (k x rounds): a lower bound, since a round the confidence stop cut
-short drafted fewer than k.
+figures belong beside concurrency 1), as one more client of the run: its modes
+take turns with the served modes prompt by prompt, so the host's drift during a
+run favours neither (the served stack idles meanwhile; both pairs are in memory).
+A streamer records when each round's tokens appear: the first round's time is
+TTFT, the gaps between rounds are ITL, and tokens per round give the mean
+acceptance length. Forward hooks on both models time where each later round's
+time goes (orchestrator.bench.round_parts): draft forwards, target forwards and
+the rest (transformers' own loop). transformers does not report
+how many tokens the assistant drafted; the draft's forward calls count them (one
+call a drafted token), so the acceptance rate is accepted / drafted as served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.bench.metrics import RequestRecord
-from orchestrator.bench.modes import DEFAULT, peer_k_of
+from orchestrator.bench.clients import RequestParams
 from orchestrator.bench.prompts import BenchPrompt
-from orchestrator.bench.runner import Configuration, LoadSettings, request_params
+from orchestrator.bench.round_parts import RoundParts
 from specmesh import models
 from specmesh.precision import load_model_in
 
 
-class RoundTimer(BaseStreamer):
-    """Times each put after the prompt's (one put per round in assisted generation)."""
+class ForwardClock:
+    """Seconds a model spent in forward calls, and how many calls (one per drafted token for a draft)."""
 
-    def __init__(self):
+    def __init__(self, model):
+        self.busy_s, self.calls, self._started = 0.0, 0, 0.0
+        self._sync = model.device.type == "cuda"  # kernels run after the call returns: wait for them
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave)
+
+    def _now(self) -> float:
+        if self._sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _enter(self, module, args) -> None:
+        self._started = self._now()
+
+    def _leave(self, module, args, output) -> None:
+        self.busy_s += self._now() - self._started
+        self.calls += 1
+
+
+@dataclass
+class PeerClocks:
+    target: ForwardClock
+    draft: ForwardClock | None
+
+    def reading(self) -> tuple[float, float, int]:
+        """(target busy s, draft busy s, draft calls) so far."""
+        draft = self.draft
+        return self.target.busy_s, draft.busy_s if draft else 0.0, draft.calls if draft else 0
+
+
+class RoundTimer(BaseStreamer):
+    """Times each put after the prompt's (one put per round in assisted generation), and reads the
+    models' forward clocks at each."""
+
+    def __init__(self, clocks: PeerClocks | None = None):
         self.prompt_seen, self.times, self.counts = False, [], []
+        self.clocks, self.readings = clocks, []
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
@@ -46,9 +84,22 @@ class RoundTimer(BaseStreamer):
             return
         self.times.append(time.perf_counter())
         self.counts.append(value.numel())
+        if self.clocks is not None:
+            self.readings.append(self.clocks.reading())
 
     def end(self) -> None:
         pass
+
+    def decode_rounds(self) -> RoundParts:
+        """The rounds after the first: the target's and the draft's forwards, and the rest as idle."""
+        if len(self.readings) < 2:
+            return RoundParts()
+        (target_0, draft_0, calls_0), (target_1, draft_1, calls_1) = self.readings[0], self.readings[-1]
+        wall = self.times[-1] - self.times[0]
+        parts = RoundParts(len(self.times) - 1, calls_1 - calls_0)
+        parts.seconds.update(target_busy=target_1 - target_0, draft_busy=draft_1 - draft_0)
+        parts.seconds["idle"] = max(0.0, wall - parts.seconds["target_busy"] - parts.seconds["draft_busy"])
+        return parts
 
 
 @dataclass
@@ -56,6 +107,10 @@ class PeerPair:
     target: object
     draft: object | None
     tokenizer: object
+    clocks: PeerClocks = field(init=False)
+
+    def __post_init__(self):
+        self.clocks = PeerClocks(ForwardClock(self.target), ForwardClock(self.draft) if self.draft else None)
 
     @classmethod
     def load(cls, target: str, draft: str | None, device: str, draft_device: str | None,
@@ -107,17 +162,19 @@ def hf_generate(pair: PeerPair, prompt_ids: list[int], max_tokens: int, k: int |
 
 
 def run_peer_request(pair: PeerPair, item: BenchPrompt, record: RequestRecord, max_tokens: int,
-                     temperature: float, seed: int | None, k: int | None, run_start: float) -> None:
-    """One timed generation (`k` as in hf_generate), filling `record` like a served request."""
+                     temperature: float, seed: int | None, k: int | None, run_start: float) -> RoundTimer:
+    """One timed generation (`k` as in hf_generate), filling `record` like a served request; returns its
+    timer (rounds and forward clocks)."""
     prompt_ids = pair.encode(item)
-    timer = RoundTimer()
+    timer = RoundTimer(pair.clocks)
+    draft_calls = pair.clocks.reading()[2]
     start = time.perf_counter()
     record.start_s = start - run_start
     try:
         generated = hf_generate(pair, prompt_ids, max_tokens, k, temperature, seed, timer)
     except Exception as error:  # noqa: BLE001 - one failed request is reported, the run goes on
         record.ok, record.error = False, f"{type(error).__name__}: {error}"
-        return
+        return timer
     record.e2e_ms = (time.perf_counter() - start) * 1e3
     record.ttft_ms = (timer.times[0] - start) * 1e3 if timer.times else record.e2e_ms
     record.itl_ms = [(b - a) * 1e3 for a, b in zip(timer.times, timer.times[1:])]
@@ -125,23 +182,26 @@ def run_peer_request(pair: PeerPair, item: BenchPrompt, record: RequestRecord, m
     if k is not None:  # the target alone verifies nothing: no rounds, as the server reports speculation off
         record.rounds = len(timer.times)
         record.accepted_tokens = max(0, len(generated) - record.rounds)
-        record.draft_tokens = k * record.rounds
+        record.draft_tokens = pair.clocks.reading()[2] - draft_calls  # one draft forward per drafted token
+    return timer
 
 
-def run_peer(pair: PeerPair, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
-             modes: list[str]) -> dict[str, tuple[list[RequestRecord], float]]:
-    """Every prompt once in each of `modes` ("peer-off", "peer k=N"), one request at a time, with `config`'s
-    temperature; the modes take turns prompt by prompt, so drift favours none. Per mode: (records, seconds
-    of its requests)."""
-    records = {mode: [RequestRecord(kind=item.kind, mode=mode, index=i) for i, item in enumerate(prompts)]
-               for mode in modes}
-    seconds = dict.fromkeys(modes, 0.0)
-    for i, item in enumerate(tqdm(prompts, desc=f"{config.name} peer", unit="req",
-                                  disable=not load.progress, leave=False)):
-        params = request_params(item, i, config, load, DEFAULT)  # its lengths, temperature and seed
-        for mode in modes:
-            start = time.perf_counter()
-            run_peer_request(pair, item, records[mode][i], params.max_tokens, params.temperature, params.seed,
-                             peer_k_of(mode), start - seconds[mode])  # start_s: seconds into the mode's own run
-            seconds[mode] += time.perf_counter() - start
-    return {mode: (records[mode], seconds[mode]) for mode in modes}
+class PeerClient:
+    """The peer as a client of the run (orchestrator.bench.runner): a request of a peer mode
+    (orchestrator.bench.modes) generates in a worker thread, so the event loop stays free."""
+
+    def __init__(self, pair: PeerPair):
+        self.pair = pair
+        self.parts: dict[str, RoundParts] = {}  # decode rounds by mode, cumulative
+
+    async def send(self, item: BenchPrompt, params: RequestParams, record: RequestRecord, run_start: float) -> None:
+        k = params.num_speculative_tokens if params.speculation else None
+        timer = await asyncio.to_thread(run_peer_request, self.pair, item, record, params.max_tokens,
+                                        params.temperature, params.seed, k, run_start)
+        self.parts[record.mode] = self.parts.get(record.mode, RoundParts()) + timer.decode_rounds()
+
+    async def round_parts(self, mode: str) -> RoundParts:
+        return self.parts.get(mode, RoundParts())
+
+    async def close(self) -> None:
+        pass

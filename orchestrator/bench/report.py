@@ -16,8 +16,8 @@ from orchestrator.bench.sweep import kind_throughput
 PEER_NOTE = ("HF k=N, HF target-only: transformers' generate in-process, one request at a time, assisted by the "
              "draft at a constant k of N (with transformers' default confidence stop: the assistant ends a round "
              "early below assistant_confidence_threshold, 0.4 to start) and with the target alone; the A/B "
-             "columns show the peer at its best k (the most output tokens/s of the configuration). Its "
-             "acceptance rate, accepted / (k x rounds), is a lower bound: a round cut short drafted fewer than k.")
+             "columns show the peer at its best k (the most output tokens/s of the configuration). It takes turns "
+             "with the served modes prompt by prompt; its drafted tokens are its draft's forward calls.")
 LATENCY_TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
 
 
@@ -231,6 +231,34 @@ def sweep_kind_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+ROUND_COLUMNS = (("drafted", "drafted_per_round", 2), ("draft", "draft_busy_ms", 1), ("target", "target_busy_ms", 1),
+                 ("overlap", "overlap_ms", 1), ("wire", "wire_ms", 1), ("orch.", "idle_ms", 1),
+                 ("round", "wall_ms", 1), ("between", "between_ms", 1), ("decode", "decode_ms", 1))
+
+
+def round_table(result: dict) -> str | None:
+    """Per configuration and mode: where a decode round's time went (orchestrator.bench.round_parts);
+    None where no mode has the figures."""
+    header = f"{'configuration':<18}{'mode':<16}{'rounds':>8}" + "".join(f"{t:>9}" for t, _, _ in ROUND_COLUMNS)
+    lines = []
+    for entry in result["configurations"]:
+        for mode, figures in entry["modes"].items():
+            parts = figures.get("round_parts")
+            if parts is not None:
+                lines.append(f"{entry['name']:<18}{mode_title(mode):<16}{parts['rounds']:>8}"
+                             + "".join(f"{_cell(parts.get(key), d):>9}" for _, key, d in ROUND_COLUMNS))
+    if not lines:
+        return None
+    return "\n".join(["== where a decode round's time goes (ms a round, rounds after the first token) ==", header,
+                      "-" * len(header), *lines, ROUND_NOTE])
+
+
+ROUND_NOTE = ("drafted: draft tokens a round; draft, target: their forward time; overlap: of the two at once "
+              "(pipelined); wire: calls' time beyond forward; orch.: the rest of the round (for the peer: "
+              "transformers' own loop); round: the round's own clock; between: streaming and the loop between "
+              "rounds; decode: a round as the client saw it (time after the first token over rounds).")
+
+
 def _divide(value, base):
     return value / base if value is not None and base else None
 
@@ -244,6 +272,9 @@ def print_report(result: dict, out=None) -> None:
     print(summary_table(result), file=out)
     if any("peer" in entry for entry in result["configurations"]):
         print("\n" + PEER_NOTE, file=out)
+    rounds = round_table(result)
+    if rounds is not None:
+        print("\n" + rounds, file=out)
     swept = [entry for entry in result["configurations"] if "draft_length_sweep" in entry]
     for entry in swept:
         print("\n" + sweep_table(entry), file=out)

@@ -147,12 +147,13 @@ async def run_load(client, prompts: list[BenchPrompt], config: Configuration, lo
     return records, time.perf_counter() - start
 
 
-async def warm_up(client, prompts: list[BenchPrompt], count: int, load: LoadSettings, concurrency: int = 1) -> None:
-    """Short requests, speculation on and off, that are not counted: `count` of them one at a time,
-    or one per slot at a higher concurrency. Before each concurrency the services meet its batch
+async def warm_up(client, prompts: list[BenchPrompt], count: int, load: LoadSettings, concurrency: int = 1,
+                  modes: tuple[str, ...] = (DEFAULT, OFF)) -> None:
+    """Short requests in `modes` (speculation on and off) that are not counted: `count` of them one at a
+    time, or one per slot at a higher concurrency. Before each concurrency the services meet its batch
     shapes (new row counts: new kernel plans, cost tables and chunk steering to settle) and the
     orchestrator its load; unwarmed, whichever mode ran first paid for that."""
     quiet = replace(load, max_tokens=min(load.max_tokens or 8, 8), progress=False)
     chosen = [prompts[i % len(prompts)] for i in range(max(count, concurrency))] if prompts else []
-    for mode in (DEFAULT, OFF):
+    for mode in modes:
         await run_load(client, chosen, Configuration(concurrency, None), quiet, mode)
