@@ -1,4 +1,4 @@
-"""A draft and a target stepping at once on the same cores, by OpenMP spin count (specmesh.openmp).
+"""A draft and a target on the same cores, by OpenMP spin count (specmesh.openmp).
 
 For each GOMP_SPINCOUNT: a target process (float32, `--target-rows` rows a step) and a draft
 process (`--draft-dtype`, int8 on these CPUs; one row a step) load one after the other, each
@@ -6,8 +6,14 @@ times its step alone over a 150-token cache, then both step at once for `--secon
 the median step of each, alone and beside the other. 300000 is libgomp's own default;
 specmesh sets 2000. TARGET/DRAFT gives the two their own, e.g. 300000/2000.
 
+With `--alternate K` they take turns instead, as the sequential decoding loop does: K draft
+steps, then one target step of `--target-rows` rows, for `--seconds`; prints the median round
+and each side's median share of it. What a spin costs there is only its tail: the side that
+just finished spins while the other starts.
+
     python benchmarks/openmp_contention.py
     python benchmarks/openmp_contention.py --spin-counts 300000 5000 2000 500 0 300000/2000 --seconds 20
+    python benchmarks/openmp_contention.py --alternate 4 --target-rows 5 --spin-counts 300000/2000 300000/20000 300000
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ def child(model: str, dtype: str, rows: int, seconds: float) -> None:
 
     alone = statistics.median(step() for _ in range(ALONE_STEPS))
     print("ready", flush=True)
-    sys.stdin.readline()
+    if sys.stdin.readline().strip() == "turns":
+        take_turns(step, model, rows, alone)
+        return
     beside, end = [], time.perf_counter() + seconds
     while time.perf_counter() < end:
         beside.append(step())
@@ -57,7 +65,36 @@ def child(model: str, dtype: str, rows: int, seconds: float) -> None:
                       "beside_ms": statistics.median(beside) * 1e3, "steps": len(beside)}), flush=True)
 
 
-def measure(spin_count: str, args: argparse.Namespace) -> list[dict]:
+def take_turns(step, model: str, rows: int, alone: float) -> None:
+    """'N' on stdin: N steps, then their seconds on stdout; an empty line: the end."""
+    while (line := sys.stdin.readline().strip()):
+        print(sum(step() for _ in range(int(line))), flush=True)
+    print(json.dumps({"model": model, "rows": rows, "alone_ms": alone * 1e3}), flush=True)
+
+
+def ask(process: subprocess.Popen, line: str) -> str:
+    process.stdin.write(line + "\n")
+    process.stdin.flush()
+    return process.stdout.readline()
+
+
+def alternate(processes: list[subprocess.Popen], k: int, seconds: float) -> dict:
+    """Rounds of k draft steps then one target step: the median round, and each side's median seconds."""
+    target, draft = processes
+    rounds, end = [], time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        began = time.perf_counter()
+        draft_s = float(ask(draft, str(k)))
+        target_s = float(ask(target, "1"))
+        rounds.append((time.perf_counter() - began, draft_s, target_s))
+    alone = [json.loads(ask(process, "")) for process in processes]
+    return {"round_ms": statistics.median(r[0] for r in rounds) * 1e3,
+            "draft_ms": statistics.median(r[1] for r in rounds) * 1e3,
+            "target_ms": statistics.median(r[2] for r in rounds) * 1e3, "rounds": len(rounds),
+            "alone_ms": [row["alone_ms"] for row in alone]}
+
+
+def measure(spin_count: str, args: argparse.Namespace) -> list[dict] | dict:
     """Start the target, then the draft (each times itself alone while the other is not yet loading),
     then let both step at once."""
     target_spin, _, draft_spin = spin_count.partition("/")
@@ -72,8 +109,13 @@ def measure(spin_count: str, args: argparse.Namespace) -> list[dict]:
             raise RuntimeError(f"{model} did not start: exit code {process.wait()}")
         processes.append(process)
     for process in processes:
-        process.stdin.write("go\n")
+        process.stdin.write("turns\n" if args.alternate else "go\n")
         process.stdin.flush()
+    if args.alternate:
+        result = alternate(processes, args.alternate, args.seconds)
+        for process in processes:
+            process.wait()
+        return result
     results = [json.loads(process.stdout.readline()) for process in processes]
     for process in processes:
         process.wait()
@@ -93,7 +135,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     parser.add_argument("--target-rows", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--spin-counts", nargs="+", default=["300000", "2000"])
+    parser.add_argument("--alternate", type=int, default=0, metavar="K",
+                        help="take turns as the sequential loop does: K draft steps, then one target step")
     args = parser.parse_args(argv)
+    if args.alternate:
+        return print_turns(args)
     print(f"{'GOMP_SPINCOUNT':>14}  {'model':<22} {'rows':>4}  {'alone ms':>8}  {'beside ms':>9}  {'ratio':>6}  steps")
     table = {}
     for spin_count in args.spin_counts:
@@ -101,6 +147,18 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
         for row in table[spin_count]:
             print(f"{spin_count:>14}  {os.path.basename(row['model']):<22} {row['rows']:>4}  {row['alone_ms']:8.1f}  "
                   f"{row['beside_ms']:9.1f}  {row['beside_ms'] / row['alone_ms']:5.2f}x  {row['steps']}", flush=True)
+    return table
+
+
+def print_turns(args: argparse.Namespace) -> dict[str, dict]:
+    print(f"{'GOMP_SPINCOUNT':>14}  {'round ms':>8}  {'draft ms':>8}  {'target ms':>9}  "
+          f"{'draft alone':>11}  {'target alone':>12}  rounds   (k = {args.alternate}, target rows {args.target_rows})")
+    table = {}
+    for spin_count in args.spin_counts:
+        row = table[spin_count] = measure(spin_count, args)
+        target_alone, draft_alone = row["alone_ms"]
+        print(f"{spin_count:>14}  {row['round_ms']:8.1f}  {row['draft_ms']:8.1f}  {row['target_ms']:9.1f}  "
+              f"{args.alternate * draft_alone:11.1f}  {target_alone:12.1f}  {row['rounds']}", flush=True)
     return table
 
 

@@ -53,6 +53,17 @@ def test_openmp_contention_times_both_services_alone_and_beside_each_other(tiny_
     assert "GOMP_SPINCOUNT" in capsys.readouterr().out
 
 
+def test_openmp_contention_takes_turns_as_the_sequential_loop_does(tiny_llama_dir, tiny_llama_perturbed_dir, capsys):
+    """--alternate 2: rounds of two draft steps and one target step; a round holds both sides' steps."""
+    table = load_script("openmp_contention").main(["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
+                                                   "--draft-dtype", "float32", "--seconds", "0.3", "--alternate", "2",
+                                                   "--spin-counts", "2000"])
+    row = table["2000"]
+    assert row["rounds"] >= 1 and row["round_ms"] >= max(row["draft_ms"], row["target_ms"])  # each round holds both
+    assert row["draft_ms"] > 0 and row["target_ms"] > 0 and all(ms > 0 for ms in row["alone_ms"])
+    assert "round ms" in capsys.readouterr().out
+
+
 def test_random_pair_builds_two_unrelated_models_that_load_with_one_vocabulary(tmp_path):
     from specmesh.models import load_model, vocab_fingerprint
     built = load_script("random_pair").main([str(tmp_path / "pair"), "--small"])
