@@ -146,8 +146,11 @@ class DraftEngine:
 
     def _draw(self, session: Session, logits: torch.Tensor,
               generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None, float]:
-        """logits [1, V] -> (token, the exact distribution it was drawn from or None, the token's
-        probability under the draft)."""
+        """logits [1, V] -> (token, the exact distribution it was drawn from or None, the draft's
+        confidence at this position: its largest probability). Under greedy that is the proposed
+        token's; a sampled token's own probability would add the draw's randomness, which says
+        nothing of acceptance (a token drawn from q where the target's p is q is accepted whatever
+        q gave it)."""
         logits = session.penalize(logits)  # as the target will at this position
         if session.sampling.greedy or self.greedy_proposals:
             token_id = int(logits[0].argmax())
@@ -156,7 +159,7 @@ class DraftEngine:
         # Sample from the decoded wire form: the target's q is then exactly ours.
         q = decode_distribution(distribution, self.engine.vocab_size)
         token_id = sample_token(q, generator)
-        return token_id, distribution, float(q[token_id])
+        return token_id, distribution, float(q.max())
 
     async def predraft(self, request_id: str, round_number: int, commit: CommitSpec | None, position: int,
                        assumed: Sequence[int], num_tokens: int,

@@ -22,8 +22,9 @@ from orchestrator.decoding.acceptance import DraftConfidence
 from orchestrator.decoding.costs import BatchLoad
 from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.request import RoundTiming
+from specmesh.distributions import decode_distribution
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import draft_pb2
+from specmesh.v1 import common_pb2, draft_pb2
 
 PROMPT_IDS = [5, 6, 7, 8, 9]
 
@@ -58,6 +59,28 @@ async def test_a_proposal_stops_after_the_first_token_whose_run_probability_fall
         assert 1 <= expected < 8
         assert list(stopped.token_ids) == list(full.token_ids[:expected])  # the doubtful token itself is proposed
         assert stopped.probabilities == pytest.approx(full.probabilities[:expected])
+    finally:
+        await stack.stop()
+
+
+async def test_a_sampled_proposal_reports_the_peak_of_each_distribution_it_drew_from(
+        tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """When sampling, the draft's confidence at a token is the largest probability of the distribution the
+    token was drawn from (not the drawn token's own), so the run probability does not carry the draw's luck."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2, device=device)
+    stub = draft_stub(stack)
+    try:
+        await stub.OpenSession(draft_pb2.DraftOpenRequest(
+            request_id="sampled", prompt_token_ids=PROMPT_IDS,
+            sampling=common_pb2.SamplingParams(temperature=1.0, seed=7)), timeout=30)
+        proposal = await stub.Propose(draft_pb2.ProposeRequest(request_id="sampled", round=1, position=len(PROMPT_IDS),
+                                                               num_tokens=6), timeout=30)
+        vocab = stack.draft_engine.vocab_size
+        distributions = [decode_distribution(d, vocab) for d in proposal.distributions]
+        assert len(distributions) == len(proposal.token_ids) == len(proposal.probabilities) == 6
+        assert proposal.probabilities == pytest.approx([float(q.max()) for q in distributions], rel=1e-5)
+        drawn = [float(q[token]) for q, token in zip(distributions, proposal.token_ids)]
+        assert any(own < peak * 0.999 for own, peak in zip(drawn, proposal.probabilities))  # some draw was no argmax
     finally:
         await stack.stop()
 
@@ -98,7 +121,7 @@ def test_the_plan_asks_for_k_max_and_stops_where_one_more_token_costs_more_than_
     batch = BatchLoad(requests=1)
     per_token_s = (shared.costs.round_s(7, batch) - shared.costs.round_s(1, batch)) / 6
     assert asked == 7
-    assert stop == pytest.approx(shared.goodput(k, batch) * per_token_s / shared.confidence.factor)
+    assert stop == pytest.approx(shared.goodput(k, batch) * per_token_s / policy.confidence.factor)
     assert 0.0 < stop < 1.0
     assert policy.draft_plan(0) == (0, 0.0)  # a target-only round stays one
 
@@ -111,16 +134,35 @@ def test_before_any_timed_round_the_plan_is_k_exactly():
 
 def test_an_overconfident_draft_is_stopped_sooner():
     _, calibrated = _timed_policy()
-    shared, overconfident = _timed_policy()
+    _, overconfident = _timed_policy()
     for _ in range(50):  # the draft was sure of 4 tokens a round; the target took 1
-        shared.confidence.observe([0.99] * 4, accepted=1)
-    assert shared.confidence.factor < 0.5
+        overconfident.confidence.observe([0.99] * 4, accepted=1)
+    factor = overconfident.confidence.factor
+    assert factor < 0.5
     k = calibrated.choose(7)
     assert overconfident.choose(7) == k  # same costs and acceptance: only the confidence differs
     (asked, stop), (asked_over, stop_over) = calibrated.draft_plan(k), overconfident.draft_plan(k)
     assert asked == 7 and 0 < stop < 1
-    assert stop_over == pytest.approx(min(1.0, stop / shared.confidence.factor)) or (asked_over, stop_over) == (k, 0.0)
+    assert stop_over == pytest.approx(min(1.0, stop / factor)) or (asked_over, stop_over) == (k, 0.0)
     assert stop_over > stop or asked_over == k  # a higher bar, or no run past k at all
+
+
+def test_sampled_requests_learn_their_confidence_and_acceptance_apart_from_greedy_ones():
+    """Under sampling the draft's confidence maps to acceptance otherwise than under greedy: rounds of one
+    regime move neither the other's calibration nor, beyond a shared prior, its prompt class's acceptance."""
+    shared, greedy = _timed_policy()
+    sampled = shared.for_request("code", sampled=True)
+    assert sampled.confidence is not greedy.confidence
+    assert shared.for_request("chat", sampled=True).confidence is sampled.confidence  # one per regime
+    greedy_factor, greedy_expected = greedy.confidence.factor, greedy.acceptance.expected_tokens(4)
+    for _ in range(50):  # sampled rounds: the draft's peaks said 0.3 a token, the target took all 4
+        k = sampled.choose(7)
+        sampled.observe(RoundTiming(draft_s=0.12, verify_s=cpu_target(5)), 4, 4, probabilities=[0.3] * 4)
+    assert sampled.confidence.factor > 2.0
+    assert greedy.confidence.factor == greedy_factor
+    # only through the deployment-wide prior the two share, which a class's own history outweighs
+    moved = shared.for_request("code").acceptance.expected_tokens(4) - greedy_expected
+    assert abs(moved) < 0.25 * (shared.for_request("code", sampled=True).acceptance.expected_tokens(4) - greedy_expected)
 
 
 def test_draft_confidence_is_the_accepted_count_over_the_drafts_own_expectation():

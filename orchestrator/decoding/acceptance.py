@@ -147,12 +147,13 @@ class RequestAcceptance:
 class DraftConfidence:
     """How far the draft's own probabilities can be trusted as acceptance probabilities.
 
-    A round's proposal carries the draft's probability of each token; the running product
-    up to token i is the draft's estimate that tokens 1..i are all accepted, and their sum
-    its expected count of accepted tokens. `factor` is the accepted count over that estimate,
-    decayed like the deployment's acceptance: below 1 for an overconfident draft (or under
-    sampling, where acceptance is the overlap of the two distributions, not the draft's
-    probability), so the draft's stop (orchestrator.decoding.policy) comes sooner.
+    A round's proposal carries the draft's confidence at each token (its largest probability
+    there); the running product up to token i is the draft's estimate that tokens 1..i are all
+    accepted, and their sum its expected count of accepted tokens. `factor` is the accepted
+    count over that estimate, decayed like the deployment's acceptance: below 1 for an
+    overconfident draft, so the draft's stop (orchestrator.decoding.policy) comes sooner, above
+    1 for an underconfident one. The policy keeps one per regime: under sampling acceptance is
+    the overlap of the two distributions, not agreement on an argmax, and maps otherwise.
     """
 
     DECAY = 0.995

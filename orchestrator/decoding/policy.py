@@ -47,6 +47,7 @@ from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 
+GREEDY, SAMPLED = "greedy", "sampled"  # the regimes learned apart
 MARGIN = 0.03  # predictions carry a few percent of noise: a smaller predicted gain is a tie, keep k
 LOOKUP_PRIOR = 0.4  # prompt lookup's per-token acceptance before any history: about what code prompts show
 SUFFIX_PRIOR = 0.5  # the suffix index's, before any: a few rounds of each match length replace it
@@ -60,11 +61,13 @@ def suffix_bucket(match_length: int) -> str:
 class DraftLength:
     """One request's part in the rule: its acceptance, its context, its current k."""
 
-    def __init__(self, shared: "Speculation", acceptance: RequestAcceptance, lookup: RequestAcceptance):
+    def __init__(self, shared: "Speculation", acceptance: RequestAcceptance, lookup: RequestAcceptance,
+                 confidence: DraftConfidence | None = None):
         self.shared = shared
         self.costs = shared.costs
         self.acceptance = acceptance
         self.lookup = lookup  # prompt lookup's acceptance
+        self.confidence = confidence or shared.confidence[GREEDY]  # its regime's (greedy or sampled)
         self.suffix: dict[str, RequestAcceptance] = {}  # the suffix index's, by matched length
         self.k = 0
         self.k_max: int | None = None  # of its latest choice; None before its first
@@ -102,7 +105,7 @@ class DraftLength:
         batch = self._batch
         # A token's cost averaged over the span the draft may run: step-cost tables jump at row counts.
         per_token_s = (self.costs.round_s(self.k_max, batch) - self.costs.round_s(1, batch)) / (self.k_max - 1)
-        stop = self.shared.goodput(k, batch) * per_token_s / batch.requests / self.shared.confidence.factor
+        stop = self.shared.goodput(k, batch) * per_token_s / batch.requests / self.confidence.factor
         if stop >= 1.0:
             return k, 0.0
         return self.k_max, max(0.0, stop)
@@ -178,7 +181,7 @@ class DraftLength:
         accepted."""
         offered = len(free.tokens) if free is not None else 0
         if drafted and probabilities:
-            self.shared.confidence.observe(probabilities[:drafted], accepted)
+            self.confidence.observe(probabilities[:drafted], accepted)
         self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered)
         self.acceptance.observe(drafted, 0 if offered else accepted)
         if offered:
@@ -193,12 +196,18 @@ class Speculation:
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
     lookup: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=LOOKUP_PRIOR))
     suffix: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=SUFFIX_PRIOR))
-    confidence: DraftConfidence = field(default_factory=DraftConfidence)
+    # by regime: the draft's confidence maps to acceptance one way under greedy, another when sampling
+    confidence: dict[str, DraftConfidence] = field(
+        default_factory=lambda: {GREEDY: DraftConfidence(), SAMPLED: DraftConfidence()})
     active: dict[int, DraftLength] = field(default_factory=dict)
 
-    def for_request(self, prompt_class: str) -> DraftLength:
-        return DraftLength(self, RequestAcceptance(self.acceptance, prompt_class),
-                           RequestAcceptance(self.lookup, prompt_class))
+    def for_request(self, prompt_class: str, sampled: bool = False) -> DraftLength:
+        """A request's part: its prompt class's acceptance history, kept apart for sampled requests
+        (acceptance is the overlap of two distributions there, not agreement on an argmax)."""
+        regime = SAMPLED if sampled else GREEDY
+        history = f"{prompt_class} ({regime})" if sampled else prompt_class
+        return DraftLength(self, RequestAcceptance(self.acceptance, history), RequestAcceptance(self.lookup, history),
+                           self.confidence[regime])
 
     def batch(self) -> BatchLoad:
         requests = list(self.active.values())

@@ -113,7 +113,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         seeded = checked.sampling.seed is not None and not checked.sampling.greedy
         if not self.config.adaptive_k or checked.fixed_k or seeded:
             return None
-        return self.adaptive.for_request(checked.prompt_class)
+        return self.adaptive.for_request(checked.prompt_class, sampled=not checked.sampling.greedy)
 
     async def _stream(self, checked: GenerationRequest, generation: SpeculativeGeneration,
                       recorder: RequestRecorder, started: float):
