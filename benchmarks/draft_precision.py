@@ -5,8 +5,13 @@ cache, and top-1 agreement with the target's greedy continuation (teacher-forced
 position counts), on the same prompts for every precision. Also the largest logit change that
 batching a row with others causes (rows computed alone vs in a batch of four).
 
+With --head-tokens N ..., also each precision with its output head cut to the first N token
+ids (byte-level BPE numbers its tokens by merge order, so the low ids are the common ones): the
+head's share of a step, and how often the target's token falls outside those N.
+
     python benchmarks/draft_precision.py                       # the embedded pair
     python benchmarks/draft_precision.py --dtypes bfloat16 int8 --tokens 64
+    python benchmarks/draft_precision.py --dtypes int8 --head-tokens 65536 32768
 """
 
 from __future__ import annotations
@@ -51,6 +56,24 @@ def agreement(model, continuations: list[tuple[int, torch.Tensor]]) -> float:
     return hits / total
 
 
+def cut_head(model, tokens: int) -> None:
+    """Keep the output head's rows of the first `tokens` ids only (an int8 head or a float Linear)."""
+    from specmesh.precision import Int8WeightLinear
+    head = model.get_output_embeddings()
+    tokens = min(tokens, head.out_features)
+    if isinstance(head, Int8WeightLinear):
+        head.qweight, head.scales = head.qweight[:tokens].contiguous(), head.scales[:tokens].contiguous()
+        if head.bias is not None:
+            head.bias = head.bias[:tokens].contiguous()
+        head.out_features = tokens
+        return
+    cut = torch.nn.Linear(head.in_features, tokens, bias=head.bias is not None, dtype=head.weight.dtype)
+    cut.weight = torch.nn.Parameter(head.weight[:tokens].detach().clone())  # a copy: unties the embedding
+    if head.bias is not None:
+        cut.bias = torch.nn.Parameter(head.bias[:tokens].detach().clone())
+    model.set_output_embeddings(cut)
+
+
 @torch.inference_mode()
 def batching_delta(model) -> float:
     """max |Δlogit| of row 0 computed alone vs in a padded batch of four."""
@@ -65,6 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int8"])
     parser.add_argument("--tokens", type=int, default=64, help="greedy target tokens per prompt")
+    parser.add_argument("--head-tokens", type=int, nargs="*", default=[], metavar="N",
+                        help="also cut the draft's output head to the first N token ids")
     args = parser.parse_args(argv)
     target, tokenizer = load_model_in(args.target, "cpu", "float32")
     with torch.inference_mode():
@@ -78,12 +103,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print(f"{'dtype':10} {'1 row ms':>9} {'8 rows ms':>10} {'agreement':>10} {'max|dlogit| batched':>20}")
     rows = {}
     for name in args.dtypes:
-        draft, _ = load_model_in(args.draft, "cpu", name)
-        row = rows[name] = dict(one_row_ms=step_ms(draft, 1), eight_rows_ms=step_ms(draft, 8),
-                                agreement=agreement(draft, continuations), batching_delta=batching_delta(draft))
-        print(f"{name:10} {row['one_row_ms']:9.1f} {row['eight_rows_ms']:10.1f} {row['agreement']:10.3f} "
-              f"{row['batching_delta']:20.2e}", flush=True)
-        del draft
+        for head in [None, *args.head_tokens]:
+            draft, _ = load_model_in(args.draft, "cpu", name)
+            label = name if head is None else f"{name}/{head}"
+            if head is not None:
+                cut_head(draft, head)
+            row = rows[label] = dict(one_row_ms=step_ms(draft, 1), eight_rows_ms=step_ms(draft, 8),
+                                     agreement=agreement(draft, continuations), batching_delta=batching_delta(draft))
+            print(f"{label:10} {row['one_row_ms']:9.1f} {row['eight_rows_ms']:10.1f} {row['agreement']:10.3f} "
+                  f"{row['batching_delta']:20.2e}", flush=True)
+            del draft
     return rows
 
 

@@ -28,11 +28,15 @@ def test_batched_logits_compares_every_kept_row_of_every_round(tiny_llama_dir, c
 
 def test_draft_precision_prices_and_scores_every_precision(tiny_llama_dir, tiny_llama_perturbed_dir, capsys):
     rows = load_script("draft_precision").main(["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_perturbed_dir),
-                                                "--dtypes", "float32", "int8", "--tokens", "6"])
-    assert set(rows) == {"float32", "int8"}
+                                                "--dtypes", "float32", "int8", "--tokens", "6",
+                                                "--head-tokens", "1000000", "4"])
+    assert set(rows) == {"float32", "int8", "float32/1000000", "int8/1000000", "float32/4", "int8/4"}
     assert all(row["one_row_ms"] > 0 and 0 <= row["agreement"] <= 1 for row in rows.values())
     assert rows["float32"]["batching_delta"] < 1e-4  # padded rows of a batch are computed as if alone
-    assert "int8" in capsys.readouterr().out
+    for dtype in ("float32", "int8"):  # a head past the vocabulary cuts nothing; four ids leave most tokens out
+        assert rows[f"{dtype}/1000000"]["agreement"] == rows[dtype]["agreement"]
+        assert rows[f"{dtype}/4"]["agreement"] < rows[dtype]["agreement"]
+    assert "int8/4" in capsys.readouterr().out
 
 
 def test_cpu_linear_prices_both_kernels_and_compares_their_outputs(tiny_llama_dir, capsys):
