@@ -178,8 +178,6 @@ async def clear_suffix_index(endpoint: str) -> None:
         await admin_pb2_grpc.AdminStub(channel).ClearSuffixIndex(admin_pb2.ClearSuffixIndexRequest(), timeout=30)
 
 
-
-
 class RunClient:
     """The run's one client: a request goes to the served stack, or in a peer mode to the peer
     (orchestrator.bench.peer.PeerClient); and where each mode's rounds spent their time

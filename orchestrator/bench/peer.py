@@ -74,7 +74,7 @@ class RoundTimer(BaseStreamer):
     """Times each put after the prompt's (one put per round in assisted generation), and reads the
     models' forward clocks at each."""
 
-    def __init__(self, clocks: PeerClocks | None = None):
+    def __init__(self, clocks: PeerClocks):
         self.prompt_seen, self.times, self.counts = False, [], []
         self.clocks, self.readings = clocks, []
 
@@ -84,8 +84,7 @@ class RoundTimer(BaseStreamer):
             return
         self.times.append(time.perf_counter())
         self.counts.append(value.numel())
-        if self.clocks is not None:
-            self.readings.append(self.clocks.reading())
+        self.readings.append(self.clocks.reading())
 
     def end(self) -> None:
         pass

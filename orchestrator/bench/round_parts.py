@@ -16,8 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.decoding.timing import PARTS
 
-BUSY_PARTS = ("draft_busy", "target_busy", "wire", "idle")  # with overlap, what a round's wall time is made of
-
 
 @dataclass
 class RoundParts:

@@ -62,12 +62,12 @@ class DraftLength:
     """One request's part in the rule: its acceptance, its context, its current k."""
 
     def __init__(self, shared: "Speculation", acceptance: RequestAcceptance, lookup: RequestAcceptance,
-                 confidence: DraftConfidence | None = None):
+                 confidence: DraftConfidence):
         self.shared = shared
         self.costs = shared.costs
         self.acceptance = acceptance
         self.lookup = lookup  # prompt lookup's acceptance
-        self.confidence = confidence or shared.confidence[GREEDY]  # its regime's (greedy or sampled)
+        self.confidence = confidence  # its regime's (greedy or sampled): Speculation.confidence
         self.suffix: dict[str, RequestAcceptance] = {}  # the suffix index's, by matched length
         self.k = 0
         self.k_max: int | None = None  # of its latest choice; None before its first
