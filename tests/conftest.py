@@ -71,6 +71,16 @@ def pytest_unconfigure(config):
     own_warnings.uninstall()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(items):
+    """Under xdist, a module's tests run on one worker in file order, as they do without it: its
+    module fixtures start once, and tests that follow a module deployment's state see it. Tests
+    marked with a group of their own (Ray's: one cluster at a time) keep it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session")
 def device(pytestconfig) -> str:
     return pytestconfig.getoption("--device")

@@ -291,6 +291,7 @@ def listening_process(port: int) -> psutil.Process:
                 if c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid)
 
 
+@pytest.mark.xdist_group("ray")
 async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_llama_dir, tiny_llama_perturbed_dir,
                                                                           tmp_path):
     """Ray mode: the driver drains while the replica actors still serve, then takes them down."""

@@ -285,6 +285,7 @@ async def test_serve_refuses_unauthenticated_calls_on_every_port(api_key, tiny_l
         assert unkeyed == expected and completion.status_code == 200
 
 
+@pytest.mark.xdist_group("ray")
 async def test_serve_on_ray_with_an_api_key_refuses_unauthenticated_calls(tiny_llama_dir, tiny_llama_perturbed_dir,
                                                                           tmp_path):
     """Ray mode: the replicas' internal token is the API key; without it every specmesh port refuses."""

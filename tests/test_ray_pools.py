@@ -40,6 +40,8 @@ from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402
 from test_greedy_parity import target_greedy  # noqa: E402
 from tiny_models import TINY_PROMPTS  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time on a test machine
+
 NAMESPACE = "specmesh-test"
 LONG = 200  # tokens: long enough streams to lose replicas in the middle of
 TOKEN = "ray-internal-token"
