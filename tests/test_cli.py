@@ -73,3 +73,20 @@ def test_unknown_model_fails_fast(tmp_path):
     done = subprocess.run(specmesh("serve", "--port", "0", "--target", str(tmp_path / "nope"), "--draft", "none"),
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 1 and "target failed to start" in done.stderr and "nope" in done.stderr
+
+
+def test_the_client_commands_load_neither_torch_nor_transformers():
+    """`specmesh generate` and the other client commands start in about a second, not the ten that
+    importing the serving code takes; `serve` still parses its whole set of flags."""
+    code = ("import sys\nfrom orchestrator.frontend.cli import CLIENT_COMMANDS, main\n"
+            "for command in CLIENT_COMMANDS:\n"
+            "    try:\n        main([command, '--help'])\n    except SystemExit as exit_:\n"
+            "        assert exit_.code == 0, command\n"
+            "print(sorted(name for name in ('torch', 'transformers', 'ray') if name in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "usage: specmesh rollout" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+    serve_help = subprocess.run(specmesh("serve", "--help"), capture_output=True, text=True, timeout=300, cwd=ROOT,
+                                env=env)
+    assert serve_help.returncode == 0 and "--num-speculative-tokens" in serve_help.stdout

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
-from specmesh.sampling import SamplingParams
+from specmesh.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

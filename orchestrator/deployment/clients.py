@@ -10,7 +10,7 @@ from typing import Sequence
 import grpc
 
 from specmesh.errors import SpecmeshError
-from specmesh.sampling import SamplingParams, sampling_to_pb
+from specmesh.sampling_params import SamplingParams, sampling_to_pb
 from specmesh.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args,
                                bearer_metadata, client_tls_from_args)
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

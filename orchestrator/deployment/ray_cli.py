@@ -1,4 +1,4 @@
-"""The pool flags of `specmesh serve`, the Ray backend's pool options, and `scale` / `replicas` / `rollout`.
+"""The pool flags of `specmesh serve` and the Ray backend's pool options.
 
 `specmesh serve` runs every replica as a Ray actor with --backend ray (the default
 when --address is given); otherwise as a local child process under a supervisor.
@@ -15,7 +15,6 @@ import sys
 
 import grpc
 
-from orchestrator.deployment.clients import add_client_arguments, client_channel
 from orchestrator.deployment.ray_controller import PoolSpec
 
 from orchestrator.deployment.online_distill import online_distill_options
@@ -129,81 +128,3 @@ def init_ray(address: str | None, namespace: str, options: PoolsOptions | None =
 
 
 # ---- `specmesh scale`, `specmesh replicas` and `specmesh rollout`
-
-ROLLOUT_TIMEOUT_S = 3600.0  # every replica of the pool loads the new model in turn
-PROGRESS_INTERVAL_S = 1.0
-
-
-def add_parsers(commands) -> None:
-    scale = commands.add_parser("scale", help="set the number of draft or target replicas (Ray pools)")
-    scale.add_argument("pool", choices=["draft", "target"])
-    scale.add_argument("replicas", type=int)
-    add_client_arguments(scale)
-    scale.set_defaults(handler=lambda args: asyncio.run(_admin(args, _scale)))
-    replicas = commands.add_parser("replicas", help="list the replica pools and each replica's state")
-    add_client_arguments(replicas)
-    replicas.set_defaults(handler=lambda args: asyncio.run(_admin(args, _list)))
-    rollout = commands.add_parser("rollout", help="replace the draft pool's model, one replica at a time, "
-                                                  "without failing a request")
-    rollout.add_argument("pool", choices=["draft"], help="the pool to roll (the target's model defines the output "
-                                                         "and cannot be replaced)")
-    rollout.add_argument("model", help="model directory, .gguf file, embedded alias or hub id, as where the "
-                                       "replicas run sees it (e.g. a `specmesh distill` output)")
-    rollout.add_argument("--timeout", type=float, default=ROLLOUT_TIMEOUT_S,
-                         help="seconds to wait for the whole rollout (it goes on if this command stops)")
-    add_client_arguments(rollout)
-    rollout.set_defaults(handler=lambda args: asyncio.run(_admin(args, _rollout)))
-
-
-async def _scale(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
-    if args.replicas < 0:
-        raise SystemExit("specmesh scale: replicas must be >= 0")
-    request = admin_pb2.ScalePoolRequest(pool=args.pool, replicas=args.replicas)
-    return [await stub.ScalePool(request, timeout=10, metadata=metadata)]
-
-
-async def _list(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
-    return list((await stub.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10, metadata=metadata)).pools)
-
-
-async def _rollout(stub: admin_pb2_grpc.AdminStub, args: argparse.Namespace, metadata) -> list[admin_pb2.PoolState]:
-    """ReplaceModel, printing the rollout's progress (from ListReplicas) while it runs."""
-    request = admin_pb2.ReplaceModelRequest(pool=args.pool, model=args.model)
-    call = asyncio.ensure_future(stub.ReplaceModel(request, timeout=args.timeout, metadata=metadata))
-    shown = ""
-    while not call.done():
-        await asyncio.wait([call], timeout=PROGRESS_INTERVAL_S)
-        if call.done():
-            break
-        try:
-            listed = await stub.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=10, metadata=metadata)
-        except grpc.aio.AioRpcError:
-            continue  # progress is a courtesy; the rollout's own answer decides
-        progress = next((pool.rollout for pool in listed.pools if pool.pool == args.pool), "")
-        if progress and progress != shown:
-            print(progress, flush=True)
-            shown = progress
-    return [await call]
-
-
-async def _admin(args: argparse.Namespace, call) -> int:
-    channel, metadata = client_channel(args)
-    async with channel:
-        try:
-            pools = await call(admin_pb2_grpc.AdminStub(channel), args, metadata)
-        except grpc.aio.AioRpcError as error:
-            print(f"specmesh {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
-            return 2
-    for pool in pools:
-        bounds = f"autoscaling {pool.min_replicas}..{pool.max_replicas}" if pool.max_replicas else "autoscaling off"
-        model = f", model {pool.model}" if pool.model else ""
-        print(f"{pool.pool}: {pool.desired_replicas} replicas desired ({bounds}){model}")
-        if pool.rollout:
-            print(f"  {pool.rollout}")
-        for replica in pool.replicas:
-            print(f"  {replica.name:<22} {replica.state:<10} {replica.address or '-':<22} "
-                  f"sessions {replica.open_sessions} (routed here {replica.routed_sessions}) "
-                  f"load {replica.load:.1f} KV {replica.kv_cache_usage:.0%}" + ("" if replica.has_room else " full")
-                  + (f" {replica.model}" if replica.model else "")
-                  + (f" retry in {replica.retry_in_s:.0f} s" if replica.state == "backoff" else ""))
-    return 0

@@ -38,7 +38,8 @@ from orchestrator.frontend.http_front_door import (OpenAIError, add_guarded_docs
 from orchestrator.frontend.openai_requests import (PARAMETER_NAMES, ChatCompletionRequest, CompletionRequest,
                                                    SamplingFields, completion_prompt, generate_request)
 from orchestrator.frontend.request_limits import request_size_limit
-from orchestrator.frontend.servicer import FINISH_REASON_NAMES, GenerationServicer
+from orchestrator.frontend.finish_reasons import FINISH_REASON_NAMES
+from orchestrator.frontend.servicer import GenerationServicer
 from specmesh.connections import ConnectionLimits
 from specmesh.drain import REFUSED_MESSAGE, Drain
 from specmesh.errors import InvalidArgument, ShuttingDown

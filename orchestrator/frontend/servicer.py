@@ -21,12 +21,12 @@ from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopSta
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.frontend.choices import interleave
+from orchestrator.frontend.finish_reasons import FINISH_REASON_NAMES
 from orchestrator.frontend.validation import ModelLimits, choice_count, for_choice, validate_request
 from specmesh.errors import NotManagedHere
 from specmesh.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-FINISH_REASON_NAMES = {generation_pb2.FINISH_REASON_STOP: "stop", generation_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 @dataclass
