@@ -7,13 +7,9 @@ when --address is given); otherwise as a local child process under a supervisor.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
-import sys
-
-import grpc
 
 from orchestrator.deployment.ray_controller import PoolSpec
 
@@ -21,7 +17,6 @@ from orchestrator.deployment.online_distill import online_distill_options
 from orchestrator.deployment.options import PoolsOptions
 from specmesh.service import ReplicaConfig, ServiceOptions
 from target_service.disagreements import disagreement_log_settings
-from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # replicas talk gRPC; Ray's object store stays idle
 
@@ -125,6 +120,3 @@ def init_ray(address: str | None, namespace: str, options: PoolsOptions | None =
     if address is None:
         kwargs.update(num_cpus=local_cpus(options) if options else None, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
     ray.init(address=address, **kwargs)
-
-
-# ---- `specmesh scale`, `specmesh replicas` and `specmesh rollout`
