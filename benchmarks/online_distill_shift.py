@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve's --speculation-policy (fixed: the draft drafts every round, whatever it earns)")
     load = parser.add_argument_group("the closed loop")
     load.add_argument("--concurrency", type=int, default=4)
+    load.add_argument("--think-s", type=float, default=0.0, metavar="SECONDS",
+                      help="a client's pause after each reply (0: a closed loop); leaves a small host idle "
+                           "time for a cycle, which runs at the lowest CPU priority")
     load.add_argument("--duration", type=float, default=1800.0, metavar="SECONDS", help="at most this long")
     load.add_argument("--requests", type=int, default=None, help="at most this many requests")
     load.add_argument("--until-cycles", type=int, default=0, metavar="N", help="stop --tail-s after N cycles")
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--seed", type=int, default=0, help="the prompts' order")
     load.add_argument("--check-greedy", action="store_true",
                       help="after the loop: every greedy output must equal its prompt's target-only output")
+    load.add_argument("--check-greedy-prompts", type=int, default=None, metavar="N",
+                      help="check N of the greedy prompts, spread over the run (default: all)")
     online = parser.add_argument_group("online distillation (serve's online-distill-* settings)")
     online.add_argument("--distill-tokens", type=int, default=20_000, help="tokens served before a cycle")
     online.add_argument("--distill-interval", type=float, default=60.0, help="least seconds between cycles")
@@ -200,17 +205,26 @@ class Workload:
             load.completed += 1
             if params.temperature == 0 and item.n == 1:
                 load.greedy.setdefault(index, set()).add(tokens)
+            if self.args.think_s > 0:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.args.think_s)
+                except asyncio.TimeoutError:
+                    pass
 
     async def check_greedy(self, load: Load) -> dict:
         """Each greedy prompt sent once more with speculation off: its outputs must all equal that one."""
         limit = asyncio.Semaphore(self.args.concurrency)
+        checked = sorted(load.greedy)  # in the order they were first served
+        if self.args.check_greedy_prompts is not None and len(checked) > self.args.check_greedy_prompts > 0:
+            step = len(checked) / self.args.check_greedy_prompts  # evenly over the run: before and after rollouts
+            checked = [checked[int(i * step)] for i in range(self.args.check_greedy_prompts)]
 
         async def agrees(index: int, outputs: set[tuple[int, ...]]) -> bool:
             item = self.order[index]
             async with limit:
                 return outputs == {await self.generate(item, replace(self.params(item), speculation=False))}
-        verdicts = await asyncio.gather(*(agrees(index, outputs) for index, outputs in load.greedy.items()))
-        return {"prompts": len(verdicts), "outputs": sum(len(outputs) for outputs in load.greedy.values()),
+        verdicts = await asyncio.gather(*(agrees(index, load.greedy[index]) for index in checked))
+        return {"prompts": len(verdicts), "outputs": sum(len(load.greedy[index]) for index in checked),
                 "differ": verdicts.count(False)}
 
 

@@ -24,10 +24,11 @@ def test_the_shift_benchmark_times_a_cycle_under_load(tiny_llama_dir, tiny_llama
         "--result-dir", str(result_dir), "--concurrency", "4", "--max-tokens", "8", "--k", "4",
         # the first cycle once the evidence holds its least (24 prompts); the loop ends when it does
         "--distill-tokens", "1", "--distill-interval", "0", "--distill-args", QUICK_DISTILL,
-        "--until-cycles", "1", "--tail-s", "0", "--duration", "240", "--sample-s", "0.5", "--check-greedy"])
+        "--until-cycles", "1", "--tail-s", "0", "--duration", "240", "--sample-s", "0.5", "--check-greedy",
+        "--check-greedy-prompts", "3", "--think-s", "0.01"])
     assert sum(summary["cycles"].values()) >= 1, summary
     assert summary["requests"] >= 24 and summary["failed_requests"] == 0, summary
-    assert summary["greedy_check"]["prompts"] > 0 and summary["greedy_check"]["differ"] == 0
+    assert summary["greedy_check"]["prompts"] == 3 and summary["greedy_check"]["differ"] == 0
     timeline = json.loads((result_dir / "timeline.json").read_text())["timeline"]
     assert any(row["cycle_running"] for row in timeline) and timeline[-1]["cycles_done"] >= 1
     with (result_dir / "timeline.csv").open() as handle:
