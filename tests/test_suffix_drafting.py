@@ -91,8 +91,11 @@ class FixedHistory:
     def __init__(self):
         self.index, self.scratch = SuffixIndex(), SuffixIndex()
 
-    def open(self):
-        return self.scratch.open()
+    def open(self, prompt=()):
+        return self.scratch.open(prompt)
+
+    def renamed_twin(self, document):
+        return None
 
     def propose(self, sequence, limit):
         return self.index.propose(sequence, limit)

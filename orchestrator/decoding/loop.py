@@ -71,8 +71,9 @@ class SpeculativeGeneration:
         self.sequence = list(request.prompt_token_ids)  # committed: prompt + generated
         self.lookup = PromptLookup(self.sequence)  # drafts from the sequence itself
         self.history = history  # earlier and concurrent requests' sequences; this one's is added as it grows
-        self._document = history.open() if history is not None else None
-        self._record(self.sequence)
+        self._document = history.open(self.sequence) if history is not None else None
+        # a re-asked request's earlier answer with its renames, while this one runs
+        self._twin = history.renamed_twin(self._document) if history is not None else None
         self.on_proposer = on_proposer  # (draft/lookup/suffix/none, tokens proposed, accepted) every round
         # The target's logprob of each generated token, when the request's sampling asks for them.
         self.logprobs: list[common_pb2.TokenLogprob] = []
@@ -108,6 +109,8 @@ class SpeculativeGeneration:
         finally:
             if self.policy is not None:
                 self.policy.close()
+            if self._twin is not None:
+                self.history.discard(self._twin)
             self._close_sessions()
 
     def _finished(self, batch: list[int]) -> bool:

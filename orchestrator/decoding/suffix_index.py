@@ -18,6 +18,10 @@ collisions), keeps the hits with the longest match and walks forward by majority
 vote. Costs do not depend on how much history is held: O(len(KEY_LENGTHS)) per
 indexed token, O(MAX_MATCH + MAX_CANDIDATES * limit) per proposal.
 
+A request that re-asks an earlier one with other names also gets a twin: a document holding
+the earlier output with the same renames (orchestrator.decoding.renamed_repeats), dropped when
+the request ends.
+
 Memory: each stored token is charged TOKEN_BYTES (its storage and its index
 entries) and each document DOCUMENT_BYTES; past max_bytes the oldest documents are
 evicted, index entries included. A document keeps at most a quarter of the budget's
@@ -32,6 +36,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from orchestrator.decoding.renamed_repeats import rename, renaming
+
 DEFAULT_MAX_BYTES = 64 << 20
 MIN_MATCH = 2  # one token matches everywhere and predicts little
 MAX_MATCH = 64  # matches are measured back this far: longer evidence adds little
@@ -44,6 +50,7 @@ TOKEN_BYTES = 800
 DOCUMENT_BYTES = 512  # the document object, its array header, its place in the order of documents
 _POSITION_BITS = 32  # an occurrence is one int: document serial << _POSITION_BITS | position
 _POSITION_MASK = (1 << _POSITION_BITS) - 1
+RENAME_CANDIDATES = 16  # the most recent requests a new prompt is compared with for a renamed repeat
 
 
 @dataclass(frozen=True)
@@ -56,12 +63,14 @@ class SuffixProposal:
 class IndexedDocument:
     """One request's tokens in the index; `extend` appends committed tokens and indexes them."""
 
-    __slots__ = ("_index", "serial", "tokens", "evicted")
+    __slots__ = ("_index", "serial", "tokens", "evicted", "prompt_length", "twin")
 
     def __init__(self, index: SuffixIndex, serial: int):
         self._index, self.serial = index, serial
         self.tokens = array("i")
         self.evicted = False  # an evicted document ignores further tokens
+        self.prompt_length = 0  # its first tokens that were the request's prompt
+        self.twin = False  # a predicted output (a renamed repeat's), not a request's own tokens
 
     def extend(self, tokens: Sequence[int]) -> None:
         self._index._extend(self, tokens)
@@ -94,14 +103,39 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self._documents)
 
-    def open(self) -> IndexedDocument:
-        """A new, empty document: the newest, so the last to be evicted."""
+    def open(self, prompt: Sequence[int] = ()) -> IndexedDocument:
+        """A new document holding `prompt`: the newest, so the last to be evicted."""
         self._serial += 1
         document = IndexedDocument(self, self._serial)
         self._documents[document.serial] = document
         self._bytes += DOCUMENT_BYTES
         self._evict_over_budget()
+        document.extend(prompt)
+        document.prompt_length = len(document.tokens)
         return document
+
+    def renamed_twin(self, document: IndexedDocument) -> IndexedDocument | None:
+        """A twin of `document` when its prompt re-asks a recent request's with other names: that request's
+        output, renamed the same way, after the prompt's last tokens (so the prompt's end matches it)."""
+        prompt = document.tokens[:document.prompt_length]
+        recent = [earlier for earlier in reversed(self._documents.values())
+                  if earlier is not document and not earlier.twin and len(earlier) > earlier.prompt_length > 0]
+        for earlier in recent[:RENAME_CANDIDATES]:
+            substitutions = renaming(earlier.tokens[:earlier.prompt_length], prompt)
+            if substitutions:
+                twin = self.open()
+                twin.twin = True
+                twin.extend(list(prompt[-MAX_MATCH:]) + rename(earlier.tokens[earlier.prompt_length:], substitutions))
+                return twin
+        return None
+
+    def discard(self, document: IndexedDocument) -> None:
+        """Forget `document` now (a twin whose request ended), not when its turn to be evicted comes."""
+        if document.evicted or self._documents.pop(document.serial, None) is None:
+            return
+        self._remove(document)
+        self._bytes -= DOCUMENT_BYTES + TOKEN_BYTES * len(document.tokens)
+        document.evicted, document.tokens = True, array("i")
 
     def clear(self) -> None:
         """Forget every document; those still being extended (requests in flight) add nothing more."""
@@ -161,10 +195,7 @@ class SuffixIndex:
 
     def _evict_over_budget(self) -> None:
         while self._bytes > self.max_bytes and self._documents:
-            _, document = self._documents.popitem(last=False)
-            self._remove(document)
-            self._bytes -= DOCUMENT_BYTES + TOKEN_BYTES * len(document.tokens)
-            document.evicted, document.tokens = True, array("i")
+            self.discard(next(iter(self._documents.values())))
 
     def propose(self, sequence: Sequence[int], limit: int) -> SuffixProposal:
         """Up to `limit` tokens that followed the longest suffix of `sequence` found in the held
