@@ -34,6 +34,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Sequence
 
 from orchestrator.decoding.renamed_repeats import rename, renaming
@@ -118,9 +119,9 @@ class SuffixIndex:
         """A twin of `document` when its prompt re-asks a recent request's with other names: that request's
         output, renamed the same way, after the prompt's last tokens (so the prompt's end matches it)."""
         prompt = document.tokens[:document.prompt_length]
-        recent = [earlier for earlier in reversed(self._documents.values())
-                  if earlier is not document and not earlier.twin and len(earlier) > earlier.prompt_length > 0]
-        for earlier in recent[:RENAME_CANDIDATES]:
+        answered = (earlier for earlier in reversed(self._documents.values())  # newest first, read lazily
+                    if earlier is not document and not earlier.twin and len(earlier) > earlier.prompt_length > 0)
+        for earlier in islice(answered, RENAME_CANDIDATES):
             substitutions = renaming(earlier.tokens[:earlier.prompt_length], prompt)
             if substitutions:
                 twin = self.open()
