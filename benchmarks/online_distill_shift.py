@@ -15,8 +15,10 @@ Writes RESULT_DIR/timeline.json, timeline.csv and timeline.png (acceptance and t
 cycles shaded, rollouts marked) and prints: acceptance before the first rollout against after the
 last; tokens/s outside cycles against while one runs (the throughput a cycle costs); cycles by
 outcome; failed requests (must be 0); with --check-greedy, whether every greedy output equals the
-target-only output of its prompt (the same prompt sent with speculation off, after the loop). The
-machine and the exact command come first.
+target-only output of its prompt (the same prompt sent with speculation off, after the loop); with
+--paired N, the acceptance of N prompts served while the first rolled-out cycle ran, against the same
+prompts sent again after its rollout (benchmarks/shift_pairs.py). The machine and the exact command
+come first.
 
     python benchmarks/online_distill_shift.py --duration 1800 --concurrency 4
     python benchmarks/online_distill_shift.py --target DIR --draft DIR --prompts FILE --until-cycles 2 \\
@@ -36,7 +38,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from bench_pipeline import scrape  # noqa: E402
+from shift_pairs import Served, paired, paired_line, to_replay  # noqa: E402
 from shift_timeline import add_intervals, rate, sample_row, summarise, summary_lines, write_files  # noqa: E402
 from stack_checks import print_header  # noqa: E402
 from orchestrator.bench.clients import GrpcClient, RequestParams  # noqa: E402
@@ -86,6 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--temperature", type=float, default=None, help="default: each prompt's own (greedy)")
     load.add_argument("--request-timeout", type=float, default=600.0)
     load.add_argument("--seed", type=int, default=0, help="the prompts' order")
+    load.add_argument("--paired", type=int, default=0, metavar="N",
+                      help="after the first rollout, re-send the last N prompts served while its cycle ran (by the "
+                           "old draft), before any new one, and compare the two servings' acceptance; the run "
+                           "ends only once they are back")
     load.add_argument("--check-greedy", action="store_true",
                       help="after the loop: every greedy output must equal its prompt's target-only output")
     load.add_argument("--check-greedy-prompts", type=int, default=None, metavar="N",
@@ -165,6 +172,11 @@ class Load:
     tokens: int = 0
     errors: Counter = field(default_factory=Counter)
     greedy: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)  # by index into the prompt order
+    fresh: int = 0  # prompts of the order sent so far
+    served: list[Served] = field(default_factory=list)
+    replay: deque = field(default_factory=deque)  # positions in `served` to send again (--paired)
+    replays_running: int = 0
+    t0: float = field(default_factory=time.monotonic)
 
 
 class Workload:
@@ -182,27 +194,45 @@ class Workload:
         return RequestParams(max_tokens=item.max_tokens or self.args.max_tokens, temperature=temperature, seed=None,
                              speculation=True, timeout_s=self.args.request_timeout)
 
-    async def generate(self, item: BenchPrompt, params: RequestParams, load: Load | None = None) -> tuple[int, ...]:
+    async def generate(self, item: BenchPrompt, params: RequestParams,
+                       load: Load | None = None) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """(output token ids, (draft tokens, accepted) from the server's stats)."""
         tokens: list[int] = []
+        drafted = accepted = 0
         async for response in self.client.stub.Generate(self.client.request(item, params), timeout=params.timeout_s):
             tokens.extend(response.token_ids)
+            if response.HasField("stats"):
+                drafted, accepted = response.stats.draft_tokens, response.stats.accepted_tokens
             if load is not None:
                 load.tokens += len(response.token_ids)  # as they stream: an interval counts what it served
-        return tuple(tokens)
+        return tuple(tokens), (drafted, accepted)
+
+    def next_prompt(self, load: Load) -> tuple[int, int | None]:
+        """(index into the order, the first serving's position when this is a --paired replay)."""
+        if load.replay:
+            replay_of = load.replay.popleft()
+            load.replays_running += 1
+            return load.served[replay_of].index, replay_of
+        load.fresh += 1
+        return (load.fresh - 1) % len(self.order), None
 
     async def client_loop(self, load: Load, stop: asyncio.Event) -> None:
         """One closed-loop client: the next prompt as soon as the last one finished."""
         while not stop.is_set() and (self.args.requests is None or load.started < self.args.requests):
-            index = load.started % len(self.order)
+            index, replay_of = self.next_prompt(load)
             load.started += 1
             item, params = self.order[index], self.params(self.order[index])
+            started = time.monotonic() - load.t0
             try:
-                tokens = await self.generate(item, params, load)
+                tokens, (drafted, accepted) = await self.generate(item, params, load)
             except grpc.aio.AioRpcError as error:
                 load.failed += 1
                 load.errors[error.code().name] += 1
                 continue
+            finally:
+                load.replays_running -= replay_of is not None
             load.completed += 1
+            load.served.append(Served(index, started, time.monotonic() - load.t0, drafted, accepted, replay_of))
             if params.temperature == 0 and item.n == 1:
                 load.greedy.setdefault(index, set()).add(tokens)
             if self.args.think_s > 0:
@@ -222,7 +252,7 @@ class Workload:
         async def agrees(index: int, outputs: set[tuple[int, ...]]) -> bool:
             item = self.order[index]
             async with limit:
-                return outputs == {await self.generate(item, replace(self.params(item), speculation=False))}
+                return outputs == {(await self.generate(item, replace(self.params(item), speculation=False)))[0]}
         verdicts = await asyncio.gather(*(agrees(index, load.greedy[index]) for index in checked))
         return {"prompts": len(verdicts), "outputs": sum(len(load.greedy[index]) for index in checked),
                 "differ": verdicts.count(False)}
@@ -232,19 +262,35 @@ async def sample_until_done(args: argparse.Namespace, metrics_port: int, load: L
                             clients: asyncio.Future) -> list[dict]:
     """A row every --sample-s seconds until the clients have stopped; tells them when to stop."""
     rows: list[dict] = []
-    started, cycles_done_at = time.monotonic(), None
+    cycles_done_at, replayed = None, False
     while True:
         samples = await asyncio.to_thread(scrape, metrics_port)
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - load.t0
         rows.append(sample_row(samples, elapsed, load.completed, load.failed, load.tokens))
         print_progress(rows)
         if clients.done():
             return rows
+        if args.paired and not replayed and len(rows) > 1 and rows[-1]["draft_version"] != rows[-2]["draft_version"]:
+            replayed = True  # the first rollout: the prompts its cycle saw served by the old draft, again
+            load.replay.extend(to_replay(load.served, cycle_started_s(rows[:-1]), rows[-2]["t_s"])[-args.paired:])
+            print(f"  rollout: {len(load.replay)} prompts served during its cycle are sent again", flush=True)
         if cycles_done_at is None and args.until_cycles and rows[-1]["cycles_done"] >= args.until_cycles:
             cycles_done_at = elapsed
-        if elapsed >= args.duration or (cycles_done_at is not None and elapsed - cycles_done_at >= args.tail_s):
+        replays_back = not load.replay and not load.replays_running
+        if elapsed >= args.duration or (cycles_done_at is not None and elapsed - cycles_done_at >= args.tail_s
+                                        and replays_back):
             stop.set()
         await asyncio.wait({clients}, timeout=args.sample_s)
+
+
+def cycle_started_s(rows: list[dict]) -> float:
+    """The first sample of the latest run of samples with a cycle running (its evidence was taken before)."""
+    start = len(rows) - 1
+    while start > 0 and not rows[start]["cycle_running"]:
+        start -= 1
+    while start > 0 and rows[start - 1]["cycle_running"]:
+        start -= 1
+    return rows[start]["t_s"]
 
 
 def print_progress(rows: list[dict]) -> None:
@@ -286,10 +332,12 @@ def main(argv: list[str] | None = None) -> dict:
         rows, load, greedy = asyncio.run(run(args, grpc_port, metrics_port))
     finally:
         stop_serve(process)
-    summary = {**summarise(add_intervals(rows)), "errors": dict(load.errors), "greedy_check": greedy}
+    summary = {**summarise(add_intervals(rows)), "errors": dict(load.errors), "greedy_check": greedy,
+               "paired": paired(load.served) if args.paired else None}
     command = f"python {SCRIPT} " + shlex.join(sys.argv[1:] if argv is None else argv)
     paths = write_files(rows, {"command": command, "settings": vars(args), "summary": summary}, directory)
-    for line in summary_lines(summary) + ([greedy_line(greedy)] if greedy else []):
+    extra = ([paired_line(summary["paired"])] if args.paired else []) + ([greedy_line(greedy)] if greedy else [])
+    for line in summary_lines(summary) + extra:
         print(line)
     print("wrote " + ", ".join(str(path) for path in paths), flush=True)
     return summary

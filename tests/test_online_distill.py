@@ -25,11 +25,13 @@ import pytest
 from harness import eventually, load
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.online_cycle import CycleResult, DistillJob, distill_command, result_of
-from orchestrator.deployment.online_distill import OnlineDistiller, OnlineDistillOptions
-from orchestrator.deployment.online_evidence import EvidenceStore
+from orchestrator.deployment.online_distill import (MAX_CONTINUATION, OnlineDistiller, OnlineDistillOptions,
+                                                    continuation_args)
+from orchestrator.deployment.online_evidence import EvidenceStore, served_length
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
+from orchestrator.distill.examples import load_examples
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import generation_pb2
@@ -70,6 +72,19 @@ def test_logged_rejection_contexts_join_the_evidence_once(tmp_path):
     store = EvidenceStore(tmp_path / "evidence", max_bytes=10_000, sample=0.0)
     assert store.add_disagreements(log_path) == 1 and store.prompts == 1
     assert store.add_disagreements(log_path) == 0  # read from where it stopped; the half line waits
+
+
+def test_evidence_keeps_each_served_completions_length_beside_its_prompt(tmp_path):
+    store = EvidenceStore(tmp_path / "evidence", max_bytes=10_000, sample=1.0)
+    for n in range(1, 11):
+        assert store.add([7, n], completion_tokens=n)
+    store.add([8, 8], sampled=False)  # a logged rejection context: nothing was served for it
+    store.snapshot(tmp_path / "prompts.jsonl")
+    assert served_length(tmp_path / "prompts.jsonl") == 9  # the 90th percentile of 1..10
+    examples = load_examples(tmp_path / "prompts.jsonl", tokenizer=None, max_prompt_tokens=256)
+    assert [e.prompt_token_ids for e in examples] == [(7, n) for n in range(1, 11)] + [(8, 8)]
+    (tmp_path / "old.jsonl").write_text('{"prompt_token_ids":[1,2]}\n')  # a store from before lengths
+    assert served_length(tmp_path / "old.jsonl") is None
 
 
 # ---- the loop over a stand-in for the pools
@@ -147,6 +162,27 @@ async def test_the_running_gauge_reads_1_while_a_cycle_runs_and_0_after(tmp_path
     await eventually(lambda: distiller.outcomes, ["no_gain"])
     await distiller.stop()
     assert running == [1.0] and metrics.registry.get_sample_value("specmesh_online_distill_cycle_running") == 0
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ((), ("--max-new-tokens", "5")),  # as long as what was served
+    (("--steps", "9"), ("--steps", "9", "--max-new-tokens", "5")),
+    (("--max-new-tokens", "7"), ("--max-new-tokens", "7")),  # the operator's choice stands
+    (("--max-new-tokens=7",), ("--max-new-tokens=7",)),
+])
+async def test_a_cycle_trains_on_continuations_as_long_as_the_served_ones(tmp_path, flags, expected):
+    jobs = []
+
+    async def recorded(job: DistillJob) -> CycleResult:
+        jobs.append(job)
+        return await candidate(False, 3)(job)
+    distiller, _, _ = await stand_in_distiller(tmp_path, recorded, distill_args=flags)  # 4 served, 5 tokens each
+    distiller.start()
+    await eventually(lambda: distiller.outcomes, ["no_gain"])
+    await distiller.stop()
+    assert jobs[0].extra_args == expected
+    assert continuation_args((), 100_000) == ("--max-new-tokens", str(MAX_CONTINUATION))
+    assert continuation_args(("--k", "3"), None) == ("--k", "3")
 
 
 def inject_rounds(metrics: OrchestratorMetrics, model: str, rounds: int, drafted: int, accepted: int) -> None:

@@ -25,7 +25,7 @@ def test_the_shift_benchmark_times_a_cycle_under_load(tiny_llama_dir, tiny_llama
         # the first cycle once the evidence holds its least (24 prompts); the loop ends when it does
         "--distill-tokens", "1", "--distill-interval", "0", "--distill-args", QUICK_DISTILL,
         "--until-cycles", "1", "--tail-s", "0", "--duration", "240", "--sample-s", "0.5", "--check-greedy",
-        "--check-greedy-prompts", "3", "--think-s", "0.01"])
+        "--check-greedy-prompts", "3", "--think-s", "0.01", "--paired", "4"])
     assert sum(summary["cycles"].values()) >= 1, summary
     assert summary["requests"] >= 24 and summary["failed_requests"] == 0, summary
     assert summary["greedy_check"]["prompts"] == 3 and summary["greedy_check"]["differ"] == 0
@@ -38,3 +38,28 @@ def test_the_shift_benchmark_times_a_cycle_under_load(tiny_llama_dir, tiny_llama
     assert out.startswith("machine: ") and "command: python benchmarks/online_distill_shift.py --target" in out
     assert "acceptance before the first rollout: " in out and "after the last rollout: " in out
     assert "greedy check: " in out and ": ok" in out
+    assert "paired acceptance" in out and ("paired" in summary)
+
+
+def test_paired_acceptance_compares_the_cycles_prompts_served_again_after_the_rollout():
+    pairs = load_script("shift_pairs")
+    Served = pairs.Served
+    served = [Served(0, 1.0, 4.0, 10, 9),  # before the cycle: in its evidence, never replayed
+              Served(1, 6.0, 9.0, 10, 5), Served(2, 7.0, 11.0, 10, 6),  # while it ran, old draft
+              Served(3, 9.5, 14.0, 10, 7)]  # finished after the rollout: partly the new draft's
+    replay = pairs.to_replay(served, cycle_started_s=5.0, old_draft_until_s=12.0)
+    assert replay == [1, 2]
+    assert pairs.paired(served) is None  # nothing sent again yet
+    served += [Served(1, 20.0, 22.0, 10, 8, replay_of=1), Served(2, 22.0, 25.0, 10, 9, replay_of=2)]
+    result = pairs.paired(served)
+    assert result["prompts"] == 2 and result["acceptance_before"] == 0.55 and result["acceptance_after"] == 0.85
+    assert abs(result["relative_change"] - (0.85 / 0.55 - 1)) < 1e-12
+    assert "0.550 -> 0.850 (+54.5%)" in pairs.paired_line(result)
+
+
+def test_a_cycle_starts_at_the_first_sample_of_its_latest_run():
+    shift = load_script("online_distill_shift")
+    rows = [{"t_s": t, "cycle_running": running} for t, running in
+            [(0, 0), (5, 1), (10, 0), (15, 1), (20, 1), (25, 0)]]
+    assert shift.cycle_started_s(rows) == 15
+    assert shift.cycle_started_s(rows[:3]) == 5

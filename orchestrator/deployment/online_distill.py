@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 from orchestrator.deployment.online_cycle import CycleResult, DistillJob, run_local, run_on_ray
-from orchestrator.deployment.online_evidence import EvidenceStore
+from orchestrator.deployment.online_evidence import EvidenceStore, served_length
 from specmesh.connections import positive_seconds
 from specmesh.service import positive_int
 
@@ -37,6 +37,8 @@ DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") /
 # distill splits the prompts three ways: with fewer, its held-out verdict rests on a handful of rounds
 MIN_PROMPTS = 24
 VERSION = re.compile(r"v(\d+)$")
+# Training costs grow with the continuation length; answers past this are trained on their start only.
+MAX_CONTINUATION = 256
 KEPT_CYCLES = 20  # cycle directories (prompts gone, log and report left) kept for a look back
 
 
@@ -165,7 +167,7 @@ class OnlineDistiller:
         """A finished request (on the serving path: only counts and a sampled line appended)."""
         self.tokens += completion_tokens
         try:
-            self.store.add(prompt_token_ids)
+            self.store.add(prompt_token_ids, completion_tokens=completion_tokens)
         except OSError as error:  # a full disk costs evidence, never a request
             log.warning("online distillation: cannot keep a prompt: %s", error)
 
@@ -233,10 +235,12 @@ class OnlineDistiller:
         shutil.rmtree(output, ignore_errors=True)  # a run cut short left it: distill wants it empty
         self.store.snapshot(directory / "prompts.jsonl")
         o = self.options
+        length = served_length(directory / "prompts.jsonl")
         return DistillJob(target=self.pools.controllers["target"].spec.replica.service.model,
                           draft=self.draft_model, prompts=directory / "prompts.jsonl", output=output,
                           report=directory / "report.json", log=directory / "distill.log", device=o.device,
-                          threads=max(1, round(o.cpus)), extra_args=o.distill_args)
+                          threads=max(1, round(o.cpus)),
+                          extra_args=continuation_args(o.distill_args, length))
 
     async def _distill(self, job: DistillJob) -> CycleResult:
         try:
@@ -321,6 +325,15 @@ class OnlineDistiller:
         self.metrics.online_distill_rollbacks.inc()
         self.metrics.online_distill_draft_version.set(self.version_of(watch.previous))
         log.warning("online distillation: rolled back to %s", watch.previous)
+
+
+def continuation_args(distill_args: tuple[str, ...], served: int | None) -> tuple[str, ...]:
+    """`distill_args` with `--max-new-tokens` set to the served completions' length (at most
+    MAX_CONTINUATION) unless the operator set it: a draft trained on shorter continuations than it
+    drafts learns their start and can get worse past it, and the verdict would not see that."""
+    if served is None or any(a == "--max-new-tokens" or a.startswith("--max-new-tokens=") for a in distill_args):
+        return distill_args
+    return (*distill_args, "--max-new-tokens", str(min(served, MAX_CONTINUATION)))
 
 
 def _counted(counter, model: str) -> float:

@@ -1,7 +1,8 @@
 """What online distillation learns from: a sample of served prompts, bounded on disk.
 
-Each kept prompt is one JSON line `{"prompt_token_ids": [...]}` (the form `specmesh distill
---prompts` reads), appended to numbered segment files in `<dir>/evidence`. When the segments
+Each kept prompt is one JSON line `{"prompt_token_ids": [...], "completion_tokens": n}` (the form
+`specmesh distill --prompts` reads; n, the length of what was served for it, tells a cycle how long
+the continuations it trains on must be), appended to numbered segment files in `<dir>/evidence`. When the segments
 pass `max_bytes`, the oldest segment goes: the evidence is always the most recent traffic.
 Rejected contexts from the target's disagreement log (when it logs contexts) join the same
 store, read from where the last cycle stopped.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from pathlib import Path
 from typing import Sequence
@@ -44,11 +46,15 @@ class EvidenceStore:
     def bytes(self) -> int:
         return sum(self.sizes.values())
 
-    def add(self, token_ids: Sequence[int], sampled: bool = True) -> bool:
-        """Keep one prompt (a `sample` share of them when `sampled`); returns whether it was kept."""
+    def add(self, token_ids: Sequence[int], sampled: bool = True, completion_tokens: int = 0) -> bool:
+        """Keep one prompt (a `sample` share of them when `sampled`) and the length of its served
+        completion, if known; returns whether it was kept."""
         if not token_ids or (sampled and self.rng.random() >= self.sample):
             return False
-        line = json.dumps({"prompt_token_ids": list(token_ids)}, separators=(",", ":")) + "\n"
+        record = {"prompt_token_ids": list(token_ids)}
+        if completion_tokens > 0:
+            record["completion_tokens"] = int(completion_tokens)
+        line = json.dumps(record, separators=(",", ":")) + "\n"
         if len(line) > self.segment_bytes:
             return False  # one prompt past a segment would evict everything else
         segment = self._current(len(line))
@@ -104,6 +110,23 @@ class EvidenceStore:
                         seen.add(line)
                         out.write(line)
         return len(seen)
+
+
+def served_length(path: Path, quantile: float = 0.9) -> int | None:
+    """The `quantile` of the served completion lengths recorded in the prompts file `path` (nearest
+    rank), None when it records none (only logged rejection contexts, or an older store)."""
+    lengths = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            value = json.loads(line).get("completion_tokens")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            lengths.append(value)
+    if not lengths:
+        return None
+    lengths.sort()
+    return lengths[min(len(lengths) - 1, max(0, math.ceil(quantile * len(lengths)) - 1))]
 
 
 def _context_of(line: str) -> tuple[int, ...] | None:
