@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import re
@@ -59,6 +60,7 @@ from specmesh.models import load_tokenizer  # noqa: E402
 SCRIPT = "benchmarks/online_distill_shift.py"
 READY = re.compile(r"client endpoint \S+?:(\d+)")
 METRICS = re.compile(r"orchestrator http://\S+?:(\d+)/metrics")
+DEFAULT_DURATION_S = 1800.0
 STOP_WAIT_S = 120.0  # serve drains and stops its replicas (and a running cycle) on SIGTERM
 
 
@@ -80,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--think-s", type=float, default=0.0, metavar="SECONDS",
                       help="a client's pause after each reply (0: a closed loop); leaves a small host idle "
                            "time for a cycle, which runs at the lowest CPU priority")
-    load.add_argument("--duration", type=float, default=1800.0, metavar="SECONDS", help="at most this long")
+    load.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                      help="at most this long (default: 1800 s, no limit with --until-cycles)")
     load.add_argument("--requests", type=int, default=None, help="at most this many requests")
     load.add_argument("--until-cycles", type=int, default=0, metavar="N", help="stop --tail-s after N cycles")
     load.add_argument("--tail-s", type=float, default=60.0, help="served after the --until-cycles-th cycle")
@@ -263,6 +266,7 @@ async def sample_until_done(args: argparse.Namespace, metrics_port: int, load: L
     """A row every --sample-s seconds until the clients have stopped; tells them when to stop."""
     rows: list[dict] = []
     cycles_done_at, replayed = None, False
+    duration = args.duration or (math.inf if args.until_cycles else DEFAULT_DURATION_S)
     while True:
         samples = await asyncio.to_thread(scrape, metrics_port)
         elapsed = time.monotonic() - load.t0
@@ -277,7 +281,7 @@ async def sample_until_done(args: argparse.Namespace, metrics_port: int, load: L
         if cycles_done_at is None and args.until_cycles and rows[-1]["cycles_done"] >= args.until_cycles:
             cycles_done_at = elapsed
         replays_back = not load.replay and not load.replays_running
-        if elapsed >= args.duration or (cycles_done_at is not None and elapsed - cycles_done_at >= args.tail_s
+        if elapsed >= duration or (cycles_done_at is not None and elapsed - cycles_done_at >= args.tail_s
                                         and replays_back):
             stop.set()
         await asyncio.wait({clients}, timeout=args.sample_s)

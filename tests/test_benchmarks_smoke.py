@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from test_distill import word_prompts
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -112,3 +114,18 @@ def test_soak_rss_finds_every_session_closed_and_every_process_drained(tiny_llam
     assert sum(result["outcomes"].values()) == 40 and set(result["outcomes"]) <= {"completed", "cancelled"}
     assert all(isinstance(seconds, float) for seconds in result["closed"].values()), result["closed"]
     assert all(stopped == (0, True) for stopped in result["stopped"].values()), result["stopped"]
+
+
+def test_draft_agreement_tells_a_matching_draft_from_an_unrelated_one(tiny_llama_dir, tiny_llama_unrelated_dir,
+                                                                     tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(word_prompts(6, seed=3)) + "\n")
+    results = load_script("draft_agreement").main([
+        "--target", str(tiny_llama_dir), "--drafts", str(tiny_llama_dir), str(tiny_llama_unrelated_dir),
+        "--prompts", str(prompts), "--last", "4", "--max-new-tokens", "8", "--window", "4", "--k", "3",
+        "--draft-dtype", "float32"])
+    same, unrelated = results
+    assert same["agreement"] == 1.0 and same["by_window"] == [1.0, 1.0] and same["acceptance"] == 1.0
+    assert unrelated["agreement"] < 0.5 and unrelated["acceptance"] < 0.5
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "4 prompts, 8 tokens each" in out
