@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -61,10 +61,11 @@ class ResolvedSpec:
     source: str
     gguf_file: str | None = None
     alias: str | None = None
+    trust_remote_code: bool = False  # run a checkpoint's own modeling code (a directory or hub id only)
 
     def pretrained_kwargs(self) -> dict[str, Any]:
         """Keyword args common to every ``from_pretrained`` call for this spec."""
-        kwargs: dict[str, Any] = {"trust_remote_code": False}
+        kwargs: dict[str, Any] = {"trust_remote_code": self.trust_remote_code}
         if self.gguf_file is not None:
             kwargs["gguf_file"] = self.gguf_file
         return kwargs
@@ -225,14 +226,19 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     return _from_pretrained(_auto("AutoTokenizer").from_pretrained, resolved)
 
 
-def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None, trust_remote_code: bool = False
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` for ``spec``: eval mode, no grads, on ``device`` in ``dtype``.
 
     ``dtype=None`` means ``torch.float32`` (the default is spelled ``None`` only
-    so that importing this module does not import torch).
+    so that importing this module does not import torch). ``trust_remote_code`` runs the
+    modeling code a directory or hub checkpoint ships (its config.json's ``auto_map``); the
+    tokenizer never runs code.
     """
     resolved = resolve_spec(spec)  # before importing torch: bad specs fail fast
+    if resolved.kind in ("dir", "hub"):
+        resolved = replace(resolved, trust_remote_code=trust_remote_code)
+    _refuse_untrusted_code(resolved)
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
@@ -251,6 +257,21 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None
     model.requires_grad_(False)
     logger.info("loaded %s (%s) on %s as %s", spec, resolved.kind, device, dtype)
     return model, tokenizer
+
+
+def _refuse_untrusted_code(resolved: ResolvedSpec) -> None:
+    """A local checkpoint that maps its model to its own code loads only when its code is trusted."""
+    config = Path(resolved.source) / "config.json"
+    if resolved.kind != "dir" or resolved.trust_remote_code or not config.is_file():
+        return
+    try:
+        auto_map = json.loads(config.read_text(encoding="utf-8")).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # transformers reports an unreadable config itself
+    if "AutoModelForCausalLM" in auto_map:
+        raise ModelNotFoundError(
+            f"model {resolved.spec!r} runs its own code ({auto_map['AutoModelForCausalLM']} in its config.json): "
+            "load it only if you trust that code, with --trust-remote-code")
 
 
 def chat_token_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:

@@ -111,13 +111,15 @@ def quantize_int8_weights(model: torch.nn.Module) -> int:
     return replaced
 
 
-def load_model_in(spec: str, device: str, dtype_name: str, cpu_linear: str | None = None):
+def load_model_in(spec: str, device: str, dtype_name: str, cpu_linear: str | None = None,
+                  trust_remote_code: bool = False):
     """(model, tokenizer) of `spec` on `device` in the precision `dtype_name` names, its float32
     Linear layers on the `cpu_linear` kernel (specmesh.cpu_linear; None: left to the caller)."""
     from specmesh import models
 
     precision = resolve_precision(dtype_name, device)
-    model, tokenizer = models.load_model(spec, device=device, dtype=precision.dtype)
+    model, tokenizer = models.load_model(spec, device=device, dtype=precision.dtype,
+                                         trust_remote_code=trust_remote_code)
     if precision.int8_weights is None:  # it chooses the float32 kernel as it times it
         return int8_if_faster(model, cpu_linear or "auto", device), tokenizer
     if precision.int8_weights:

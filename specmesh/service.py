@@ -63,6 +63,7 @@ class ServiceOptions:
     prefill_slowdown: float | None = None  # a prefill chunk's step costs <= this x decode alone; None: the role's
     kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
+    trust_remote_code: bool = False  # run the checkpoint's own modeling code (specmesh.models.load_model)
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,19 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     parser.add_argument("--cpu-linear", default="auto", choices=KERNEL_CHOICES, help=KERNEL_HELP)
     parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
+    add_trust_remote_code_argument(parser, "the model's")
     add_batching_arguments(parser)
     add_kv_cache_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
     add_server_tls_arguments(parser)
     add_internal_token_arguments(parser, serving=True)
     add_shutdown_arguments(parser)
+
+
+def add_trust_remote_code_argument(parser: argparse.ArgumentParser, whose: str) -> None:
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help=f"run {whose} own modeling code, where a checkpoint ships it (its config.json's "
+                             "auto_map): only for checkpoints you trust; without it such a model does not load")
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +170,7 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
                           trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token,
                           shutdown_grace_s=args.shutdown_grace, max_step_tokens=args.max_step_tokens,
                           prefill_slowdown=args.prefill_slowdown, kv_cache_memory=args.kv_cache_memory,
-                          max_waiting_sessions=args.max_waiting_sessions)
+                          max_waiting_sessions=args.max_waiting_sessions, trust_remote_code=args.trust_remote_code)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -200,7 +208,8 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
     with calibration_turn():  # loading too: converting a draft to int8 takes seconds of both cores
         # Kernels chosen before the engine sizes its KV budget from free memory: a tied output
         # projection gets its own copy.
-        model, tokenizer = load_model_in(options.model, options.device, options.dtype, options.cpu_linear)
+        model, tokenizer = load_model_in(options.model, options.device, options.dtype, options.cpu_linear,
+                                         options.trust_remote_code)
         engine = ModelEngine(model, tokenizer, config)
         engine.warm_up()
         costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs

@@ -117,18 +117,20 @@ class TargetHold:
 
 
 @functools.lru_cache(maxsize=16)
-def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = "torch"):
+def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = "torch",
+         trust_remote_code: bool = False):
     """Models are read-only once loaded, so tests share them across stacks. `dtype`: a --dtype name;
     `cpu_linear`: the kernel of float32 Linear layers (specmesh.cpu_linear; tests pick one, never auto)."""
-    model, tokenizer = load_model_in(model_dir, device, dtype)
+    model, tokenizer = load_model_in(model_dir, device, dtype, trust_remote_code=trust_remote_code)
     choose_cpu_linear(model, cpu_linear, device)
     return model, tokenizer
 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
-                row_multiple: int = 1, dtype: str = "float32", cpu_linear: str = "torch") -> ModelEngine:
+                row_multiple: int = 1, dtype: str = "float32", cpu_linear: str = "torch",
+                trust_remote_code: bool = False) -> ModelEngine:
     """`row_multiple` > 1: every forward of more rows than one is padded to a multiple of it (RowMultipleCosts)."""
-    model, tokenizer = load(str(model_dir), device, dtype, cpu_linear)
+    model, tokenizer = load(str(model_dir), device, dtype, cpu_linear, trust_remote_code)
     engine = ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
                                                         generator_salt=role(role_name).generator_salt))
     if row_multiple > 1:
@@ -205,7 +207,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       api_key: str | None = None, pipeline: str = "auto", extra_branches: int | None = None,
                       internal_token: str | None = None, loop_options: dict | None = None,
                       calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0,
-                      cpu_linear: str = "torch", target_step_costs: dict[int, float] | None = None) -> Stack:
+                      cpu_linear: str = "torch", target_step_costs: dict[int, float] | None = None,
+                      trust_remote_code: bool = False) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -217,8 +220,10 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     draft's --dtype name; `draft_cost_scale`: the calibrated draft reports its steps this many times their
     measured cost (a tiny draft the size of its target stands in for a cheaper one); `cpu_linear`: both
     services' float32 Linear kernel; `target_step_costs`: after calibration the target reports (and
-    keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject."""
-    target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear)
+    keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject.
+    `trust_remote_code`: both models may run the code their directories ship (the set-acceptance pair)."""
+    target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear,
+                                trust_remote_code=trust_remote_code)
     if calibrate:
         target_engine.calibrate()
         if target_step_costs is not None:
@@ -228,7 +233,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     servers = {"target": target_server}
     draft_engine, draft_port = None, None
     if draft_dir is not None:
-        draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype, cpu_linear=cpu_linear)
+        draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype, cpu_linear=cpu_linear,
+                                   trust_remote_code=trust_remote_code)
         if calibrate:
             measured = draft_engine.calibrate().measured
             draft_engine.costs = StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()})
@@ -240,7 +246,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
         loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k,
                         pipeline=pipeline, extra_branches=extra_branches, **(loop_options or {})),
         channel_tls=channel_tls, internal_token=internal_token)
-    _, tokenizer = load(str(target_dir), device)
+    _, tokenizer = load(str(target_dir), device, trust_remote_code=trust_remote_code)
     servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics,
                                                                         tls=server_tls, api_key=api_key)
     stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers,

@@ -163,7 +163,7 @@ def load_peer(args, prompts: list[BenchPrompt], configurations: list[Configurati
     print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
           "generation ...", file=sys.stderr, flush=True)
     return PeerClient(PeerPair.load(args.target, args.draft, args.device, args.draft_device or args.device,
-                                    args.target_dtype, args.draft_dtype, args.cpu_linear))
+                                    args.target_dtype, args.draft_dtype, args.cpu_linear, args.trust_remote_code))
 
 
 def build_result(args, prompts: list[BenchPrompt], configurations: list[Configuration], runs: Runs,

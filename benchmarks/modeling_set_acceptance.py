@@ -1,0 +1,106 @@
+"""A Qwen2 model whose greedy token is set by rule: the benchmark pair of `set_acceptance_pair.py`.
+
+Copied into each model directory the builder writes, and loaded from there as a user loads a custom
+architecture (`--trust-remote-code`): it imports nothing but torch and transformers.
+
+Each forward runs the real Qwen2 network (so a step costs what a model of its shape costs), then puts
+every kept row's top logit on a token chosen from the row's input token and position:
+
+- the target (`set_acceptance_role` "target") on next(token, position), a hash over the ordinary
+  (non-special) token ids, so its greedy output is a walk no prompt or batch layout can change;
+- a draft (`set_acceptance_role` "draft") on the same token with probability alpha (a second hash of
+  the pair below alpha), otherwise on another ordinary token.
+
+So a draft's greedy proposal agrees with the target's greedy token at rate alpha at every position,
+in specmesh and in transformers' assisted generation alike. The other logits stay the network's own,
+so the forward's work is never dead code to a compiler.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+MASK_31 = 0x7FFFFFFF  # hashes stay in 31 bits: an int64 product of two never overflows
+MIX_ROUNDS = ((1103515245, 12345), (214013, 2531011), (1664525, 1013904223))
+AGREE_SALT = 0x2545F491  # the draft's agree-or-not draw
+OTHER_SALT = 0x5BD1E995  # which other token a disagreeing draft proposes
+
+
+class SetAcceptanceConfig(Qwen2Config):
+    model_type = "set_acceptance_qwen2"
+
+    def __init__(self, set_acceptance_role: str = "target", alpha: float = 1.0, steer_low: int = 0,
+                 steer_high: int = 2, steer_seed: int = 0, steer_margin: float = 30.0, **kwargs):
+        self.set_acceptance_role = set_acceptance_role
+        self.alpha = alpha
+        self.steer_low = steer_low  # ordinary token ids: [steer_low, steer_high)
+        self.steer_high = steer_high
+        self.steer_seed = steer_seed
+        self.steer_margin = steer_margin  # nats above the row's top logit: one token under sampling too
+        super().__init__(**kwargs)
+
+
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash of a non-negative int64 tensor below 2**31, identical on every device."""
+    for multiplier, increment in MIX_ROUNDS:
+        x = (x * multiplier + increment) & MASK_31
+        x = x ^ (x >> 13)
+    return x
+
+
+def target_next(tokens: torch.Tensor, positions: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
+    """The target's greedy token after `tokens` at `positions` (int64, same shape)."""
+    span = config.steer_high - config.steer_low
+    return config.steer_low + pair_key(tokens, positions, config) % span
+
+
+def pair_key(tokens: torch.Tensor, positions: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
+    return mix(mix((positions + config.steer_seed) & MASK_31) ^ (tokens & MASK_31))
+
+
+def draft_next(tokens: torch.Tensor, positions: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
+    """The target's token where a draw of the pair falls below alpha, another ordinary token elsewhere."""
+    span = config.steer_high - config.steer_low
+    key = pair_key(tokens, positions, config)
+    agrees = mix(key ^ AGREE_SALT).double() / float(MASK_31 + 1) < config.alpha
+    offset = 1 + mix(key ^ OTHER_SALT) % max(1, span - 1)  # 1..span-1: never the target's token
+    other = config.steer_low + (key % span + offset) % span
+    return torch.where(agrees, target_next(tokens, positions, config), other)
+
+
+def kept_rows(values: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """values [batch, seq] -> the rows whose logits the forward kept, shaped as the logits' leading dims."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.ndim == 2 and logits_to_keep.dtype == torch.bool:
+            return values[logits_to_keep]  # [kept]
+        if logits_to_keep.ndim == 2:
+            return torch.take_along_dim(values, logits_to_keep.to(values.device), dim=1)
+        return values[:, logits_to_keep.to(values.device)]
+    return values[:, -logits_to_keep:] if logits_to_keep else values
+
+
+class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
+    config_class = SetAcceptanceConfig
+
+    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                cache=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        past = cache.get_seq_length() if position_ids is None and cache is not None else 0  # before this forward
+        output = super().forward(input_ids=input_ids, position_ids=position_ids, cache=cache,
+                                 logits_to_keep=logits_to_keep, **kwargs)
+        if input_ids is None:
+            return output
+        if position_ids is None:
+            position_ids = (past + torch.arange(input_ids.shape[1], device=input_ids.device)).expand_as(input_ids)
+        tokens = kept_rows(input_ids, logits_to_keep)
+        positions = kept_rows(position_ids.to(input_ids.device).expand_as(input_ids), logits_to_keep)
+        output.logits = self.steer(output.logits, tokens, positions)
+        return output
+
+    def steer(self, logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """logits [..., V]: each row's chosen token lifted steer_margin above the row's top logit."""
+        rule = target_next if self.config.set_acceptance_role == "target" else draft_next
+        chosen = rule(tokens.long(), positions.long(), self.config).to(logits.device).unsqueeze(-1)  # [..., 1]
+        lifted = logits.amax(dim=-1, keepdim=True) + self.config.steer_margin
+        return logits.scatter(-1, chosen, lifted.to(logits.dtype))
