@@ -41,7 +41,7 @@ LATENCY_KEYS = {"mean", "p50", "p95", "p99"}
 REQUEST_KEYS = {"configuration", "kind", "mode", "index", "repeat", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
                 "itl_ms", "prompt_tokens", "output_tokens", "draft_tokens", "accepted_tokens", "rounds",
                 "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens", "n",
-                "completion_tokens"}
+                "completion_tokens", "output_digest"}
 PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "itl_by_concurrency.png",
          "acceptance_by_kind.png")
 JSONL = [
@@ -161,6 +161,9 @@ def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_p
                           {"on", "off", "peer-off", "peer k=1", "peer k=2"}, 4, {"code", "chat", "story"})
     check_peer(result["configurations"][0], [r for r in result["requests"] if r["mode"].startswith("peer")],
                done.stdout)
+    outputs = result["configurations"][0]["outputs"]  # the three greedy prompts (the story samples)
+    assert outputs["identical"] and outputs["prompts"] == 3 and len(outputs["modes"]) == 5, outputs
+    assert "greedy outputs: identical in all 5 modes (3 prompts)" in done.stdout
     c2_table = done.stdout.split("== c=2 T=default", 1)[1].split("\n\n", 1)[0]
     assert "peer" not in result["configurations"][1] and "HF" not in c2_table and "on/off" in c2_table
     limits = {line.get("prompt"): line["max_tokens"] for line in JSONL}

@@ -7,9 +7,9 @@ import pytest
 
 from orchestrator.bench.app import speedup_fields
 from orchestrator.bench.args import peer_ks
-from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind
-from orchestrator.bench.report import (PEER_NOTE, concurrency_table, configuration_table, kind_table, print_report,
-                                       summary_table)
+from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, output_agreement, token_digest
+from orchestrator.bench.report import (PEER_NOTE, concurrency_table, configuration_table, kind_table, output_lines,
+                                       print_report, summary_table)
 from orchestrator.bench.sweep import best_k
 from orchestrator.frontend.cli import build_parser
 
@@ -101,3 +101,22 @@ def test_peer_k_outside_the_draft_limit_is_rejected(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["bench", "--peer-k", "0"])
     assert exit_info.value.code == 2 and "argument --peer-k" in capsys.readouterr().err
+
+
+def digest_records(mode: str, outputs: dict[int, list[int]]) -> list[RequestRecord]:
+    return [RequestRecord(kind="code", mode=mode, index=i, output_digest=token_digest([ids]))
+            for i, ids in outputs.items()]
+
+
+def test_greedy_outputs_are_compared_prompt_by_prompt_across_modes():
+    same = {0: [5, 6], 1: [7], 2: [9, 9]}
+    records = {"off": digest_records("off", same), "on": digest_records("on", same),
+               "peer k=2": digest_records("peer k=2", {**same, 1: [8]})}
+    agreement = output_agreement(records, greedy={0, 1, 2})
+    assert agreement == {"reference": "off", "modes": ["off", "on", "peer k=2"], "prompts": 3, "identical": False,
+                         "differing_prompts": [1]}
+    assert output_lines({"outputs": agreement}) == [
+        "greedy outputs: DIFFER from spec off on prompts [1] (modes spec off, spec on, HF k=2)"]
+    assert output_agreement(records, greedy={0, 2})["identical"]  # a sampled prompt may differ
+    assert output_agreement(records, greedy=set()) is None
+    assert output_agreement({"on": records["on"]}, greedy={0, 1, 2}) is None  # one mode: nothing to compare

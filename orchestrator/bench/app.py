@@ -22,7 +22,8 @@ from pathlib import Path
 
 from orchestrator.bench.args import peer_ks, sweep_ks
 from orchestrator.bench.clients import clear_suffix_index, make_client
-from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_kind, pass_figures, speedups
+from orchestrator.bench.metrics import (RequestRecord, aggregate, aggregate_by_kind, output_agreement, pass_figures,
+                                        speedups)
 from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, peer_modes, served_modes
 from orchestrator.bench.round_parts import RoundParts
 from orchestrator.bench.plots import write_plots
@@ -186,6 +187,10 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
         entry = {"name": configuration.name, "max_concurrency": configuration.max_concurrency,
                  "temperature": configuration.temperature, "modes": modes}
         entry.update(speedup_fields(modes))
+        outputs = output_agreement({mode: runs[configuration.name, mode][0] for mode in modes},
+                                   greedy_prompts(prompts, configuration))
+        if outputs is not None:
+            entry["outputs"] = outputs
         if "passes" in modes[DEFAULT] and "passes" in modes.get(OFF, {}):
             entry["speedup_on_vs_off_by_pass"] = [speedups(on, off)["output_throughput"] for on, off in
                                                   zip(modes[DEFAULT]["passes"], modes[OFF]["passes"])]
@@ -207,6 +212,13 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
         "configurations": entries,
         "requests": requests,
     }
+
+
+def greedy_prompts(prompts: list[BenchPrompt], configuration: Configuration) -> set[int]:
+    """Indices of the prompts a configuration sends at temperature 0 (as runner.request_params sets it)."""
+    if configuration.temperature is not None:
+        return set(range(len(prompts))) if configuration.temperature == 0 else set()
+    return {i for i, prompt in enumerate(prompts) if prompt.default_temperature() == 0}
 
 
 def speedup_fields(modes: dict[str, dict]) -> dict:

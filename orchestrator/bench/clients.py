@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 import httpx
 
-from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.metrics import RequestRecord, token_digest
 from orchestrator.bench.modes import is_peer_mode
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.round_parts import ByMode, RoundParts, scrape_round_parts
@@ -55,9 +55,12 @@ class _Timer:
             self.record.itl_ms.append((now - self.lasts[index]) * 1e3)
         self.lasts[index] = now
 
-    def finish(self, stats: dict[int, dict]) -> None:
-        """`stats`: the server's stats of each finished completion, by index; summed over them."""
+    def finish(self, stats: dict[int, dict], token_ids: dict[int, list[int]] | None = None) -> None:
+        """`stats`: the server's stats of each finished completion, by index; summed over them.
+        `token_ids`: each completion's generated ids, by index, where the client sees them."""
         self.record.e2e_ms = (time.perf_counter() - self.start) * 1e3
+        if token_ids is not None:
+            self.record.output_digest = token_digest([token_ids[index] for index in sorted(token_ids)])
         finished = [stats[index] for index in sorted(stats)]
         self.record.prompt_tokens = max((int(s.get("prompt_tokens", 0)) for s in finished), default=0)
         self.record.completion_tokens = [int(s.get("completion_tokens", 0)) for s in finished]
@@ -93,18 +96,19 @@ class GrpcClient:
         return request
 
     async def send(self, item: BenchPrompt, params: RequestParams, record: RequestRecord, run_start: float) -> None:
-        timer, stats = _Timer(record, run_start, item.n), {}
+        timer, stats, token_ids = _Timer(record, run_start, item.n), {}, {}
         try:
             async for response in self.stub.Generate(self.request(item, params), timeout=params.timeout_s):
                 if response.token_ids:
                     timer.chunk(response.index)
+                    token_ids.setdefault(response.index, []).extend(response.token_ids)
                 if response.HasField("stats"):  # the last response of its completion
                     stats[response.index] = {f.name: getattr(response.stats, f.name)
                                              for f in response.stats.DESCRIPTOR.fields}
         except grpc.aio.AioRpcError as error:
             record.ok, record.error = False, f"{error.code().name}: {error.details()}"
             return
-        timer.finish(stats)
+        timer.finish(stats, token_ids)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -15,6 +15,7 @@ over the longest completion's tokens - 1.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -45,6 +46,7 @@ class RequestRecord:
     suffix_accepted_tokens: int = 0
     n: int = 1  # completions asked for
     completion_tokens: list[int] = field(default_factory=list)  # each completion's output tokens, by index
+    output_digest: str = ""  # of the generated token ids (token_digest); "" where the client sees only text
 
     @property
     def tpot_ms(self) -> float | None:
@@ -55,6 +57,28 @@ class RequestRecord:
 
     def to_json(self) -> dict:
         return {**asdict(self), "tpot_ms": self.tpot_ms}
+
+
+def token_digest(completions: list[list[int]]) -> str:
+    """A short fingerprint of a request's generated token ids, its completions in index order."""
+    text = ";".join(",".join(map(str, ids)) for ids in completions)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def output_agreement(records: dict[str, list[RequestRecord]], greedy: set[int]) -> dict | None:
+    """Whether every mode generated what the first mode did, prompt by prompt (and pass by pass), over
+    the `greedy` prompt indices (temperature 0: one right output). None: nothing to compare."""
+    outputs = {mode: {(r.index, r.repeat): r.output_digest for r in done if r.ok and r.output_digest
+                      and r.index in greedy} for mode, done in records.items()}
+    outputs = {mode: by_prompt for mode, by_prompt in outputs.items() if by_prompt}
+    if len(outputs) < 2:
+        return None
+    reference, *others = outputs
+    differing = sorted({key[0] for mode in others for key, digest in outputs[mode].items()
+                        if key in outputs[reference] and digest != outputs[reference][key]})
+    compared = len({key[0] for by_prompt in outputs.values() for key in by_prompt})
+    return {"reference": reference, "modes": list(outputs), "prompts": compared, "identical": not differing,
+            "differing_prompts": differing}
 
 
 def percentile(values: list[float], q: float) -> float:

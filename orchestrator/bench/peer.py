@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from orchestrator.bench.metrics import RequestRecord
+from orchestrator.bench.metrics import RequestRecord, token_digest
 from orchestrator.bench.clients import RequestParams
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.round_parts import RoundParts
@@ -179,6 +179,7 @@ def run_peer_request(pair: PeerPair, item: BenchPrompt, record: RequestRecord, m
     record.ttft_ms = (timer.times[0] - start) * 1e3 if timer.times else record.e2e_ms
     record.itl_ms = [(b - a) * 1e3 for a, b in zip(timer.times, timer.times[1:])]
     record.prompt_tokens, record.output_tokens = len(prompt_ids), len(generated)
+    record.output_digest = token_digest([generated])
     if k is not None:  # the target alone verifies nothing: no rounds, as the server reports speculation off
         record.rounds = len(timer.times)
         record.accepted_tokens = max(0, len(generated) - record.rounds)

@@ -94,7 +94,18 @@ def configuration_table(entry: dict) -> str:
         lines.append(f"{label:<26}" + "".join(f"{_cell(lookup(modes[m]['overall'], metric), digits):>15}"
                                               for m in columns)
                      + "".join(f"{_ratio(entry[key].get(metric)):>10}" for key in ratios))
-    return "\n".join(lines + pass_lines(entry) + peer_lines(entry))
+    return "\n".join(lines + pass_lines(entry) + peer_lines(entry) + output_lines(entry))
+
+
+def output_lines(entry: dict) -> list[str]:
+    """Greedy prompts: whether every mode's output was the first mode's, token for token."""
+    outputs = entry.get("outputs")
+    if outputs is None:
+        return []
+    if outputs["identical"]:
+        return [f"greedy outputs: identical in all {len(outputs['modes'])} modes ({outputs['prompts']} prompts)"]
+    return [f"greedy outputs: DIFFER from {mode_title(outputs['reference'])} on prompts "
+            f"{outputs['differing_prompts']} (modes {', '.join(map(mode_title, outputs['modes']))})"]
 
 
 def peer_lines(entry: dict) -> list[str]:
