@@ -24,11 +24,8 @@ import asyncio
 import json
 import os
 import platform
-import re
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +36,8 @@ import grpc
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from serve_process import ServeProcess, start_serve  # noqa: E402
 from specmesh.connections import raise_file_limit  # noqa: E402
 from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
@@ -53,21 +51,11 @@ def _split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def start_serve(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, int, int]:
-    """`specmesh serve --api-key` with its output in log_path; (process, gRPC port, HTTP port) once ready."""
-    command = [sys.executable, "-m", "orchestrator.frontend.cli", "serve", "--port", "0", "--http-port", "0",
-               "--metrics-port", "-1", "--api-key", API_KEY, "--target", args.target, "--draft", "none"]
-    command += ["--config", args.config] if args.config else []
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None:
-        found = re.search(r"client endpoint [^:\s]+:(\d+), OpenAI API http://[^:]+:(\d+)", log_path.read_text())
-        if found:
-            return process, int(found.group(1)), int(found.group(2))
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("serve did not become ready:\n" + log_path.read_text()[-3000:])
+def start(args: argparse.Namespace, log_path: Path) -> ServeProcess:
+    """`specmesh serve --api-key`, target only, once ready (its gRPC and HTTP ports)."""
+    flags = ["--port", "0", "--http-port", "0", "--metrics-port", "-1", "--api-key", API_KEY, "--target", args.target,
+             "--draft", "none", *(["--config", args.config] if args.config else [])]
+    return start_serve(flags, log_path, timeout_s=300, http=True)
 
 
 class Probe:
@@ -256,12 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
           flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         log_path = Path(scratch) / "serve.log"
-        process, grpc_port, http_port = start_serve(args, log_path)
+        serve = start(args, log_path)
         try:
-            return asyncio.run(run(args, grpc_port, http_port, log_path))
+            return asyncio.run(run(args, serve.grpc_port, serve.http_port, log_path))
         finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=120)
+            serve.stop()
 
 
 if __name__ == "__main__":

@@ -30,13 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
-import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter, deque
@@ -50,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from bench_pipeline import scrape  # noqa: E402
+from serve_process import ServeProcess, serve_command, start_serve  # noqa: E402
 from shift_pairs import Served, paired, paired_line, to_replay  # noqa: E402
 from shift_timeline import add_intervals, rate, sample_row, summarise, summary_lines, write_files  # noqa: E402
 from stack_checks import print_header  # noqa: E402
@@ -58,10 +55,7 @@ from orchestrator.bench.prompts import BenchPrompt, load_jsonl  # noqa: E402
 from specmesh.models import load_tokenizer  # noqa: E402
 
 SCRIPT = "benchmarks/online_distill_shift.py"
-READY = re.compile(r"client endpoint \S+?:(\d+)")
-METRICS = re.compile(r"orchestrator http://\S+?:(\d+)/metrics")
 DEFAULT_DURATION_S = 1800.0
-STOP_WAIT_S = 120.0  # serve drains and stops its replicas (and a running cycle) on SIGTERM
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -131,39 +125,17 @@ def write_serve_config(args: argparse.Namespace, directory: Path) -> Path:
     return path
 
 
-def serve_command(args: argparse.Namespace, config: Path) -> list[str]:
-    command = [sys.executable, "-m", "orchestrator.frontend.cli", "serve", "--target", args.target,
-               "--draft", args.draft, "--port", "0", "--http-port", "-1", "--metrics-port", "0",
-               "--num-speculative-tokens", str(args.k), "--speculation-policy", args.policy, "--config", str(config)]
-    return command + (["--device", args.device] if args.device else [])
+def serve_flags(args: argparse.Namespace, config: Path) -> list[str]:
+    flags = ["--target", args.target, "--draft", args.draft, "--port", "0", "--http-port", "-1", "--metrics-port", "0",
+             "--num-speculative-tokens", str(args.k), "--speculation-policy", args.policy, "--config", str(config)]
+    return flags + (["--device", args.device] if args.device else [])
 
 
-def start_serve(args: argparse.Namespace, config: Path, log_path: Path) -> tuple[subprocess.Popen, int, int]:
-    """`specmesh serve` with its output in log_path; (process, gRPC port, orchestrator metrics port) once ready."""
-    command = serve_command(args, config)
-    print("serve: " + shlex.join(command[1:]), flush=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")
-    with log_path.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        text = log_path.read_text(errors="replace")
-        ready, metrics = READY.search(text), METRICS.search(text)
-        if ready and metrics:
-            return process, int(ready.group(1)), int(metrics.group(1))
-        time.sleep(0.2)  # paces reading another process's log
-    stop_serve(process)
-    raise SystemExit("serve did not become ready:\n" + log_path.read_text(errors="replace")[-3000:])
-
-
-def stop_serve(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def start(args: argparse.Namespace, config: Path, log_path: Path) -> ServeProcess:
+    """`specmesh serve` with its output in log_path, once ready (its gRPC and orchestrator metrics ports)."""
+    flags = serve_flags(args, config)
+    print("serve: " + shlex.join(serve_command(*flags)[1:]), flush=True)
+    return start_serve(flags, log_path, args.start_timeout, metrics=True)
 
 
 @dataclass
@@ -331,11 +303,11 @@ def main(argv: list[str] | None = None) -> dict:
     print_header(SCRIPT, argv)
     directory = Path(args.result_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    process, grpc_port, metrics_port = start_serve(args, write_serve_config(args, directory), directory / "serve.log")
+    serve = start(args, write_serve_config(args, directory), directory / "serve.log")
     try:
-        rows, load, greedy = asyncio.run(run(args, grpc_port, metrics_port))
+        rows, load, greedy = asyncio.run(run(args, serve.grpc_port, serve.metrics_port))
     finally:
-        stop_serve(process)
+        serve.stop()
     summary = {**summarise(add_intervals(rows)), "errors": dict(load.errors), "greedy_check": greedy,
                "paired": paired(load.served) if args.paired else None}
     command = f"python {SCRIPT} " + shlex.join(sys.argv[1:] if argv is None else argv)

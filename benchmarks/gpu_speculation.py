@@ -1,0 +1,191 @@
+"""Speculation on a GPU, in one go: the set-acceptance pair at real sizes, target-only and speculative
+serving at set acceptance rates, and transformers' assisted generation on the same pair.
+
+    python benchmarks/gpu_speculation.py --out docs/results/gpu-h200.json
+
+Steps: check the device and measure its copy bandwidth (so each step time can be stated against the
+time to read the target's weights once); build the pair on the device (benchmarks/set_acceptance_pair.py:
+a Qwen2.5-7B-shaped target, a Qwen2.5-0.5B-shaped draft per alpha, random bf16 weights); then for each
+alpha one `specmesh serve` and `specmesh bench` runs against it, all greedy:
+
+- concurrency 1: speculation on (the default policy) and off, each fixed k of --sweep-k, and the peer
+  (transformers' generate with the same pair in this machine's other process: target alone and
+  assisted at each k);
+- each further --speculative-concurrency: on, off and each fixed k;
+- with the first alpha, the --concurrency values left (target-only's batching; on runs beside it).
+
+Writes the JSON (--out), a plot beside it, the bench results under --work, and prints a table with the
+GPU issue's done-when bars. Every output is compared across modes prompt by prompt (bench's greedy check).
+`--small --device cpu --dtype float32` runs the same at test size (the test suite does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+from gpu_summary import alpha_key, outputs_identical, plot, speculation, table, target_only  # noqa: E402
+from serve_process import start_serve  # noqa: E402
+from set_acceptance_pair import build_pair  # noqa: E402
+
+SCRIPT = "benchmarks/gpu_speculation.py"
+COPY_BYTES = 1 << 30  # per copy: large enough that launch costs vanish next to it
+COPY_REPEATS = 10
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="the JSON (a .png plot is written beside it)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/specmesh-gpu"), help="the pair and bench results")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--alphas", type=float, nargs="+", default=[0.8, 0.6])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="target-only's")
+    parser.add_argument("--speculative-concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--sweep-k", type=int, nargs="+", default=[2, 4, 6], help="fixed ks, served and the peer's")
+    parser.add_argument("--prompts-c1", type=int, default=8, help="prompts at concurrency 1")
+    parser.add_argument("--prompts-per-slot", type=int, default=2, help="prompts = this x concurrency, above 1")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--small", action="store_true", help="test-sized pair")
+    parser.add_argument("--commit", default=None, help="the code measured (default: git rev-parse HEAD)")
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    return parser.parse_args(argv)
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def check_environment(args: argparse.Namespace) -> None:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
+    if not args.device.startswith("cuda"):
+        return
+    free, total = torch.cuda.mem_get_info(torch.device(args.device))
+    print(f"device: {device_name(args.device)}, {free / 2**30:.0f} of {total / 2**30:.0f} GiB free, "
+          f"CUDA {torch.version.cuda}, torch {torch.__version__}", flush=True)
+
+
+def copy_bandwidth_gb_s(device: str, size: int = COPY_BYTES) -> float:
+    """Device memory copy rate, bytes read plus written per second (what a memory-bound step moves)."""
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(COPY_REPEATS):
+        target.copy_(source)
+    synchronize(device)
+    return 2 * size * COPY_REPEATS / (time.perf_counter() - start) / 1e9
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def weights_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def serve_flags(args: argparse.Namespace, target: Path, draft: Path, work: Path) -> list[str]:
+    config = work / "serve.yaml"
+    config.write_text(yaml.safe_dump({"trust-remote-code": True, "target-dtype": args.dtype,
+                                      "draft-dtype": args.dtype}))
+    return ["--target", str(target), "--draft", str(draft), "--device", args.device, "--port", "0",
+            "--http-port", "-1", "--metrics-port", "-1", "--config", str(config)]
+
+
+def bench(args: argparse.Namespace, port: int, target: Path, draft: Path, concurrency: int, out: Path,
+          peer: bool) -> dict:
+    """One `specmesh bench` against the running server at one concurrency; its result.json."""
+    prompts = args.prompts_c1 if concurrency == 1 else args.prompts_per_slot * concurrency
+    command = [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--endpoint", f"127.0.0.1:{port}",
+               "--tokenizer", str(target), "--kinds", "code", "chat", "edit", "--temperature", "0",
+               "--max-tokens", str(args.max_tokens), "--num-prompts", str(prompts), "--max-concurrency",
+               str(concurrency), "--ab", "--sweep-k", *map(str, args.sweep_k), "--no-progress",
+               "--clear-suffix-index", "--result-dir", str(out)]
+    if peer:
+        command += ["--peer-k", *map(str, args.sweep_k), "--target", str(target), "--draft", str(draft),
+                    "--trust-remote-code", "--device", args.device, "--target-dtype", args.dtype,
+                    "--draft-dtype", args.dtype]
+    print("bench: " + shlex.join(command[3:]), flush=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    (out.parent / f"{out.name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"bench failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    print(done.stdout[-2500:], flush=True)
+    return json.loads((out / "result.json").read_text())
+
+
+def run_alpha(args: argparse.Namespace, pair: dict[str, Path], alpha: float, first: bool) -> dict:
+    """One server with the draft of `alpha`, and its bench runs (module docstring)."""
+    work = args.work / f"alpha-{alpha_key(alpha)}"
+    work.mkdir(parents=True, exist_ok=True)
+    draft = pair[f"draft-{alpha_key(alpha)}"]
+    serve = start_serve(serve_flags(args, pair["target"], draft, work), work / "serve.log", args.start_timeout)
+    try:
+        concurrencies = list(args.speculative_concurrency)
+        if first:
+            concurrencies += [c for c in args.concurrency if c not in concurrencies]
+        results = [bench(args, serve.grpc_port, pair["target"], draft, c, work / f"c{c}", peer=c == 1)
+                   for c in concurrencies]
+    finally:
+        serve.stop()
+    configurations = [entry for result in results for entry in result["configurations"]]
+    return {"alpha": alpha, "bench": {"configurations": configurations}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    print(f"machine: {platform.platform()}, {device_name(args.device)}, torch {torch.__version__}", flush=True)
+    print(f"command: python {SCRIPT} " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
+    check_environment(args)
+    bandwidth = copy_bandwidth_gb_s(args.device, COPY_BYTES >> 4 if args.small else COPY_BYTES)
+    pair = build_pair(args.work / "pair", args.alphas, args.device, args.dtype, args.small)
+    read_ms = weights_bytes(pair["target"]) / (bandwidth * 1e9) * 1e3
+    print(f"copy bandwidth {bandwidth:.0f} GB/s: the target's weights read once in {read_ms:.2f} ms", flush=True)
+    results = [run_alpha(args, pair, alpha, first=i == 0) for i, alpha in enumerate(args.alphas)]
+    default, fixed, assisted = speculation(results)
+    summary = {"gpu": device_name(args.device), "commit": args.commit or git_commit(),
+               "date": time.strftime("%Y-%m-%d", time.gmtime()), "dtype": args.dtype,
+               "copy_bandwidth_gb_s": bandwidth, "target_weights_read_ms": read_ms,
+               "target_only": target_only(results), "default_policy": default, "best_fixed_k": fixed,
+               "hf_assisted": assisted, "outputs_identical": outputs_identical(results),
+               "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+               "wall_s": None}
+    summary["wall_s"] = time.perf_counter() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, args.out.with_suffix(".png"))
+    print("\n" + table(summary) + f"\n\nwall time {summary['wall_s']:.0f} s; wrote {args.out} and "
+          f"{args.out.with_suffix('.png')}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
