@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
+from gpu_placement import lines as placement_lines, measure as measure_placement  # noqa: E402
 from gpu_summary import alpha_key, outputs_identical, plot, speculation, table, target_only  # noqa: E402
 from serve_process import start_serve  # noqa: E402
 from set_acceptance_pair import build_pair  # noqa: E402
@@ -62,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="test-sized pair")
     parser.add_argument("--commit", default=None, help="the code measured (default: git rev-parse HEAD)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--placement-seconds", type=float, default=3.0,
+                        help="of timed steps per placement (benchmarks/gpu_placement.py); 0: skip")
     return parser.parse_args(argv)
 
 
@@ -169,13 +172,18 @@ def main(argv: list[str] | None = None) -> dict:
     pair = build_pair(args.work / "pair", args.alphas, args.device, args.dtype, args.small)
     read_ms = weights_bytes(pair["target"]) / (bandwidth * 1e9) * 1e3
     print(f"copy bandwidth {bandwidth:.0f} GB/s: the target's weights read once in {read_ms:.2f} ms", flush=True)
+    placement = None
+    if args.placement_seconds > 0:
+        placement = measure_placement(str(pair["target"]), str(pair[f"draft-{alpha_key(args.alphas[0])}"]),
+                                      args.device, args.dtype, True, args.placement_seconds)
+        print("\n".join(placement_lines(placement)), flush=True)
     results = [run_alpha(args, pair, alpha, first=i == 0) for i, alpha in enumerate(args.alphas)]
     default, fixed, assisted = speculation(results)
     summary = {"gpu": device_name(args.device), "commit": args.commit or git_commit(),
                "date": time.strftime("%Y-%m-%d", time.gmtime()), "dtype": args.dtype,
                "copy_bandwidth_gb_s": bandwidth, "target_weights_read_ms": read_ms,
                "target_only": target_only(results), "default_policy": default, "best_fixed_k": fixed,
-               "hf_assisted": assisted, "outputs_identical": outputs_identical(results),
+               "hf_assisted": assisted, "outputs_identical": outputs_identical(results), "placement": placement,
                "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
                "wall_s": None}
     summary["wall_s"] = time.perf_counter() - started

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_distill import word_prompts
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -132,17 +134,22 @@ def test_draft_agreement_tells_a_matching_draft_from_an_unrelated_one(tiny_llama
     assert out.startswith("machine: ") and "4 prompts, 8 tokens each" in out
 
 
+@pytest.mark.timeout(900)  # a server, three bench runs and five step-timing processes on two cores
 def test_gpu_speculation_runs_every_mode_and_writes_the_issues_keys(tmp_path, capsys):
     """The GPU script end to end at test size on the CPU: the pair, one server per alpha, bench runs."""
     out = tmp_path / "gpu.json"
     summary = load_script("gpu_speculation").main([
         "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--dtype", "float32", "--small",
         "--alphas", "0.8", "--concurrency", "1", "2", "--speculative-concurrency", "1", "--sweep-k", "2",
-        "--prompts-c1", "2", "--prompts-per-slot", "1", "--max-tokens", "6", "--commit", "abc"])
+        "--prompts-c1", "2", "--prompts-per-slot", "1", "--max-tokens", "6", "--commit", "abc",
+        "--placement-seconds", "0.3"])
     assert json.loads(out.read_text()) == summary and out.with_suffix(".png").is_file()
     assert summary["commit"] == "abc" and summary["copy_bandwidth_gb_s"] > 0 and summary["target_weights_read_ms"] > 0
     assert set(summary["target_only"]) == {"1", "2"} and summary["target_only"]["1"]["tok_s"] > 0
     assert summary["default_policy"]["0.8"]["1"]["tok_s"] > 0 and summary["best_fixed_k"]["0.8"]["1"]["k"] == 2
     assert summary["hf_assisted"]["0.8"]["1"]["tok_s"] > 0
     assert summary["outputs_identical"] is True  # served on, off, k=2 and the peer: the same greedy tokens
+    placement = summary["placement"]  # each model alone, then both at once in two processes; no MPS on a CPU
+    assert all(placement[key][role] > 0 for key in ("alone_ms", "shared_ms") for role in ("target", "draft"))
+    assert placement["draft_on_cpu_ms"] > 0 and placement["mps_ms"] is None
     assert "every output identical to target-only" in capsys.readouterr().out
