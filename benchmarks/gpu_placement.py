@@ -32,64 +32,96 @@ WARM_STEPS = 5
 CHILD_DEADLINE_S = 600.0  # loading a 7B model and timing it takes well under this
 
 
-def step_times(model_dir: str, device: str, dtype: str, trust: bool, seconds: float, barrier=None) -> list[float]:
-    """ms of one-row decode steps over `seconds` (after a barrier shared with another process, if given)."""
-    import torch
-    from transformers import DynamicCache
+class StepTimer:
+    """A model loaded once in this process, timing one-row decode steps at a fixed cached length."""
 
-    from specmesh.hf_compat import cache_kwargs
-    from specmesh.precision import load_model_in
+    def __init__(self, model_dir: str, device: str, dtype: str, trust: bool):
+        import torch
+        from transformers import DynamicCache
 
-    model, _ = load_model_in(model_dir, device, dtype, trust_remote_code=trust)
-    cache = DynamicCache()
-    with torch.inference_mode():
-        model(torch.full((1, CONTEXT_TOKENS), 100, device=device), **cache_kwargs(model, cache), use_cache=True)
-        row = torch.full((1, 1), 101, device=device)  # [1, 1]
+        from specmesh.hf_compat import cache_kwargs
+        from specmesh.precision import load_model_in
 
-        def step() -> float:
-            start = time.perf_counter()
-            model(row, **cache_kwargs(model, cache), use_cache=True)
-            cache.crop(-1)  # every step at the same length
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            return (time.perf_counter() - start) * 1e3
-
+        self.torch, self.device = torch, device
+        self.model, _ = load_model_in(model_dir, device, dtype, trust_remote_code=trust)
+        self.cache = DynamicCache()
+        self.kwargs = cache_kwargs(self.model, self.cache)
+        with torch.inference_mode():
+            self.model(torch.full((1, CONTEXT_TOKENS), 100, device=device), **self.kwargs, use_cache=True)
+        self.row = torch.full((1, 1), 101, device=device)  # [1, 1]
         for _ in range(WARM_STEPS):
-            step()
-        if barrier is not None:
-            barrier.wait()
+            self.step()
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        with self.torch.inference_mode():
+            self.model(self.row, **self.kwargs, use_cache=True)
+        self.cache.crop(-1)  # every step at the same length
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    def median_ms(self, seconds: float) -> float:
         times, end = [], time.perf_counter() + seconds
         while time.perf_counter() < end:
-            times.append(step())
-    return times
+            times.append(self.step())
+        return statistics.median(times)
 
 
-def _child(queue, barrier, model_dir: str, device: str, dtype: str, trust: bool, seconds: float) -> None:
-    queue.put((model_dir, statistics.median(step_times(model_dir, device, dtype, trust, seconds, barrier))))
+def _worker(commands, results, barrier, model_dir: str, device: str, dtype: str, trust: bool) -> None:
+    """Load once, then per command: ("alone", s) times steps at once, ("together", s) after the barrier."""
+    timer = StepTimer(model_dir, device, dtype, trust)
+    results.put(("ready", model_dir, 0.0))
+    while (command := commands.get()) is not None:
+        phase, seconds = command
+        if phase == "together":
+            barrier.wait()
+        results.put((phase, model_dir, timer.median_ms(seconds)))
 
 
-def together(models: list[str], device: str, dtype: str, trust: bool, seconds: float) -> dict[str, float]:
-    """Median step ms of each model, stepping in its own process at the same time as the others."""
-    context = multiprocessing.get_context("spawn")
-    queue, barrier = context.Queue(), context.Barrier(len(models))
-    children = [context.Process(target=_child, args=(queue, barrier, model, device, dtype, trust, seconds))
-                for model in models]
-    for child in children:
-        child.start()
-    results, deadline = {}, time.monotonic() + CHILD_DEADLINE_S
-    while len(results) < len(children):
-        try:
-            model, ms = queue.get(timeout=1.0)
-            results[model] = ms
-        except Empty:
-            failed = [child.exitcode for child in children if child.exitcode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                for child in children:
-                    child.kill()
-                raise RuntimeError(f"a step-timing process failed (exit codes {failed}) or ran past its deadline")
-    for child in children:
-        child.join(timeout=60)
-    return results
+class Workers:
+    """One step-timing process per model, loaded once, run in phases: each alone, then all together."""
+
+    def __init__(self, models: list[str], device: str, dtype: str, trust: bool):
+        context = multiprocessing.get_context("spawn")
+        self.results, barrier = context.Queue(), context.Barrier(len(models))
+        self.commands = {model: context.Queue() for model in models}
+        self.children = [context.Process(target=_worker, args=(self.commands[model], self.results, barrier,
+                                                                model, device, dtype, trust)) for model in models]
+        for child in self.children:
+            child.start()
+        self.collect(len(models))  # every model loaded
+
+    def alone(self, model: str, seconds: float) -> float:
+        self.commands[model].put(("alone", seconds))
+        return self.collect(1)[model]
+
+    def together(self, seconds: float) -> dict[str, float]:
+        for queue in self.commands.values():
+            queue.put(("together", seconds))
+        return self.collect(len(self.commands))
+
+    def collect(self, count: int) -> dict[str, float]:
+        got, deadline = {}, time.monotonic() + CHILD_DEADLINE_S
+        while len(got) < count:
+            try:
+                _, model, ms = self.results.get(timeout=1.0)
+                got[model] = ms
+            except Empty:
+                failed = [child.exitcode for child in self.children if child.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"a step-timing process failed (exit codes {failed}) or ran past its "
+                                       "deadline") from None
+        return got
+
+    def close(self) -> None:
+        for queue in self.commands.values():
+            queue.put(None)
+        for child in self.children:
+            child.join(timeout=60)
+            if child.is_alive():
+                child.kill()
 
 
 def start_mps() -> tuple[dict[str, str] | None, str]:
@@ -114,25 +146,37 @@ def stop_mps(env: dict[str, str]) -> None:
 
 def measure(target: str, draft: str, device: str, dtype: str, trust: bool, seconds: float) -> dict:
     """Median ms a step per placement; keys name the placement."""
-    alone = {role: together([path], device, dtype, trust, seconds)[path] for role, path in
-             (("target", target), ("draft", draft))}
-    shared = together([target, draft], device, dtype, trust, seconds)
+    workers = Workers([target, draft], device, dtype, trust)
+    try:
+        alone = {"target": workers.alone(target, seconds), "draft": workers.alone(draft, seconds)}
+        shared = workers.together(seconds)
+    finally:
+        workers.close()
     result = {"alone_ms": alone, "shared_ms": {"target": shared[target], "draft": shared[draft]},
-              "draft_on_cpu_ms": statistics.median(step_times(draft, "cpu", "auto", trust, seconds)),
-              "mps_ms": None, "mps": ""}
+              "draft_on_cpu_ms": StepTimer(draft, "cpu", "auto", trust).median_ms(seconds), "mps_ms": None, "mps": ""}
     if device.startswith("cuda"):
-        env, why = start_mps()
-        result["mps"] = why or "on"
-        if env is not None:
-            os.environ.update(env)  # the spawned children inherit it and reach the daemon
-            try:
-                mps = together([target, draft], device, dtype, trust, seconds)
-                result["mps_ms"] = {"target": mps[target], "draft": mps[draft]}
-            finally:
-                stop_mps(env)
-                for key in env:
-                    del os.environ[key]
+        result["mps_ms"], result["mps"] = under_mps(target, draft, device, dtype, trust, seconds)
     return result
+
+
+def under_mps(target: str, draft: str, device: str, dtype: str, trust: bool, seconds: float
+              ) -> tuple[dict | None, str]:
+    """Both models stepping at once in processes started under a fresh MPS daemon; or None and why not."""
+    env, why = start_mps()
+    if env is None:
+        return None, why
+    os.environ.update(env)  # the spawned children inherit it and reach the daemon
+    try:
+        workers = Workers([target, draft], device, dtype, trust)
+        try:
+            both = workers.together(seconds)
+        finally:
+            workers.close()
+    finally:
+        stop_mps(env)
+        for key in env:
+            del os.environ[key]
+    return {"target": both[target], "draft": both[draft]}, "on"
 
 
 def lines(result: dict) -> list[str]:

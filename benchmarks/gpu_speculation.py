@@ -116,18 +116,32 @@ def git_commit() -> str:
 
 def serve_flags(args: argparse.Namespace, target: Path, draft: Path, work: Path) -> list[str]:
     config = work / "serve.yaml"
+    # The suffix index would find the walks the same prompt made in earlier modes: the model draft alone is measured.
     config.write_text(yaml.safe_dump({"trust-remote-code": True, "target-dtype": args.dtype,
-                                      "draft-dtype": args.dtype}))
+                                      "draft-dtype": args.dtype, "suffix-index": "off"}))
     return ["--target", str(target), "--draft", str(draft), "--device", args.device, "--port", "0",
             "--http-port", "-1", "--metrics-port", "-1", "--config", str(config)]
+
+
+def prompt_count(args: argparse.Namespace, concurrency: int) -> int:
+    return args.prompts_c1 if concurrency == 1 else args.prompts_per_slot * concurrency
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    """`count` completion prompts, each a token or so longer than the one before: the target's walk starts
+    from (last token, position), so prompts of one length ending alike would all get the same output."""
+    lines = [json.dumps({"kind": "code", "prompt": f"# step {i}:" + " data" * (i + 1) + f"\ndef step_{i}(x):\n"})
+             for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def bench(args: argparse.Namespace, port: int, target: Path, draft: Path, concurrency: int, out: Path,
           peer: bool) -> dict:
     """One `specmesh bench` against the running server at one concurrency; its result.json."""
-    prompts = args.prompts_c1 if concurrency == 1 else args.prompts_per_slot * concurrency
+    prompts = prompt_count(args, concurrency)
     command = [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--endpoint", f"127.0.0.1:{port}",
-               "--tokenizer", str(target), "--kinds", "code", "chat", "edit", "--temperature", "0",
+               "--tokenizer", str(target), "--prompt-file", str(args.work / "prompts.jsonl"), "--temperature", "0",
                "--max-tokens", str(args.max_tokens), "--num-prompts", str(prompts), "--max-concurrency",
                str(concurrency), "--ab", "--sweep-k", *map(str, args.sweep_k), "--no-progress",
                "--clear-suffix-index", "--result-dir", str(out)]
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_environment(args)
     bandwidth = copy_bandwidth_gb_s(args.device, COPY_BYTES >> 4 if args.small else COPY_BYTES)
     pair = build_pair(args.work / "pair", args.alphas, args.device, args.dtype, args.small)
+    write_prompts(args.work / "prompts.jsonl", max(prompt_count(args, c) for c in
+                                                   {*args.concurrency, *args.speculative_concurrency}))
     read_ms = weights_bytes(pair["target"]) / (bandwidth * 1e9) * 1e3
     print(f"copy bandwidth {bandwidth:.0f} GB/s: the target's weights read once in {read_ms:.2f} ms", flush=True)
     placement = None
