@@ -176,6 +176,22 @@ def run_alpha(args: argparse.Namespace, pair: dict[str, Path], alpha: float, fir
     return {"alpha": alpha, "bench": {"configurations": configurations}}
 
 
+def write_summary(args: argparse.Namespace, results: list[dict], measured: dict, complete: bool) -> dict:
+    """The JSON of what has been measured so far (`complete` once every alpha ran), written to --out."""
+    default, fixed, assisted = speculation(results)
+    summary = {"gpu": device_name(args.device), "commit": args.commit or git_commit(),
+               "date": time.strftime("%Y-%m-%d", time.gmtime()), "dtype": args.dtype, "complete": complete,
+               "copy_bandwidth_gb_s": measured["bandwidth"], "target_weights_read_ms": measured["read_ms"],
+               "target_only": target_only(results), "default_policy": default, "best_fixed_k": fixed,
+               "hf_assisted": assisted, "outputs_identical": outputs_identical(results),
+               "placement": measured["placement"], "wall_s": time.perf_counter() - measured["started"],
+               "settings": {key: str(value) if isinstance(value, Path) else value
+                            for key, value in vars(args).items()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -193,18 +209,12 @@ def main(argv: list[str] | None = None) -> dict:
         placement = measure_placement(str(pair["target"]), str(pair[f"draft-{alpha_key(args.alphas[0])}"]),
                                       args.device, args.dtype, True, args.placement_seconds)
         print("\n".join(placement_lines(placement)), flush=True)
-    results = [run_alpha(args, pair, alpha, first=i == 0) for i, alpha in enumerate(args.alphas)]
-    default, fixed, assisted = speculation(results)
-    summary = {"gpu": device_name(args.device), "commit": args.commit or git_commit(),
-               "date": time.strftime("%Y-%m-%d", time.gmtime()), "dtype": args.dtype,
-               "copy_bandwidth_gb_s": bandwidth, "target_weights_read_ms": read_ms,
-               "target_only": target_only(results), "default_policy": default, "best_fixed_k": fixed,
-               "hf_assisted": assisted, "outputs_identical": outputs_identical(results), "placement": placement,
-               "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
-               "wall_s": None}
-    summary["wall_s"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    measured = dict(bandwidth=bandwidth, read_ms=read_ms, placement=placement, started=started)
+    results: list[dict] = []
+    write_summary(args, results, measured, complete=False)  # a run cut short keeps what it measured
+    for i, alpha in enumerate(args.alphas):
+        results.append(run_alpha(args, pair, alpha, first=i == 0))
+        summary = write_summary(args, results, measured, complete=i == len(args.alphas) - 1)
     plot(summary, args.out.with_suffix(".png"))
     print("\n" + table(summary) + f"\n\nwall time {summary['wall_s']:.0f} s; wrote {args.out} and "
           f"{args.out.with_suffix('.png')}", flush=True)

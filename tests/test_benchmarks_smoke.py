@@ -144,7 +144,7 @@ def test_gpu_speculation_runs_every_mode_and_writes_the_issues_keys(tmp_path, ca
         "--prompts-c1", "2", "--prompts-per-slot", "1", "--max-tokens", "6", "--commit", "abc",
         "--placement-seconds", "0.3"])
     assert json.loads(out.read_text()) == summary and out.with_suffix(".png").is_file()
-    assert summary["commit"] == "abc" and summary["copy_bandwidth_gb_s"] > 0 and summary["target_weights_read_ms"] > 0
+    assert summary["complete"] and summary["commit"] == "abc" and summary["copy_bandwidth_gb_s"] > 0 and summary["target_weights_read_ms"] > 0
     assert set(summary["target_only"]) == {"1", "2"} and summary["target_only"]["1"]["tok_s"] > 0
     assert summary["default_policy"]["0.8"]["1"]["tok_s"] > 0 and summary["best_fixed_k"]["0.8"]["1"]["k"] == 2
     assert summary["hf_assisted"]["0.8"]["1"]["tok_s"] > 0
