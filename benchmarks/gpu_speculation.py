@@ -144,7 +144,7 @@ def bench(args: argparse.Namespace, port: int, target: Path, draft: Path, concur
                "--tokenizer", str(target), "--prompt-file", str(args.work / "prompts.jsonl"), "--temperature", "0",
                "--max-tokens", str(args.max_tokens), "--num-prompts", str(prompts), "--max-concurrency",
                str(concurrency), "--ab", "--sweep-k", *map(str, args.sweep_k), "--no-progress",
-               "--clear-suffix-index", "--result-dir", str(out)]
+               "--result-dir", str(out)]
     if peer:
         command += ["--peer-k", *map(str, args.sweep_k), "--target", str(target), "--draft", str(draft),
                     "--trust-remote-code", "--device", args.device, "--target-dtype", args.dtype,

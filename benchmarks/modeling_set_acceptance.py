@@ -51,8 +51,11 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 def target_next(tokens: torch.Tensor, positions: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
     """The target's greedy token after `tokens` at `positions` (int64, same shape)."""
-    span = config.steer_high - config.steer_low
-    return config.steer_low + pair_key(tokens, positions, config) % span
+    return walk_token(pair_key(tokens, positions, config), config)
+
+
+def walk_token(key: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
+    return config.steer_low + key % (config.steer_high - config.steer_low)
 
 
 def pair_key(tokens: torch.Tensor, positions: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
@@ -66,7 +69,7 @@ def draft_next(tokens: torch.Tensor, positions: torch.Tensor, config: SetAccepta
     agrees = mix(key ^ AGREE_SALT).double() / float(MASK_31 + 1) < config.alpha
     offset = 1 + mix(key ^ OTHER_SALT) % max(1, span - 1)  # 1..span-1: never the target's token
     other = config.steer_low + (key % span + offset) % span
-    return torch.where(agrees, target_next(tokens, positions, config), other)
+    return torch.where(agrees, walk_token(key, config), other)
 
 
 def kept_rows(values: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:

@@ -236,9 +236,10 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
     tokenizer never runs code.
     """
     resolved = resolve_spec(spec)  # before importing torch: bad specs fail fast
+    model_spec = resolved  # the tokenizer loads from `resolved`, which never runs code
     if resolved.kind in ("dir", "hub"):
-        resolved = replace(resolved, trust_remote_code=trust_remote_code)
-    _refuse_untrusted_code(resolved)
+        model_spec = replace(resolved, trust_remote_code=trust_remote_code)
+    _refuse_untrusted_code(model_spec)
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
@@ -247,8 +248,8 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
         model = _embedded_model(resolved.alias, dtype)
     else:
         tokenizer = _from_pretrained(_auto("AutoTokenizer").from_pretrained, resolved)
-        model = _from_pretrained(_auto("AutoModelForCausalLM").from_pretrained, resolved,
-                                 dtype=dtype, **resolved.model_kwargs())
+        model = _from_pretrained(_auto("AutoModelForCausalLM").from_pretrained, model_spec,
+                                 dtype=dtype, **model_spec.model_kwargs())
     if device == "auto":
         model = _shard_over_gpus(model.to(dtype=dtype))
     else:

@@ -29,7 +29,7 @@ from orchestrator.bench.round_parts import RoundParts
 from orchestrator.bench.plots import write_plots
 from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
-from orchestrator.bench.runner import Configuration, LoadSettings, run_modes, warm_up
+from orchestrator.bench.runner import Configuration, LoadSettings, request_temperature, run_modes, warm_up
 from orchestrator.bench.sweep import draft_length_sweep, peer_standing
 from orchestrator.deployment.launch import ProcessGroup, StackOptions, model_service_options, start_stack
 from orchestrator.decoding.options import loop_config
@@ -215,10 +215,8 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
 
 
 def greedy_prompts(prompts: list[BenchPrompt], configuration: Configuration) -> set[int]:
-    """Indices of the prompts a configuration sends at temperature 0 (as runner.request_params sets it)."""
-    if configuration.temperature is not None:
-        return set(range(len(prompts))) if configuration.temperature == 0 else set()
-    return {i for i, prompt in enumerate(prompts) if prompt.default_temperature() == 0}
+    """Indices of the prompts a configuration sends at temperature 0."""
+    return {i for i, prompt in enumerate(prompts) if request_temperature(prompt, configuration) == 0}
 
 
 def speedup_fields(modes: dict[str, dict]) -> dict:

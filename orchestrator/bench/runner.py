@@ -60,10 +60,15 @@ def request_params(item: BenchPrompt, index: int, config: Configuration, load: L
                    mode: str) -> RequestParams:
     """The flags given on the command line win over the prompt's own values."""
     max_tokens = load.max_tokens or item.max_tokens or DEFAULT_MAX_TOKENS
-    temperature = config.temperature if config.temperature is not None else item.default_temperature()
+    temperature = request_temperature(item, config)
     seed = load.seed + index if load.seeded_requests else None
     speculation, num_speculative_tokens = request_speculation(mode, load.num_speculative_tokens)
     return RequestParams(max_tokens, temperature, seed, speculation, num_speculative_tokens, load.timeout_s)
+
+
+def request_temperature(item: BenchPrompt, config: Configuration) -> float:
+    """The configuration's temperature, or where it has none the prompt's own."""
+    return config.temperature if config.temperature is not None else item.default_temperature()
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
