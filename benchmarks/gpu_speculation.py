@@ -5,8 +5,11 @@ serving at set acceptance rates, and transformers' assisted generation on the sa
 
 Steps: check the device and measure its copy bandwidth (so each step time can be stated against the
 time to read the target's weights once); build the pair on the device (benchmarks/set_acceptance_pair.py:
-a Qwen2.5-7B-shaped target, a Qwen2.5-0.5B-shaped draft per alpha, random bf16 weights); then for each
-alpha one `specmesh serve` and `specmesh bench` runs against it, all greedy:
+a Qwen2.5-7B-shaped target, a Qwen2.5-0.5B-shaped draft per alpha, random bf16 weights); time the
+target's engine step with graph steps off and on (benchmarks/gpu_steps.py, in a process of its own so
+its memory is free again for serving) and the placements (benchmarks/gpu_placement.py); then for each
+alpha one `specmesh serve` (graph steps as configured, `auto` by default) and `specmesh bench` runs
+against it, all greedy:
 
 - concurrency 1: speculation on (the default policy) and off, each fixed k of --sweep-k, and the peer
   (transformers' generate with the same pair in this machine's other process: target alone and
@@ -65,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--placement-seconds", type=float, default=3.0,
                         help="of timed steps per placement (benchmarks/gpu_placement.py); 0: skip")
+    parser.add_argument("--step-shapes", default=None,
+                        help="sessions x rows for benchmarks/gpu_steps.py (default: its own); 'none': skip")
+    parser.add_argument("--graph-steps", default="auto", choices=["auto", "on", "off"], help="the servers'")
+    parser.add_argument("--kv-cache-memory", default="16GiB", help="each service's KV budget")
     return parser.parse_args(argv)
 
 
@@ -117,10 +124,12 @@ def git_commit() -> str:
 def serve_flags(args: argparse.Namespace, target: Path, draft: Path, work: Path) -> list[str]:
     config = work / "serve.yaml"
     # The suffix index would find the walks the same prompt made in earlier modes: the model draft alone is measured.
+    # A set KV budget: graph steps allocate it at start-up, and the peer loads the pair beside both services.
     config.write_text(yaml.safe_dump({"trust-remote-code": True, "target-dtype": args.dtype,
-                                      "draft-dtype": args.dtype, "suffix-index": "off"}))
+                                      "draft-dtype": args.dtype, "suffix-index": "off",
+                                      "graph-steps": args.graph_steps, "kv-cache-memory": args.kv_cache_memory}))
     return ["--target", str(target), "--draft", str(draft), "--device", args.device, "--port", "0",
-            "--http-port", "-1", "--metrics-port", "-1", "--config", str(config)]
+            "--http-port", "-1", "--metrics-port", "0", "--config", str(config)]
 
 
 def prompt_count(args: argparse.Namespace, concurrency: int) -> int:
@@ -136,11 +145,13 @@ def write_prompts(path: Path, count: int) -> Path:
     return path
 
 
-def bench(args: argparse.Namespace, port: int, target: Path, draft: Path, concurrency: int, out: Path,
+def bench(args: argparse.Namespace, serve, target: Path, draft: Path, concurrency: int, out: Path,
           peer: bool) -> dict:
-    """One `specmesh bench` against the running server at one concurrency; its result.json."""
+    """One `specmesh bench` against the running server at one concurrency; its result.json (with where a
+    round's time goes, from the server's /metrics: the RPCs' share at GPU step times)."""
     prompts = prompt_count(args, concurrency)
-    command = [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--endpoint", f"127.0.0.1:{port}",
+    command = [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--endpoint",
+               f"127.0.0.1:{serve.grpc_port}", "--metrics-url", f"http://127.0.0.1:{serve.metrics_port}/metrics",
                "--tokenizer", str(target), "--prompt-file", str(args.work / "prompts.jsonl"), "--temperature", "0",
                "--max-tokens", str(args.max_tokens), "--num-prompts", str(prompts), "--max-concurrency",
                str(concurrency), "--ab", "--sweep-k", *map(str, args.sweep_k), "--no-progress",
@@ -158,17 +169,35 @@ def bench(args: argparse.Namespace, port: int, target: Path, draft: Path, concur
     return json.loads((out / "result.json").read_text())
 
 
+def step_times(args: argparse.Namespace, target: Path) -> dict | None:
+    """benchmarks/gpu_steps.py on the target, in a child process (its KV and graphs are freed when it ends)."""
+    if args.step_shapes == "none":
+        return None
+    out = args.work / "steps.json"
+    command = [sys.executable, str(HERE / "gpu_steps.py"), "--model", str(target), "--device", args.device,
+               "--dtype", args.dtype, "--trust-remote-code", "--json", str(out)]
+    if args.step_shapes:
+        command += ["--shapes", args.step_shapes, "--steps", "3", "--kv-bytes", str(2**26)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    print(done.stdout[-3000:], flush=True)
+    if done.returncode != 0:  # the serving runs still measure what they can
+        print(f"gpu_steps failed ({done.returncode}):\n{done.stderr[-3000:]}", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
 def run_alpha(args: argparse.Namespace, pair: dict[str, Path], alpha: float, first: bool) -> dict:
     """One server with the draft of `alpha`, and its bench runs (module docstring)."""
     work = args.work / f"alpha-{alpha_key(alpha)}"
     work.mkdir(parents=True, exist_ok=True)
     draft = pair[f"draft-{alpha_key(alpha)}"]
-    serve = start_serve(serve_flags(args, pair["target"], draft, work), work / "serve.log", args.start_timeout)
+    serve = start_serve(serve_flags(args, pair["target"], draft, work), work / "serve.log", args.start_timeout,
+                        metrics=True)
     try:
         concurrencies = list(args.speculative_concurrency)
         if first:
             concurrencies += [c for c in args.concurrency if c not in concurrencies]
-        results = [bench(args, serve.grpc_port, pair["target"], draft, c, work / f"c{c}", peer=c == 1)
+        results = [bench(args, serve, pair["target"], draft, c, work / f"c{c}", peer=c == 1)
                    for c in concurrencies]
     finally:
         serve.stop()
@@ -184,7 +213,8 @@ def write_summary(args: argparse.Namespace, results: list[dict], measured: dict,
                "copy_bandwidth_gb_s": measured["bandwidth"], "target_weights_read_ms": measured["read_ms"],
                "target_only": target_only(results), "default_policy": default, "best_fixed_k": fixed,
                "hf_assisted": assisted, "outputs_identical": outputs_identical(results),
-               "placement": measured["placement"], "wall_s": time.perf_counter() - measured["started"],
+               "placement": measured["placement"], "engine_steps": measured["steps"],
+               "wall_s": time.perf_counter() - measured["started"],
                "settings": {key: str(value) if isinstance(value, Path) else value
                             for key, value in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,12 +234,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                    {*args.concurrency, *args.speculative_concurrency}))
     read_ms = weights_bytes(pair["target"]) / (bandwidth * 1e9) * 1e3
     print(f"copy bandwidth {bandwidth:.0f} GB/s: the target's weights read once in {read_ms:.2f} ms", flush=True)
+    steps = step_times(args, pair["target"])
     placement = None
     if args.placement_seconds > 0:
         placement = measure_placement(str(pair["target"]), str(pair[f"draft-{alpha_key(args.alphas[0])}"]),
                                       args.device, args.dtype, True, args.placement_seconds)
         print("\n".join(placement_lines(placement)), flush=True)
-    measured = dict(bandwidth=bandwidth, read_ms=read_ms, placement=placement, started=started)
+    measured = dict(bandwidth=bandwidth, read_ms=read_ms, placement=placement, steps=steps, started=started)
     results: list[dict] = []
     write_summary(args, results, measured, complete=False)  # a run cut short keeps what it measured
     for i, alpha in enumerate(args.alphas):

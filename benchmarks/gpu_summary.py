@@ -56,7 +56,8 @@ def speculation(results: list[dict]) -> tuple[dict, dict, dict]:
             on = entry["modes"][DEFAULT]["overall"]
             default.setdefault(alpha, {})[key] = {
                 "tok_s": on["output_throughput"], "vs_target_only": ratio(on["output_throughput"], off),
-                "acceptance_rate": on["acceptance_rate"], "tokens_per_round": on["mean_acceptance_length"]}
+                "acceptance_rate": on["acceptance_rate"], "tokens_per_round": on["mean_acceptance_length"],
+                "rpc_share": rpc_share(entry["modes"][DEFAULT].get("round_parts"))}
             k, best = best_of(entry, "k=")
             if k is not None:
                 fixed.setdefault(alpha, {})[key] = {"k": k, "tok_s": best, "vs_target_only": ratio(best, off)}
@@ -66,6 +67,14 @@ def speculation(results: list[dict]) -> tuple[dict, dict, dict]:
                     "k": k, "tok_s": best, "target_only_tok_s": throughput(entry, PEER_OFF),
                     "default_policy_vs_hf": ratio(on["output_throughput"], best)}
     return default, fixed, assisted
+
+
+def rpc_share(parts: dict | None) -> float | None:
+    """Of a round's time, the share its calls took beyond the services' forwards (transport, (de)serialising,
+    queueing: the round clock's "wire"); None where the bench could not read the server's round clocks."""
+    if not parts or not parts.get("wall_ms"):
+        return None
+    return parts["wire_ms"] / parts["wall_ms"]
 
 
 def outputs_identical(results: list[dict]) -> bool | None:
@@ -125,6 +134,13 @@ def table(summary: dict) -> str:
             if peer:
                 lines.append(f"{'HF assisted k=' + str(peer['k']) + ', alpha ' + alpha:<34}{c:>5}"
                              f"{peer['tok_s']:>10.1f}")
+    lines += [f"default policy, alpha {alpha}, c = {c}: calls took {figures['rpc_share']:.0%} of a round "
+              f"beyond the forwards" for alpha, by_c in summary["default_policy"].items()
+              for c, figures in by_c.items() if figures.get("rpc_share") is not None]
+    steps = summary.get("engine_steps")
+    if steps:
+        lines += ["", "engine step, median ms (sessions x rows: graph steps off / on):"]
+        lines += [f"  {shape}: {off:.2f} / {steps['ms']['on'][shape]:.2f}" for shape, off in steps["ms"]["off"].items()]
     lines += ["", f"{'done when':<60}{'measured':>10}{'bar':>8}  met"]
     for what, value, bar, met in bars(summary):
         lines.append(f"{what:<60}{'-' if value is None else f'{value:.2f}':>10}{bar:>8.2f}  {'yes' if met else 'NO'}")

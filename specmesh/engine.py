@@ -29,6 +29,7 @@ from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.closed_sessions import ClosedSessions
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.graph_steps import GraphSteps, slot_budget, uses_graph_steps
 from specmesh.hf_compat import cache_kwargs
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
                                 reservation, wait_limit)
@@ -109,6 +110,9 @@ class EngineConfig:
     prefill_slowdown: float = 2.0
     kv_cache_memory: KVCacheMemory | None = None  # the KV budget (specmesh.kv_budget); None: the device's default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens queued for KV room; more are refused
+    # Decode and verification steps over preallocated KV, as CUDA graphs (specmesh.graph_steps):
+    # "auto" on CUDA, "on" anywhere (eager off CUDA: how the suite checks it), "off".
+    graph_steps: str = "auto"
 
     @property
     def caller_limit(self) -> int:
@@ -139,6 +143,11 @@ class ModelEngine:
         self.ragged = supports_ragged(model)
         if self.ragged:
             install_segmented_attention(model)
+        self.graph: GraphSteps | None = None
+        if self.ragged and uses_graph_steps(config.graph_steps, self.device):
+            self.kv, self.graph = slot_budget(model, self.kv, config.max_sessions, self.context_window,
+                                              self.logits_device)
+            self.context_window = self.graph.context_window
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
                                        expected_sessions=self._recently_active, stragglers=self._away)
@@ -199,8 +208,7 @@ class ModelEngine:
         fails before it waits, and one whose prefill would end past its call's deadline is refused."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.check_new_session(request_id, prompt, sampling, caller)
-        await self.kv.reserve(request_id, reservation(self.context_window, len(prompt), max_new_tokens),
-                              wait_limit(timeout_s))
+        await self.kv.reserve(request_id, self._reservation(len(prompt), max_new_tokens), wait_limit(timeout_s))
         try:
             if deadline is not None:
                 ahead = self.queued_prefill_rows()
@@ -213,6 +221,16 @@ class ModelEngine:
             self.kv.release(request_id)  # refused after all: its room goes to the next in line
             raise
 
+    def _reservation(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """KV tokens a session reserves: a whole slot over preallocated KV, else what it may ever hold."""
+        if self.graph is not None:
+            return self.graph.pool.slot_length
+        return reservation(self.context_window, prompt_tokens, max_new_tokens)
+
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache: a slot of the preallocated pool under graph steps, else a DynamicCache."""
+        return self.graph.pool.new_cache() if self.graph is not None else DynamicCache()
+
     def new_session(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     caller: str = "") -> Session:
         """Register an empty-cache session for `prompt` opened by `caller`, outside the KV budget (admit
@@ -220,7 +238,7 @@ class ModelEngine:
         self.check_new_session(request_id, prompt, sampling, caller)
         salt = self.config.generator_salt
         seed = random.getrandbits(62) if sampling.seed is None else (sampling.seed * 1_000_003 + salt) % 2**62
-        session = Session(request_id, list(prompt), DynamicCache(), sampling,
+        session = Session(request_id, list(prompt), self.new_cache(), sampling,
                           make_generator(sampling.seed, salt), seed=seed, caller=caller,
                           output_start=sampling.output_start or len(prompt))
         self.sessions[request_id] = session
@@ -265,18 +283,23 @@ class ModelEngine:
         A model's first forwards pay one-time costs (kernel selection, allocator pools;
         seconds for bf16 on CPU) that must not land inside a request's deadline.
         """
-        session = Session("warm-up", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
+        session = Session("warm-up", [0] * (rows + 1), self.new_cache(), SamplingParams(), torch.Generator())
         self.forward(session, [0] * rows, 1)
         self.forward(session, [0], 1)
-        if self.ragged:  # and the segmented path that batched steps take
-            other = Session("warm-up-2", [0] * 3, DynamicCache(), SamplingParams(), torch.Generator())
+        if self.ragged:  # and the path that batched steps take
+            other = Session("warm-up-2", [0] * 3, self.new_cache(), SamplingParams(), torch.Generator())
             self._run_step([Part(session, [0], 1), Part(other, [0, 0], 1)])
+        if self.graph is not None:
+            self.graph.capture_common_shapes()
 
     def calibrate(self) -> StepCosts:
         """Measure what steps of 1..64 rows cost here (specmesh.step_costs), and plan with it."""
         def forward_rows(rows: int) -> None:
-            session = Session("calibration", [0] * (rows + 1), DynamicCache(), SamplingParams(), torch.Generator())
-            self._forward_rows(session, [0] * rows, 1)
+            session = Session("calibration", [0] * (rows + 1), self.new_cache(), SamplingParams(), torch.Generator())
+            if self.graph is not None and self.graph.fits(Part(session, [0] * rows, 1)):
+                self.graph.step([Part(session, [0] * rows, 1)])
+            else:
+                self._forward_rows(session, [0] * rows, 1)
         self.costs = StepCosts.measure(forward_rows)
         return self.costs
 
@@ -340,12 +363,21 @@ class ModelEngine:
     def _run_step(self, parts: list[Part]) -> tuple[list[torch.Tensor | None], int]:
         """One step: the parts' rows in one forward; (logits per part, ns)."""
         start = time.perf_counter_ns()
+        if self.graph is not None:
+            return self._graph_step(parts), time.perf_counter_ns() - start
         if len(parts) == 1 or not self.ragged:  # solo forwards: exactly what one session alone gets
             logits = [self.forward(part.session, part.token_ids, max(1, part.keep_rows))[0] for part in parts]
         else:
             total = sum(len(part.token_ids) for part in parts)
             logits = ragged_forward(self.model, parts, self._padding(total), self.device, self.logits_device)
         return logits, time.perf_counter_ns() - start
+
+    def _graph_step(self, parts: list[Part]) -> list[torch.Tensor | None]:
+        """Decode rows as one static step (specmesh.graph_steps); prefill chunks and forks without a slot alone."""
+        fitting = [part for part in parts if self.graph.fits(part)]
+        graphed = dict(zip(map(id, fitting), self.graph.step(fitting) if fitting else []))
+        return [graphed[id(part)] if id(part) in graphed
+                else self.forward(part.session, part.token_ids, max(1, part.keep_rows))[0] for part in parts]
 
     def close(self, request_id: str) -> bool:
         """Free the session; one not open (yet) is remembered, and its open refused (specmesh.closed_sessions)."""

@@ -72,17 +72,22 @@ def parse_kv_cache_memory(text: str) -> KVCacheMemory:
     return KVCacheMemory(bytes=size)
 
 
+def kv_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the model's keys and values."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # Qwen3, Gemma: explicit
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of keys and values one token holds: layers x 2 (K, V) x KV heads x head dim x dtype bytes.
 
     For models with sliding-window layers (which keep fewer tokens) it is an upper bound.
     """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # Qwen3, Gemma: explicit
-    dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+    layers, kv_heads, head_dim = kv_shape(model)
+    return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
 
 
 def available_memory(devices: Sequence[torch.device]) -> int:

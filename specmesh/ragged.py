@@ -78,8 +78,13 @@ def install_segmented_attention(model: PreTrainedModel) -> None:
 
 
 def segmented_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                        scaling: float | None = None, segments: Sequence[Segment] | None = None, **kwargs):
-    """query [1, H, T, D], key and value [1, KVH, T, D] (the step's new rows) -> ([1, T, H, D], None)."""
+                        scaling: float | None = None, segments: Sequence[Segment] | None = None,
+                        slot_batch=None, **kwargs):
+    """query [1, H, T, D], key and value [1, KVH, T, D] (the step's new rows) -> ([1, T, H, D], None).
+
+    A static step over preallocated KV (specmesh.graph_steps) brings its own slot_batch instead."""
+    if slot_batch is not None:
+        return slot_batch.attend(module, query, key, value, scaling)
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)

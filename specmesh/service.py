@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.heap import freeze_start_up_heap
 from specmesh.engine import EngineConfig, ModelEngine
+from specmesh.graph_steps import GRAPH_STEPS_CHOICES
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
                                 parse_kv_cache_memory)
 from specmesh.metrics import ServiceMetrics, serve_metrics
@@ -64,6 +65,7 @@ class ServiceOptions:
     kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
     trust_remote_code: bool = False  # run the checkpoint's own modeling code (specmesh.models.load_model)
+    graph_steps: str = EngineConfig.graph_steps  # decode steps as CUDA graphs over preallocated KV (specmesh.graph_steps)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ def add_service_arguments(parser: argparse.ArgumentParser, default_model: str) -
     parser.add_argument("--cpus", type=parse_cpu_list, default=None, metavar="LIST",
                         help="pin the service to these CPU cores, e.g. 0 or 0-3,6 (and use as many torch threads)")
     add_trust_remote_code_argument(parser, "the model's")
+    add_graph_steps_argument(parser)
     add_batching_arguments(parser)
     add_kv_cache_arguments(parser)
     add_telemetry_arguments(parser, default_metrics_port=None)
@@ -105,6 +108,12 @@ def add_trust_remote_code_argument(parser: argparse.ArgumentParser, whose: str) 
     parser.add_argument("--trust-remote-code", action="store_true",
                         help=f"run {whose} own modeling code, where a checkpoint ships it (its config.json's "
                              "auto_map): only for checkpoints you trust; without it such a model does not load")
+
+
+def add_graph_steps_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--graph-steps", default=EngineConfig.graph_steps, choices=GRAPH_STEPS_CHOICES,
+                        help="decode and verification steps over preallocated KV slots, replayed as CUDA graphs: "
+                             "auto (on CUDA), on, off (the KV grows per session, steps run eagerly)")
 
 
 def add_batching_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +179,8 @@ def options_from_args(args: argparse.Namespace) -> ServiceOptions:
                           trace_sample_ratio=args.trace_sample_ratio, tls=tls, cpus=args.cpus, internal_token=token,
                           shutdown_grace_s=args.shutdown_grace, max_step_tokens=args.max_step_tokens,
                           prefill_slowdown=args.prefill_slowdown, kv_cache_memory=args.kv_cache_memory,
-                          max_waiting_sessions=args.max_waiting_sessions, trust_remote_code=args.trust_remote_code)
+                          max_waiting_sessions=args.max_waiting_sessions, trust_remote_code=args.trust_remote_code,
+                          graph_steps=args.graph_steps)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -204,7 +214,8 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
                           generator_salt=role(role_name).generator_salt,
                           max_step_tokens=options.max_step_tokens,
                           prefill_slowdown=options.prefill_slowdown or role(role_name).prefill_slowdown,
-                          kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions)
+                          kv_cache_memory=options.kv_cache_memory, max_waiting_sessions=options.max_waiting_sessions,
+                          graph_steps=options.graph_steps)
     with calibration_turn():  # loading too: converting a draft to int8 takes seconds of both cores
         # Kernels chosen before the engine sizes its KV budget from free memory: a tied output
         # projection gets its own copy.

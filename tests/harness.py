@@ -128,11 +128,12 @@ def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
                 row_multiple: int = 1, dtype: str = "float32", cpu_linear: str = "torch",
-                trust_remote_code: bool = False) -> ModelEngine:
-    """`row_multiple` > 1: every forward of more rows than one is padded to a multiple of it (RowMultipleCosts)."""
+                trust_remote_code: bool = False, **config) -> ModelEngine:
+    """`row_multiple` > 1: every forward of more rows than one is padded to a multiple of it (RowMultipleCosts);
+    `config`: more EngineConfig fields."""
     model, tokenizer = load(str(model_dir), device, dtype, cpu_linear, trust_remote_code)
     engine = ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
-                                                        generator_salt=role(role_name).generator_salt))
+                                                        generator_salt=role(role_name).generator_salt, **config))
     if row_multiple > 1:
         engine.costs = RowMultipleCosts(row_multiple)
     return engine
@@ -208,7 +209,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       internal_token: str | None = None, loop_options: dict | None = None,
                       calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0,
                       cpu_linear: str = "torch", target_step_costs: dict[int, float] | None = None,
-                      trust_remote_code: bool = False) -> Stack:
+                      trust_remote_code: bool = False, engine_config: dict | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -221,9 +222,10 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     measured cost (a tiny draft the size of its target stands in for a cheaper one); `cpu_linear`: both
     services' float32 Linear kernel; `target_step_costs`: after calibration the target reports (and
     keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject.
-    `trust_remote_code`: both models may run the code their directories ship (the set-acceptance pair)."""
+    `trust_remote_code`: both models may run the code their directories ship (the set-acceptance pair);
+    `engine_config`: more EngineConfig fields for both services."""
     target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code, **(engine_config or {}))
     if calibrate:
         target_engine.calibrate()
         if target_step_costs is not None:
@@ -234,7 +236,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     draft_engine, draft_port = None, None
     if draft_dir is not None:
         draft_engine = make_engine(draft_dir, device, "draft", dtype=draft_dtype, cpu_linear=cpu_linear,
-                                   trust_remote_code=trust_remote_code)
+                                   trust_remote_code=trust_remote_code, **(engine_config or {}))
         if calibrate:
             measured = draft_engine.calibrate().measured
             draft_engine.costs = StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()})

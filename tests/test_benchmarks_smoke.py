@@ -142,14 +142,17 @@ def test_gpu_speculation_runs_every_mode_and_writes_the_issues_keys(tmp_path, ca
         "--out", str(out), "--work", str(tmp_path / "work"), "--device", "cpu", "--dtype", "float32", "--small",
         "--alphas", "0.8", "--concurrency", "1", "2", "--speculative-concurrency", "1", "--sweep-k", "2",
         "--prompts-c1", "2", "--prompts-per-slot", "1", "--max-tokens", "6", "--commit", "abc",
-        "--placement-seconds", "0.3"])
+        "--placement-seconds", "0.3", "--step-shapes", "1x1,2x3"])
     assert json.loads(out.read_text()) == summary and out.with_suffix(".png").is_file()
     assert summary["complete"] and summary["commit"] == "abc" and summary["copy_bandwidth_gb_s"] > 0 and summary["target_weights_read_ms"] > 0
     assert set(summary["target_only"]) == {"1", "2"} and summary["target_only"]["1"]["tok_s"] > 0
     assert summary["default_policy"]["0.8"]["1"]["tok_s"] > 0 and summary["best_fixed_k"]["0.8"]["1"]["k"] == 2
+    assert 0 < summary["default_policy"]["0.8"]["1"]["rpc_share"] < 1  # the round clocks, from serve's /metrics
     assert summary["hf_assisted"]["0.8"]["1"]["tok_s"] > 0
     assert summary["outputs_identical"] is True  # served on, off, k=2 and the peer: the same greedy tokens
     placement = summary["placement"]  # each model alone, then both at once in two processes; no MPS on a CPU
     assert all(placement[key][role] > 0 for key in ("alone_ms", "shared_ms") for role in ("target", "draft"))
     assert placement["draft_on_cpu_ms"] > 0 and placement["mps_ms"] is None
+    assert set(summary["engine_steps"]["ms"]) == {"off", "on"}  # graph steps, eager on a CPU
+    assert all(summary["engine_steps"]["ms"][mode][shape] > 0 for mode in ("off", "on") for shape in ("1x1", "2x3"))
     assert "every output identical to target-only" in capsys.readouterr().out

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration],
                 load: LoadSettings) -> tuple[str, tuple[Runs, Rounds]]:
-    group, metrics_url = None, None
+    group, metrics_url = None, args.metrics_url
     try:
         endpoint = args.endpoint
         # Where to empty the suffix index before each configuration: a stack of our own always, so that

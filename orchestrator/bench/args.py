@@ -86,6 +86,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="empty the --endpoint server's suffix index before each configuration (gRPC "
                              "only; a stack the bench starts is always emptied), so that repeats are found "
                              "only among the configuration's own requests")
+    server.add_argument("--metrics-url", default=None,
+                        help="the --endpoint server's orchestrator /metrics (http://HOST:PORT/metrics), for the "
+                             "table of where a decode round's time goes (a stack the bench starts: always)")
     server.add_argument("--tokenizer", default=None,
                         help="tokenizer for chat prompts over gRPC (default: --target)")
     add_model_arguments(server)

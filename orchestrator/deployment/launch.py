@@ -46,8 +46,8 @@ from specmesh.heap import freeze_start_up_heap
 from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
 from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP
 from specmesh.server import serve_until_signal
-from specmesh.service import (ReplicaConfig, ServiceOptions, add_trust_remote_code_argument, load_engine,
-                              parse_cpu_list, run_model_service)
+from specmesh.service import (ReplicaConfig, ServiceOptions, add_graph_steps_argument, add_trust_remote_code_argument,
+                              load_engine, parse_cpu_list, run_model_service)
 from specmesh.telemetry import make_tracer_provider
 from target_service.disagreements import disagreement_log_settings
 
@@ -84,6 +84,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help=DTYPE_HELP + "; the draft's precision never changes the output, only acceptance and speed")
     parser.add_argument("--cpu-linear", default="auto", choices=KERNEL_CHOICES, help=KERNEL_HELP + " (both models)")
     add_trust_remote_code_argument(parser, "the target's and the draft's")
+    add_graph_steps_argument(parser)
 
 
 def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,10 +125,11 @@ def model_service_options(args: argparse.Namespace, role_name: str, **common) ->
     """One role's model service from the `add_model_arguments` settings (`specmesh serve` and `specmesh bench`)."""
     if role_name == TARGET.name:
         return ServiceOptions(model=args.target, device=args.device, dtype=args.target_dtype, cpus=args.target_cpus,
-                              cpu_linear=args.cpu_linear, trust_remote_code=args.trust_remote_code, **common)
+                              cpu_linear=args.cpu_linear, trust_remote_code=args.trust_remote_code,
+                              graph_steps=args.graph_steps, **common)
     return ServiceOptions(model=args.draft, device=args.draft_device or args.device, dtype=args.draft_dtype,
                           cpus=args.draft_cpus, cpu_linear=args.cpu_linear, trust_remote_code=args.trust_remote_code,
-                          **common)
+                          graph_steps=args.graph_steps, **common)
 
 
 def local_pools_options(args: argparse.Namespace, security, metrics_ports, internal_token: str) -> PoolsOptions:

@@ -82,7 +82,8 @@ def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtyp
                              trace_sample_ratio=args.trace_sample_ratio, tls=tls, internal_token=internal_token,
                              kv_cache_memory=args.kv_cache_memory, max_waiting_sessions=args.max_waiting_sessions,
                              cpu_linear=args.cpu_linear, max_step_tokens=args.max_step_tokens,
-                             prefill_slowdown=args.prefill_slowdown, trust_remote_code=args.trust_remote_code)
+                             prefill_slowdown=args.prefill_slowdown, trust_remote_code=args.trust_remote_code,
+                             graph_steps=args.graph_steps)
     replicas = 1 if get("replicas") is None else get("replicas")
     return PoolSpec(ReplicaConfig(role, service, **replica), replicas=replicas, min_replicas=get("min_replicas"),
                     max_replicas=get("max_replicas"), num_cpus=num_cpus, num_gpus=num_gpus,

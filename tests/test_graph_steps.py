@@ -1,0 +1,213 @@
+"""Graph steps over preallocated KV (specmesh.graph_steps, specmesh.slot_cache), checked eagerly on the CPU.
+
+On CUDA the same static steps are captured and replayed (`pytest --device cuda` runs these there);
+what these tests hold on any device is the layout: writes in place at each session's length,
+padding that touches no session, rollback as a length change, slots that come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import gc
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from draft_service.engine import CommitSpec, DraftEngine
+from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
+from harness import eventually, make_engine, start_stack
+from specmesh.batching import Part
+from specmesh.errors import CapacityExhausted, InvalidArgument
+from specmesh.graph_steps import MAX_ROWS, slot_shape
+from specmesh.kv_budget import KVCacheMemory
+from specmesh.sampling import SamplingParams
+from specmesh.slot_cache import SlotCache
+from target_service.engine import TargetEngine
+from test_greedy_parity import MAX_TOKENS, target_greedy
+from tiny_models import TINY_PROMPTS
+
+SMALL = dict(graph_steps="on", max_sessions=8, kv_cache_memory=KVCacheMemory(bytes=2**23))
+
+
+def graph_engine(model_dir, device, role_name="target", **config):
+    engine = make_engine(model_dir, device, role_name, **{**SMALL, **config})
+    assert engine.graph is not None
+    return engine
+
+
+def test_slot_shape_gives_every_session_a_slot_as_long_as_the_budget_allows():
+    assert slot_shape(200_000, 8, 32768) == (10, 20_000)  # 8 sessions + 2 spare
+    assert slot_shape(10**9, 8, 2048) == (10, 2048 + MAX_ROWS)  # never past the model's window
+    assert slot_shape(5000, 8, 32768) == (4, 1024)  # a small budget: fewer, not shorter, slots
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        slot_shape(1500, 8, 32768)
+
+
+def test_context_window_leaves_room_for_a_padded_step(tiny_llama_dir, device):
+    engine = graph_engine(tiny_llama_dir, device)
+    assert engine.context_window == engine.graph.pool.slot_length - MAX_ROWS
+    with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+        engine.new_session("long", [5] * engine.context_window, SamplingParams(0.0))
+
+
+def test_one_step_of_many_sessions_gives_each_its_solo_logits(tiny_llama_dir, device):
+    """Sessions of different lengths and row counts (1..9, so rows and sessions are padded to buckets)."""
+    engine = graph_engine(tiny_llama_dir, device)
+    rng = random.Random(0)
+    parts, expected = [], []
+    for index in range(5):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))]
+        session = engine.new_session(f"s{index}", prompt, SamplingParams(0.0))
+        feed_uncached(engine, session)  # the prompt, eagerly, into the session's slot
+        rows = [rng.randrange(3, 300) for _ in range(rng.choice([1, 2, 5, 9]))]
+        keep = rng.randrange(1, len(rows) + 1)
+        parts.append(Part(session, rows, keep))
+        expected.append(next_logits_rows(engine, prompt + rows, keep))
+    logits, _ = engine._run_step(parts)
+    for part, got, wanted in zip(parts, logits, expected):
+        assert got.shape == wanted.shape
+        assert torch.allclose(got, wanted, atol=1e-4)
+        assert part.session.cached_length == len(part.session.token_ids) + len(part.token_ids)
+
+
+def next_logits_rows(engine, token_ids, keep):
+    """Logits [keep, V] of the last `keep` positions of a fresh prefill of token_ids."""
+    session = engine.new_session("fresh", token_ids[:1], SamplingParams(0.0))
+    try:
+        return engine.forward(session, token_ids, keep)[0]
+    finally:
+        engine.close("fresh")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_caches_match_fresh_prefill_after_rounds(tiny_llama_dir, tiny_llama_perturbed_dir, device, seed,
+                                                       temperature):
+    """Propose, verify and commit, rolling back on rejections: both slots end as a fresh prefill."""
+    rng = random.Random(seed)
+    target = TargetEngine(graph_engine(tiny_llama_dir, device))
+    draft = DraftEngine(graph_engine(tiny_llama_perturbed_dir, device, role_name="draft"))
+    sampling = SamplingParams(temperature, seed=seed)
+    prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]
+    opened = await target.open("r", prompt, sampling)
+    await draft.open("r", prompt, sampling)
+    sequence, agreed = prompt + [opened.token_id], len(prompt)
+    for round_number in range(1, 10):
+        proposal = await draft.propose("r", round_number, CommitSpec(agreed, tuple(sequence[agreed:])),
+                                       len(sequence), rng.randrange(1, 8))
+        result = await target.verify("r", round_number, len(sequence), proposal.token_ids, proposal.distributions)
+        accepted = result.verdict.accepted_count
+        agreed = len(sequence) + accepted
+        sequence += proposal.token_ids[:accepted] + [result.verdict.next_token_id]
+    await commit_alone(draft, "r", 99, CommitSpec(agreed, tuple(sequence[agreed:])))
+    for engine in (target.engine, draft.engine):
+        assert isinstance(engine.get("r").cache, SlotCache)
+        assert torch.allclose(next_logits_cached(engine, "r"), next_logits_fresh(engine, sequence), atol=1e-4)
+
+
+def test_closed_sessions_give_their_slots_back(tiny_llama_dir, device):
+    engine = graph_engine(tiny_llama_dir, device)
+    pool = engine.graph.pool
+    free = pool.free
+    for index in range(3 * pool.slots):  # many more sessions than slots, one after another
+        session = engine.new_session(f"s{index}", [5, 6, 7], SamplingParams(0.0))
+        feed_uncached(engine, session)
+        engine.close(f"s{index}")
+    del session
+    assert pool.free == free
+
+
+def test_a_fork_copies_its_tokens_and_without_a_free_slot_still_works(tiny_llama_dir, device):
+    engine = graph_engine(tiny_llama_dir, device)
+    session = engine.new_session("s", [5, 6, 7, 8, 9], SamplingParams(0.0))
+    feed_uncached(engine, session)
+    held = [engine.graph.pool.new_cache() for _ in range(engine.graph.pool.free - 1)]
+    in_slot = copy.deepcopy(session.cache)  # the last free slot
+    in_memory = copy.deepcopy(session.cache)  # none left
+    assert isinstance(in_slot, SlotCache) and isinstance(in_memory, DynamicCache)
+    with pytest.raises(CapacityExhausted):
+        engine.graph.pool.new_cache()
+    continued = []
+    for fork in (in_slot, in_memory):  # each continues [5..9] with 10, as the session would have
+        session.cache = fork
+        continued.append(engine.forward(session, [10], 1)[0][-1])
+    del held, in_slot, fork
+    wanted = next_logits_fresh(engine, [5, 6, 7, 8, 9, 10])
+    assert all(torch.allclose(logits, wanted, atol=1e-4) for logits in continued)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+async def test_served_greedy_output_is_the_targets_generate(tiny_qwen2_dir, tiny_qwen2_draft_dir, device, k):
+    stack = await start_stack(tiny_qwen2_dir, tiny_qwen2_draft_dir, device=device, k=k, engine_config=SMALL)
+    try:  # all prompts at once: several sessions in each static step
+        assert stack.target_engine.graph is not None and stack.draft_engine.graph is not None
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                         for p in TINY_PROMPTS[:4]))
+        assert stack.target_engine.graph.steps > 0 and stack.draft_engine.graph.steps > 0
+    finally:
+        await stack.stop()
+    for prompt, (token_ids, _, _) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(str(tiny_qwen2_dir), device, prompt, MAX_TOKENS), prompt
+
+
+async def test_pipelined_rounds_with_forked_branches_stay_lossless(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """Pre-drafts fork the draft's cache for guessed rejections (each fork a slot, or memory once slots run out)."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, device=device, k=3, pipeline="on",
+                              extra_branches=2, engine_config=SMALL)
+    try:
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                         for p in TINY_PROMPTS[:3]))
+        assert await stack.wait_sessions_freed() == (0, 0)
+    finally:
+        await stack.stop()
+    for prompt, (token_ids, _, _) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, MAX_TOKENS), prompt
+    for engine in (stack.target_engine, stack.draft_engine):  # every slot back: sessions and forks alike
+        gc.collect()
+        assert engine.graph.pool.free == engine.graph.pool.slots
+
+
+def test_a_feed_past_the_slot_fails_cleanly_and_keeps_the_cache(tiny_llama_dir, device):
+    engine = graph_engine(tiny_llama_dir, device)
+    prompt = [5] * (engine.context_window - 1)
+    session = engine.new_session("s", prompt, SamplingParams(0.0))
+    feed_uncached(engine, session)
+    logits, _ = engine._run_step([Part(session, [6] * MAX_ROWS, 1)])  # the slot's last rows: still a static step
+    assert logits[0].shape[0] == 1 and session.cached_length == len(prompt) + MAX_ROWS
+    with pytest.raises(CapacityExhausted, match="slot"):
+        engine._run_step([Part(session, [6] * MAX_ROWS, 1)])
+    assert session.cached_length == len(prompt) + MAX_ROWS
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_with_the_same_logits(tiny_llama_dir, device, caplog):
+    """Capture needs CUDA: asked for on a CPU it fails, is logged once per shape, and the step still runs."""
+    if device != "cpu":
+        pytest.skip("capturing succeeds on CUDA")
+    engine = graph_engine(tiny_llama_dir, device)
+    session = engine.new_session("s", [5, 6, 7, 8], SamplingParams(0.0))
+    feed_uncached(engine, session)
+    engine.graph.capture = True
+    for _ in range(2):
+        logits, _ = engine._run_step([Part(session, [9, 10, 11], 3)])
+        session.cache.crop(-3)  # the same step again
+    assert engine.graph.captured == {(1, 4, 256): None}  # tried once, then eager
+    assert sum("capturing a step" in record.message for record in caplog.records) == 1
+    assert torch.allclose(logits[0], next_logits_rows(engine, [5, 6, 7, 8, 9, 10, 11], 3), atol=1e-4)
+
+
+async def test_sessions_beyond_the_slots_wait_for_one_to_close(tiny_llama_dir, device):
+    engine = graph_engine(tiny_llama_dir, device, kv_cache_memory=KVCacheMemory(bytes=2**20))
+    slots = engine.kv.capacity // engine.graph.pool.slot_length
+    assert slots < engine.config.max_sessions  # the budget, not the session limit, is what runs out
+    for index in range(slots):
+        await engine.admit(f"s{index}", [5, 6, 7], SamplingParams(0.0), caller=f"c{index}", max_new_tokens=4)
+    waiting = asyncio.ensure_future(engine.admit("late", [5, 6, 7], SamplingParams(0.0), caller="late",
+                                                 max_new_tokens=4))
+    await eventually(lambda: engine.kv.waiting, 1)
+    assert not waiting.done()  # a whole slot each, whatever max_new_tokens says
+    engine.close("s0")
+    session = await asyncio.wait_for(waiting, 10)
+    assert isinstance(session.cache, SlotCache)
