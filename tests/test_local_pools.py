@@ -22,7 +22,7 @@ from harness import eventually, load
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, servicer_over_pools
+from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, same_gpu, servicer_over_pools
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.frontend.server import serve_grpc
 from specmesh import openmp
@@ -239,3 +239,9 @@ async def test_a_target_past_its_restart_cap_comes_back_by_itself(deployment, ti
     assert role_failed(deployment, "target") == 0
     assert await generate(deployment) == expected  # the same `serve`, serving again
     assert deployment.restarts("target") == restarts + kills
+
+
+def test_a_draft_on_the_targets_gpu_waits_for_the_target_to_size_its_kv():
+    """Pools.start starts such a draft once the target is ready (each allocates a fraction of what it finds free)."""
+    assert same_gpu("cuda", "cuda:0") and same_gpu("cuda:1", "cuda:1")
+    assert not same_gpu("cuda:0", "cuda:1") and not same_gpu("cpu", "cpu") and not same_gpu("cuda", "cpu")

@@ -38,6 +38,15 @@ JOIN_DRAFT_WAIT_S = 10.0
 HEALTH_PREFIX = "specmesh.pool."  # grpc.health.v1 service "specmesh.pool.<role>": the role's state
 
 
+def same_gpu(device: str, other: str) -> bool:
+    """Whether two --device values name one CUDA device ("cuda" is device 0 of the process)."""
+    def index(name: str) -> int | None:
+        if name == "cuda":
+            return 0
+        return int(name[5:]) if name.startswith("cuda:") and name[5:].isdigit() else None
+    return index(device) is not None and index(device) == index(other)
+
+
 def pool_health_name(role: str) -> str:
     return HEALTH_PREFIX + role
 
@@ -90,11 +99,13 @@ class Pools:
 
     async def start(self) -> None:
         """Start every pool; raises RuntimeError when a replica this orchestrator owns fails to start."""
-        for role, pool in self.pools.items():
+        for role in sorted(self.pools, key=lambda r: r != "target"):
             if role in self.controllers:
+                if role != "target" and self._shares_the_targets_gpu(role):
+                    await self.controllers["target"].wait_ready(self.options.start_timeout_s)
                 self.controllers[role].start()
             else:
-                pool.start()
+                self.pools[role].start()
         for role in sorted(self.controllers, key=lambda r: r != "target"):
             await self.controllers[role].wait_ready(self.options.start_timeout_s)
         if not self.controllers:
@@ -103,6 +114,15 @@ class Pools:
             self._report(role)
         if "draft" in self.controllers:
             self._draft_model_is(self.controllers["draft"].spec.replica.service.model)
+
+    def _shares_the_targets_gpu(self, role: str) -> bool:
+        """Whether `role`'s local replicas run on the target's CUDA device. A service there allocates its KV
+        budget at start-up, a fraction of the memory it finds free (specmesh.graph_steps), so it starts once
+        the target has taken its own: the target, whose tokens cost the most, always sizes first."""
+        target = self.controllers.get("target")
+        if self.options.backend != "local" or target is None:
+            return False
+        return same_gpu(target.spec.replica.service.device, self.controllers[role].spec.replica.service.device)
 
     async def _join(self) -> None:
         await self.pools["target"].wait_serving(1, self.options.start_timeout_s)
