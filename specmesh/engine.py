@@ -18,7 +18,7 @@ import os
 import random
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import torch
@@ -28,15 +28,16 @@ from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.closed_sessions import ClosedSessions
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, SessionExists, SessionNotFound
-from specmesh.errors import PositionMismatch, StaleRound
+from specmesh.errors import PositionMismatch
 from specmesh.graph_steps import GraphSteps, slot_budget, uses_graph_steps
 from specmesh.hf_compat import cache_kwargs
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
                                 reservation, wait_limit)
-from specmesh.penalties import check_penalties, penalize_logits
+from specmesh.penalties import check_penalties
 from specmesh.precision import output_device, output_rows
 from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
+from specmesh.session import Session
 from specmesh.step_costs import ChunkSteering, PrefillThroughput, StepCosts
 from specmesh.step_model import StepShape
 from specmesh.v1 import common_pb2
@@ -47,50 +48,6 @@ T = TypeVar("T")
 # session proposes again 0.6-1.2 s after its last Propose arrived (k draft steps, then a target
 # step). Last seen longer ago, it is not waited for (specmesh.batching, stragglers).
 AWAY_HORIZON_S = 2.0
-
-
-@dataclass
-class Session:
-    request_id: str
-    token_ids: list[int]  # the sequence; token_ids[i] sits at position i
-    cache: DynamicCache
-    sampling: SamplingParams
-    generator: torch.Generator
-    round: int = 0  # highest round seen; older rounds are stale
-    last_used: float = field(default_factory=time.monotonic)
-    seed: int = 0  # seeds generators derived per position (specmesh.sampling.generator_at)
-    ahead: object | None = None  # a service's own state that lives and dies with the session
-    caller: str = ""  # who opened it (specmesh.security.caller_of), for the per-caller limit
-    output_start: int = 0  # position of the first generated token (penalties count from here)
-    # Whether its next call follows its last by a bare round trip, so a step is worth a moment's wait
-    # for it (specmesh.batching). A target session whose round drafted comes back after a draft round.
-    back_soon: bool = True
-
-    @property
-    def cached_length(self) -> int:
-        return self.cache.get_seq_length()
-
-    @property
-    def uncached_tail(self) -> list[int]:
-        """The tokens the cache does not cover yet: the next forward feeds them."""
-        return self.token_ids[self.cached_length:]
-
-    def enter_round(self, round_number: int) -> None:
-        """Refuse work from a round older than one already seen (pipelined leftovers)."""
-        if round_number < self.round:
-            raise StaleRound(f"round {round_number} is stale: session is at round {self.round}")
-        self.round = round_number
-        self.last_used = time.monotonic()
-
-    def penalize(self, logits: torch.Tensor, position: int | None = None,
-                 draft_ids: Sequence[int] = ()) -> torch.Tensor:
-        """The request's penalties and biases on logits [n, V] -> [n, V].
-
-        Row i predicts the token after token_ids[:position] + draft_ids[:i]
-        (position None: after the whole sequence).
-        """
-        history = self.token_ids if position is None else self.token_ids[:position]
-        return penalize_logits(logits, history, self.output_start, self.sampling, draft_ids)
 
 
 @dataclass(frozen=True)

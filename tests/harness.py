@@ -18,6 +18,7 @@ from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.replicas import create_model_server
 from orchestrator.frontend.server import create_server as create_orchestrator_server
 from specmesh.engine import EngineConfig, ModelEngine
+from specmesh.kv_budget import KVCacheMemory
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.cpu_linear import choose_cpu_linear
 from specmesh.precision import load_model_in
@@ -124,6 +125,10 @@ def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = 
     model, tokenizer = load_model_in(model_dir, device, dtype, trust_remote_code=trust_remote_code)
     choose_cpu_linear(model, cpu_linear, device)
     return model, tokenizer
+
+
+# Graph steps over preallocated KV slots (specmesh.graph_steps), eager on a CPU, in a small budget.
+GRAPH_STEPS = dict(graph_steps="on", max_sessions=8, kv_cache_memory=KVCacheMemory(bytes=2**23))
 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",

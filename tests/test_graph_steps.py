@@ -2,7 +2,8 @@
 
 On CUDA the same static steps are captured and replayed (`pytest --device cuda` runs these there);
 what these tests hold on any device is the layout: writes in place at each session's length,
-padding that touches no session, rollback as a length change, slots that come back.
+padding that touches no session, rollback as a length change, slots that come back. Rounds of propose,
+verify and rollback over slots: tests/test_rollback.py.
 """
 
 from __future__ import annotations
@@ -16,24 +17,20 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from draft_service.engine import CommitSpec, DraftEngine
-from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
-from harness import eventually, make_engine, start_stack
+from engine_helpers import feed_uncached, next_logits_fresh
+from harness import GRAPH_STEPS, eventually, make_engine, start_stack
 from specmesh.batching import Part
 from specmesh.errors import CapacityExhausted, InvalidArgument
 from specmesh.graph_steps import MAX_ROWS, slot_shape
 from specmesh.kv_budget import KVCacheMemory
 from specmesh.sampling import SamplingParams
 from specmesh.slot_cache import SlotCache
-from target_service.engine import TargetEngine
 from test_greedy_parity import MAX_TOKENS, target_greedy
 from tiny_models import TINY_PROMPTS
 
-SMALL = dict(graph_steps="on", max_sessions=8, kv_cache_memory=KVCacheMemory(bytes=2**23))
-
 
 def graph_engine(model_dir, device, role_name="target", **config):
-    engine = make_engine(model_dir, device, role_name, **{**SMALL, **config})
+    engine = make_engine(model_dir, device, role_name, **{**GRAPH_STEPS, **config})
     assert engine.graph is not None
     return engine
 
@@ -82,32 +79,6 @@ def next_logits_rows(engine, token_ids, keep):
         engine.close("fresh")
 
 
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-async def test_caches_match_fresh_prefill_after_rounds(tiny_llama_dir, tiny_llama_perturbed_dir, device, seed,
-                                                       temperature):
-    """Propose, verify and commit, rolling back on rejections: both slots end as a fresh prefill."""
-    rng = random.Random(seed)
-    target = TargetEngine(graph_engine(tiny_llama_dir, device))
-    draft = DraftEngine(graph_engine(tiny_llama_perturbed_dir, device, role_name="draft"))
-    sampling = SamplingParams(temperature, seed=seed)
-    prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]
-    opened = await target.open("r", prompt, sampling)
-    await draft.open("r", prompt, sampling)
-    sequence, agreed = prompt + [opened.token_id], len(prompt)
-    for round_number in range(1, 10):
-        proposal = await draft.propose("r", round_number, CommitSpec(agreed, tuple(sequence[agreed:])),
-                                       len(sequence), rng.randrange(1, 8))
-        result = await target.verify("r", round_number, len(sequence), proposal.token_ids, proposal.distributions)
-        accepted = result.verdict.accepted_count
-        agreed = len(sequence) + accepted
-        sequence += proposal.token_ids[:accepted] + [result.verdict.next_token_id]
-    await commit_alone(draft, "r", 99, CommitSpec(agreed, tuple(sequence[agreed:])))
-    for engine in (target.engine, draft.engine):
-        assert isinstance(engine.get("r").cache, SlotCache)
-        assert torch.allclose(next_logits_cached(engine, "r"), next_logits_fresh(engine, sequence), atol=1e-4)
-
-
 def test_closed_sessions_give_their_slots_back(tiny_llama_dir, device):
     engine = graph_engine(tiny_llama_dir, device)
     pool = engine.graph.pool
@@ -141,7 +112,7 @@ def test_a_fork_copies_its_tokens_and_without_a_free_slot_still_works(tiny_llama
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 async def test_served_greedy_output_is_the_targets_generate(tiny_qwen2_dir, tiny_qwen2_draft_dir, device, k):
-    stack = await start_stack(tiny_qwen2_dir, tiny_qwen2_draft_dir, device=device, k=k, engine_config=SMALL)
+    stack = await start_stack(tiny_qwen2_dir, tiny_qwen2_draft_dir, device=device, k=k, engine_config=GRAPH_STEPS)
     try:  # all prompts at once: several sessions in each static step
         assert stack.target_engine.graph is not None and stack.draft_engine.graph is not None
         results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
@@ -156,7 +127,7 @@ async def test_served_greedy_output_is_the_targets_generate(tiny_qwen2_dir, tiny
 async def test_pipelined_rounds_with_forked_branches_stay_lossless(tiny_llama_dir, tiny_llama_perturbed_dir, device):
     """Pre-drafts fork the draft's cache for guessed rejections (each fork a slot, or memory once slots run out)."""
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, device=device, k=3, pipeline="on",
-                              extra_branches=2, engine_config=SMALL)
+                              extra_branches=2, engine_config=GRAPH_STEPS)
     try:
         results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
                                          for p in TINY_PROMPTS[:3]))

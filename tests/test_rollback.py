@@ -9,19 +9,21 @@ import torch
 
 from draft_service.engine import CommitSpec, DraftEngine
 from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
-from harness import make_engine
+from harness import GRAPH_STEPS, make_engine
 from specmesh.sampling import SamplingParams
 from target_service.engine import TargetEngine
 
 
-@pytest.mark.parametrize("row_multiple", [1, 4], ids=["unpadded", "rows-padded-to-4"])
+@pytest.mark.parametrize("row_multiple, kv", [(1, {}), (4, {}), (1, GRAPH_STEPS)],
+                         ids=["unpadded", "rows-padded-to-4", "graph-steps-over-kv-slots"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_caches_match_fresh_prefill(tiny_llama_dir, tiny_llama_perturbed_dir, device, seed, temperature,
-                                          row_multiple):
+                                          row_multiple, kv):
     rng = random.Random(seed)
-    target = TargetEngine(make_engine(tiny_llama_dir, device, row_multiple=row_multiple))
-    draft = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, role_name="draft", row_multiple=row_multiple))
+    target = TargetEngine(make_engine(tiny_llama_dir, device, row_multiple=row_multiple, **kv))
+    draft = DraftEngine(make_engine(tiny_llama_perturbed_dir, device, role_name="draft", row_multiple=row_multiple,
+                                    **kv))
     sampling = SamplingParams(temperature, seed=seed)
     prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(1, 12))]
     opened = await target.open("r", prompt, sampling)
