@@ -8,7 +8,9 @@ back is a crop of the cache: positions past the new length are simply dropped.
 
 All model work runs on one worker thread per engine (specmesh.batching), so the gRPC
 event loop stays responsive: the services submit jobs, and each step of the worker
-runs the pending rows of every session in one forward (specmesh.ragged).
+runs the pending rows of every session in one forward (specmesh.ragged); on CUDA the
+decode rows run as one static step over preallocated KV, replayed as a CUDA graph
+(specmesh.graph_steps).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
@@ -184,7 +186,7 @@ class ModelEngine:
             return self.graph.pool.slot_length
         return reservation(self.context_window, prompt_tokens, max_new_tokens)
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> Cache:
         """An empty KV cache: a slot of the preallocated pool under graph steps, else a DynamicCache."""
         return self.graph.pool.new_cache() if self.graph is not None else DynamicCache()
 

@@ -129,6 +129,9 @@ def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = 
 
 # Graph steps over preallocated KV slots (specmesh.graph_steps), eager on a CPU, in a small budget.
 GRAPH_STEPS = dict(graph_steps="on", max_sessions=8, kv_cache_memory=KVCacheMemory(bytes=2**23))
+# On CUDA every engine preallocates its KV budget (graph steps): tests that open several engines at once
+# would otherwise each take 0.8 of the free memory.
+CUDA_TEST_KV = KVCacheMemory(bytes=2**28)
 
 
 def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "target",
@@ -137,6 +140,8 @@ def make_engine(model_dir: Path | str, device: str = "cpu", role_name: str = "ta
     """`row_multiple` > 1: every forward of more rows than one is padded to a multiple of it (RowMultipleCosts);
     `config`: more EngineConfig fields."""
     model, tokenizer = load(str(model_dir), device, dtype, cpu_linear, trust_remote_code)
+    if device.startswith("cuda"):
+        config.setdefault("kv_cache_memory", CUDA_TEST_KV)
     engine = ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir),
                                                         generator_salt=role(role_name).generator_salt, **config))
     if row_multiple > 1:

@@ -33,11 +33,12 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens
 
 
 def budget_engine(model_dir, device: str, tokens: int, max_waiting: int = 4) -> ModelEngine:
-    """A target engine whose KV budget holds `tokens` tokens of its model (given to it in bytes)."""
+    """A target engine whose KV budget holds `tokens` tokens of its model (given to it in bytes); caches grow
+    as sessions decode (graph steps off: with them a session reserves a whole slot, tests/test_graph_steps.py)."""
     model, tokenizer = load(str(model_dir), device)
     memory = KVCacheMemory(bytes=tokens * kv_bytes_per_token(model))
     return ModelEngine(model, tokenizer, EngineConfig(model_name=str(model_dir), kv_cache_memory=memory,
-                                                      max_waiting_sessions=max_waiting))
+                                                      max_waiting_sessions=max_waiting, graph_steps="off"))
 
 
 @pytest.fixture
@@ -93,7 +94,8 @@ def test_bytes_per_token_is_what_the_cache_holds(request, model_fixture, device)
 def test_a_fraction_is_of_the_devices_free_memory(tiny_llama_dir, device):
     """0.5: half the free memory of the model's device (CUDA), or half the RAM available (CPU)."""
     model, tokenizer = load(str(tiny_llama_dir), device)
-    engine = ModelEngine(model, tokenizer, EngineConfig(model_name="m", kv_cache_memory=KVCacheMemory(fraction=0.5)))
+    engine = ModelEngine(model, tokenizer, EngineConfig(model_name="m", kv_cache_memory=KVCacheMemory(fraction=0.5),
+                                                        graph_steps="off"))  # off: no allocation moves `free`
     free = available_memory([engine.device])
     assert 0.4 * free <= engine.kv.capacity * engine.kv.bytes_per_token <= 0.6 * free
 
