@@ -75,7 +75,8 @@ def measure(args: argparse.Namespace) -> dict:
     result = {"model": args.model, "device": args.device, "dtype": args.dtype, "context_tokens": CONTEXT_TOKENS,
               "ms": {}}
     for mode in ("off", "on"):
-        config = EngineConfig(model_name=args.model, max_sessions=max(s for s, _ in shapes),
+        sessions = max(s for s, _ in shapes)
+        config = EngineConfig(model_name=args.model, max_sessions=sessions, max_sessions_per_caller=sessions,
                               kv_cache_memory=KVCacheMemory(bytes=args.kv_bytes), graph_steps=mode)
         engine = ModelEngine(model, tokenizer, config)
         engine.warm_up()
