@@ -186,13 +186,27 @@ def step_times(args: argparse.Namespace, target: Path) -> dict | None:
     return json.loads(out.read_text())
 
 
+def start_server(args: argparse.Namespace, target: Path, draft: Path, work: Path):
+    """`specmesh serve` for one alpha; where it fails to start with graph steps, once more (and for the rest of
+    the run) with them off, so that a lent GPU's time still measures speculation."""
+    try:
+        return start_serve(serve_flags(args, target, draft, work), work / "serve.log", args.start_timeout, metrics=True)
+    except SystemExit as failure:
+        if args.graph_steps == "off":
+            raise
+        print(f"serve with graph steps {args.graph_steps} did not start:\n{failure}\nonce more with them off",
+              flush=True)
+        args.graph_steps = "off"
+        return start_serve(serve_flags(args, target, draft, work), work / "serve-graph-steps-off.log",
+                           args.start_timeout, metrics=True)
+
+
 def run_alpha(args: argparse.Namespace, pair: dict[str, Path], alpha: float, first: bool) -> dict:
     """One server with the draft of `alpha`, and its bench runs (module docstring)."""
     work = args.work / f"alpha-{alpha_key(alpha)}"
     work.mkdir(parents=True, exist_ok=True)
     draft = pair[f"draft-{alpha_key(alpha)}"]
-    serve = start_serve(serve_flags(args, pair["target"], draft, work), work / "serve.log", args.start_timeout,
-                        metrics=True)
+    serve = start_server(args, pair["target"], draft, work)
     try:
         concurrencies = list(args.speculative_concurrency)
         if first:
@@ -210,6 +224,7 @@ def write_summary(args: argparse.Namespace, results: list[dict], measured: dict,
     default, fixed, assisted = speculation(results)
     summary = {"gpu": device_name(args.device), "commit": args.commit or git_commit(),
                "date": time.strftime("%Y-%m-%d", time.gmtime()), "dtype": args.dtype, "complete": complete,
+               "graph_steps": args.graph_steps,
                "copy_bandwidth_gb_s": measured["bandwidth"], "target_weights_read_ms": measured["read_ms"],
                "target_only": target_only(results), "default_policy": default, "best_fixed_k": fixed,
                "hf_assisted": assisted, "outputs_identical": outputs_identical(results),
