@@ -103,7 +103,7 @@ class ModelEngine:
         if self.ragged:
             install_segmented_attention(model)
         self.graph: GraphSteps | None = None
-        if self.ragged and uses_graph_steps(config.graph_steps, self.device):
+        if self.ragged and uses_graph_steps(config.graph_steps, model):
             self.kv, self.graph = slot_budget(model, self.kv, config.max_sessions, self.context_window,
                                               self.logits_device)
             self.context_window = self.graph.context_window

@@ -41,10 +41,17 @@ GRAPH_STEPS_CHOICES = ("auto", "on", "off")
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a ready 4-D mask: transformers builds none
 
 
-def uses_graph_steps(setting: str, device: torch.device) -> bool:
+def uses_graph_steps(setting: str, model: PreTrainedModel) -> bool:
+    """Whether the setting turns graph steps on for this model: "auto" on CUDA. A model sharded over several
+    devices (device "auto") steps eagerly: one pool per layer's device is not built."""
     if setting not in GRAPH_STEPS_CHOICES:
         raise ValueError(f"graph steps: {setting!r} is not one of {', '.join(GRAPH_STEPS_CHOICES)}")
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    devices = {parameter.device for parameter in model.parameters()}
+    if setting == "off" or len(devices) > 1:
+        if setting == "on":
+            log.warning("graph steps off: the model is sharded over %d devices", len(devices))
+        return False
+    return setting == "on" or next(iter(devices)).type == "cuda"
 
 
 def slot_shape(capacity_tokens: int, sessions: int, window: int) -> tuple[int, int]:

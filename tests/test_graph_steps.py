@@ -182,3 +182,11 @@ async def test_sessions_beyond_the_slots_wait_for_one_to_close(tiny_llama_dir, d
     engine.close("s0")
     session = await asyncio.wait_for(waiting, 10)
     assert isinstance(session.cache, SlotCache)
+
+
+def test_the_setting_turns_graph_steps_on_where_it_can(tiny_llama_dir, device):
+    engine = make_engine(tiny_llama_dir, device)  # auto
+    assert (engine.graph is not None) == device.startswith("cuda")
+    assert make_engine(tiny_llama_dir, device, graph_steps="off").graph is None
+    with pytest.raises(ValueError, match="graph steps: 'sometimes'"):
+        make_engine(tiny_llama_dir, device, graph_steps="sometimes")
