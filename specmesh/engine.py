@@ -104,8 +104,7 @@ class ModelEngine:
             install_segmented_attention(model)
         self.graph: GraphSteps | None = None
         if self.ragged and uses_graph_steps(config.graph_steps, model):
-            self.kv, self.graph = slot_budget(model, self.kv, config.max_sessions, self.context_window,
-                                              self.logits_device)
+            self.kv, self.graph = slot_budget(model, self.kv, config.max_sessions, self.context_window)
             self.context_window = self.graph.context_window
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
         self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
@@ -255,8 +254,9 @@ class ModelEngine:
         """Measure what steps of 1..64 rows cost here (specmesh.step_costs), and plan with it."""
         def forward_rows(rows: int) -> None:
             session = Session("calibration", [0] * (rows + 1), self.new_cache(), SamplingParams(), torch.Generator())
-            if self.graph is not None and self.graph.fits(Part(session, [0] * rows, 1)):
-                self.graph.step([Part(session, [0] * rows, 1)])
+            part = Part(session, [0] * rows, 1)
+            if self.graph is not None and self.graph.fits(part):
+                self.graph.step([part])
             else:
                 self._forward_rows(session, [0] * rows, 1)
         self.costs = StepCosts.measure(forward_rows)

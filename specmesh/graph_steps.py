@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from specmesh.batching import Part
 from specmesh.kv_budget import KVBudget
+from specmesh.ragged import NO_MASK
 from specmesh.slot_cache import SCRATCH_SLOT, SlotCache, SlotPool
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ MIN_SPAN = 256  # positions attended per slot: powers of two from here up to the
 MIN_SLOT_LENGTH = 1024  # shorter slots would refuse ordinary prompts: a small budget holds fewer sessions instead
 COMMON_SHAPES = [(sessions, rows) for sessions in (1, 2, 4, 8, 16) for rows in (1, 2, 4, 8)]  # captured at start
 GRAPH_STEPS_CHOICES = ("auto", "on", "off")
-_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a ready 4-D mask: transformers builds none
 
 
 def uses_graph_steps(setting: str, model: PreTrainedModel) -> bool:
@@ -66,8 +66,8 @@ def slot_shape(capacity_tokens: int, sessions: int, window: int) -> tuple[int, i
     return slots, slot_length
 
 
-def slot_budget(model: PreTrainedModel, budget: KVBudget, max_sessions: int, window: int,
-                logits_device: torch.device) -> tuple[KVBudget, "GraphSteps"]:
+def slot_budget(model: PreTrainedModel, budget: KVBudget, max_sessions: int,
+                window: int) -> tuple[KVBudget, "GraphSteps"]:
     """The pool that takes the whole KV budget, its graph steps, and the budget sessions now reserve from:
     a whole slot each, leaving the spare slots to forks and warm-up."""
     slots, slot_length = slot_shape(budget.capacity, max_sessions, window)
@@ -76,7 +76,7 @@ def slot_budget(model: PreTrainedModel, budget: KVBudget, max_sessions: int, win
     log.info("KV preallocated: %d slots of %d tokens (%d for sessions), %.2f GiB", slots, slot_length,
              slots - spare, slots * slot_length * budget.bytes_per_token / 2**30)
     sessions_budget = KVBudget((slots - spare) * slot_length, budget.max_waiting, budget.bytes_per_token)
-    return sessions_budget, GraphSteps(model, pool, logits_device)
+    return sessions_budget, GraphSteps(model, pool)
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -140,7 +140,7 @@ class CapturedStep:
         self.input_ids = torch.zeros(sessions, rows, dtype=torch.long, device=device)
         self.slot_ids = torch.full((sessions,), SCRATCH_SLOT, dtype=torch.long, device=device)
         self.lengths = torch.zeros(sessions, dtype=torch.long, device=device)
-        no_mask = _NO_MASK.to(device)
+        no_mask = NO_MASK.to(device)
 
         def run() -> torch.Tensor:  # while capturing, every row writes the scratch slot
             return static_step(model, pool, self.input_ids, self.slot_ids, self.lengths, span, no_mask)
@@ -166,14 +166,13 @@ class CapturedStep:
 class GraphSteps:
     """Runs the decode parts of a step (each at most MAX_ROWS rows, in a SlotCache) as static steps."""
 
-    def __init__(self, model: PreTrainedModel, pool: SlotPool, logits_device: torch.device,
-                 capture: bool | None = None):
-        self.model, self.pool, self.logits_device = model, pool, logits_device
+    def __init__(self, model: PreTrainedModel, pool: SlotPool):
+        self.model, self.pool = model, pool
         self.device = pool.keys[0].device
-        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.capture = self.device.type == "cuda"
         self.memory_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captured: dict[tuple[int, int, int], CapturedStep | None] = {}  # None: capture failed, eager
-        self.no_mask = _NO_MASK.to(self.device)
+        self.no_mask = NO_MASK.to(self.device)
         self.steps = 0  # static steps run (each of up to SESSION_BUCKETS[-1] sessions per bucket)
 
     @property

@@ -37,7 +37,7 @@ from specmesh.batching import Part
 
 ATTENTION = "specmesh_segmented"  # the model's attention once install_segmented_attention ran
 # A ready 4-D mask makes transformers skip building one (the segmented attention makes its own).
-_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def ragged_forward(model: PreTrainedModel, parts: Sequence[Part], padding: int,
     if keep.numel() == 0:  # only prefill chunks that are not the last: project one row, read none
         keep = torch.tensor([0], dtype=torch.long, device=logits_device)
     try:
-        output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=_NO_MASK.to(device),
+        output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=NO_MASK.to(device),
                        use_cache=False, logits_to_keep=keep, segments=segments)
     except BaseException:
         for part, past in zip(parts, past_lengths):
