@@ -73,6 +73,17 @@ def test_a_renamed_re_ask_is_proposed_the_earlier_output_renamed_while_it_runs()
     assert len(index) == 3
 
 
+def test_an_exact_re_ask_gets_no_twin_and_is_proposed_its_own_earlier_answer():
+    index = SuffixIndex()
+    output = [30, 12, 31, 32, 12, 33, 15, 34, 35, 36]
+    index.open(PROMPT).extend(output)
+    renamed = [99 if t == 12 else t for t in PROMPT]
+    index.open(renamed).extend([40, 99, 41, 42, 43, 44, 45, 46, 47, 48])  # renamed, and answered otherwise
+    exact = index.open(PROMPT)
+    assert index.renamed_twin(exact) is None  # a twin of the renamed answer would tie with the exact one
+    assert index.propose(PROMPT, 20).tokens == output
+
+
 def test_twins_stay_inside_the_memory_bound():
     index = SuffixIndex(max_bytes=60 * TOKEN_BYTES)
     output = list(range(40, 70))

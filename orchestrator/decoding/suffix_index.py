@@ -121,14 +121,21 @@ class SuffixIndex:
         prompt = document.tokens[:document.prompt_length]
         answered = (earlier for earlier in reversed(self._documents.values())  # newest first, read lazily
                     if earlier is not document and not earlier.twin and len(earlier) > earlier.prompt_length > 0)
+        found = None
         for earlier in islice(answered, RENAME_CANDIDATES):
-            substitutions = renaming(earlier.tokens[:earlier.prompt_length], prompt)
-            if substitutions:
-                twin = self.open()
-                twin.twin = True
-                twin.extend(list(prompt[-MAX_MATCH:]) + rename(earlier.tokens[earlier.prompt_length:], substitutions))
-                return twin
-        return None
+            earlier_prompt = earlier.tokens[:earlier.prompt_length]
+            if earlier_prompt == prompt:
+                return None  # asked before in these very words: its own answer is better evidence than a twin
+            if found is None:
+                substitutions = renaming(earlier_prompt, prompt)
+                found = (earlier, substitutions) if substitutions else None
+        if found is None:
+            return None
+        earlier, substitutions = found
+        twin = self.open()
+        twin.twin = True
+        twin.extend(list(prompt[-MAX_MATCH:]) + rename(earlier.tokens[earlier.prompt_length:], substitutions))
+        return twin
 
     def discard(self, document: IndexedDocument) -> None:
         """Forget `document` now (a twin whose request ended), not when its turn to be evicted comes."""
