@@ -301,7 +301,7 @@ def greedy_line(greedy: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     print_header(SCRIPT, argv)
-    directory = Path(args.result_dir)
+    directory = Path(args.result_dir).resolve()  # serve runs from the repository, not from here
     directory.mkdir(parents=True, exist_ok=True)
     serve = start(args, write_serve_config(args, directory), directory / "serve.log")
     try:

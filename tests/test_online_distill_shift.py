@@ -15,13 +15,15 @@ QUICK_DISTILL = ("--lora-rank 16 --learning-rate 1e-2 --steps 4 --batch-size 32 
                  "--held-out-fraction 0.25 --k 4")
 
 
-def test_the_shift_benchmark_times_a_cycle_under_load(tiny_llama_dir, tiny_llama_unrelated_dir, tmp_path, capsys):
+def test_the_shift_benchmark_times_a_cycle_under_load(tiny_llama_dir, tiny_llama_unrelated_dir, tmp_path, capsys,
+                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)  # started outside the repository, with a relative result directory
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in word_prompts(32, seed=21)))
     result_dir = tmp_path / "shift"
     summary = load_script("online_distill_shift").main([
         "--target", str(tiny_llama_dir), "--draft", str(tiny_llama_unrelated_dir), "--prompts", str(prompts),
-        "--result-dir", str(result_dir), "--concurrency", "4", "--max-tokens", "8", "--k", "4",
+        "--result-dir", "shift", "--concurrency", "4", "--max-tokens", "8", "--k", "4",
         # the first cycle once the evidence holds its least (24 prompts); the loop ends when it does
         "--distill-tokens", "1", "--distill-interval", "0", "--distill-args", QUICK_DISTILL,
         "--until-cycles", "1", "--tail-s", "0", "--duration", "240", "--sample-s", "0.5", "--check-greedy",

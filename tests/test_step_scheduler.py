@@ -116,8 +116,11 @@ def prefill_job(s, prompt):
 
 async def steps_of(worker: StepScheduler, jobs: dict) -> list:
     """Run jobs {key: job} from one start (the worker held until all are queued); their results."""
-    gate = threading.Event()
-    held = asyncio.ensure_future(worker.call(gate.wait, 10))
+    gate, holding = threading.Event(), threading.Event()
+    held = asyncio.ensure_future(worker.call(lambda: holding.set() or gate.wait(10)))
+    # The worker must be inside the held call before the jobs queue: otherwise it may take the
+    # first jobs in with the call and the rest a step later.
+    assert await asyncio.to_thread(holding.wait, 10)
     running = [asyncio.ensure_future(worker.submit(key, job)) for key, job in jobs.items()]
     await asyncio.sleep(0)  # one pass of the event loop: every submit has queued its job
     gate.set()
