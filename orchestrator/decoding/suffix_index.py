@@ -117,7 +117,8 @@ class SuffixIndex:
 
     def renamed_twin(self, document: IndexedDocument) -> IndexedDocument | None:
         """A twin of `document` when its prompt re-asks a recent request's with other names: that request's
-        output, renamed the same way, after the prompt's last tokens (so the prompt's end matches it)."""
+        output, renamed the same way, after the prompt's last tokens (so the prompt's end matches it); None
+        when none does, or when one of them asked it in the same words."""
         prompt = document.tokens[:document.prompt_length]
         answered = (earlier for earlier in reversed(self._documents.values())  # newest first, read lazily
                     if earlier is not document and not earlier.twin and len(earlier) > earlier.prompt_length > 0)
