@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specmesh.batching import Part
-from specmesh.kv_budget import KVBudget
+from specmesh.kv_budget import KVBudget, model_devices
 from specmesh.ragged import NO_MASK
 from specmesh.slot_cache import SCRATCH_SLOT, SlotCache, SlotPool
 
@@ -46,12 +46,12 @@ def uses_graph_steps(setting: str, model: PreTrainedModel) -> bool:
     devices (device "auto") steps eagerly: one pool per layer's device is not built."""
     if setting not in GRAPH_STEPS_CHOICES:
         raise ValueError(f"graph steps: {setting!r} is not one of {', '.join(GRAPH_STEPS_CHOICES)}")
-    devices = {parameter.device for parameter in model.parameters()}
+    devices = model_devices(model)
     if setting == "off" or len(devices) > 1:
         if setting == "on":
             log.warning("graph steps off: the model is sharded over %d devices", len(devices))
         return False
-    return setting == "on" or next(iter(devices)).type == "cuda"
+    return setting == "on" or devices[0].type == "cuda"
 
 
 def slot_shape(capacity_tokens: int, sessions: int, window: int) -> tuple[int, int]:

@@ -90,6 +90,11 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=model.dtype).element_size()
 
 
+def model_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The devices the model's weights are on: more than one where it is sharded."""
+    return list({parameter.device for parameter in model.parameters()})
+
+
 def available_memory(devices: Sequence[torch.device]) -> int:
     """Free memory on the CUDA devices among `devices` (summed: a sharded model spreads its KV), else
     the system RAM available to this process."""
@@ -138,7 +143,7 @@ class KVBudget:
     @classmethod
     def for_model(cls, model: torch.nn.Module, setting: KVCacheMemory | None,
                   max_waiting: int = DEFAULT_MAX_WAITING_SESSIONS) -> KVBudget:
-        devices = list({p.device for p in model.parameters()})
+        devices = model_devices(model)
         per_token = kv_bytes_per_token(model)
         budget = budget_bytes(setting, devices)
         if budget < per_token:
