@@ -36,7 +36,7 @@ from specmesh.hf_compat import cache_kwargs
 from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
                                 reservation, wait_limit)
 from specmesh.penalties import check_penalties
-from specmesh.precision import output_device, output_rows
+from specmesh.precision import loaded_as, output_device, output_rows
 from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
 from specmesh.sampling import SamplingParams, make_generator
 from specmesh.session import Session
@@ -93,6 +93,7 @@ class ModelEngine:
         self.context_window = models.context_window(model)
         self.eos_token_ids = models.eos_token_ids(model, tokenizer)
         self.vocab_fingerprint = models.vocab_fingerprint(tokenizer)
+        self.precision, self.cpu_linear = loaded_as(model)  # reported: what it runs, resolved
         self.sessions: dict[str, Session] = {}
         self.closed = ClosedSessions()  # closed before they opened: their opens are refused
         self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
@@ -153,6 +154,8 @@ class ModelEngine:
             step_costs=self.costs.to_proto() if self.costs is not None else [],
             planned_step_costs=self.costs.planned_to_proto() if self.costs is not None else [],
             step_model=self.costs.model.to_proto() if self.costs is not None else None,
+            precision=self.precision,
+            cpu_linear=self.cpu_linear,
         )
 
     def check_token_ids(self, field_name: str, token_ids: Sequence[int]) -> None:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from specmesh.cpu_linear import choose_cpu_linear
+from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,18 @@ def int8_if_faster(model: torch.nn.Module, kernels: str, device: str,
     seconds = {"float32": step_s(model), "int8": step_s(int8)}
     logger.info("one-row step: float32 %.1f ms, int8 weights %.1f ms", seconds["float32"] * 1e3, seconds["int8"] * 1e3)
     return int8 if seconds["int8"] < PICK_GAIN * seconds["float32"] else model
+
+
+def loaded_as(model: torch.nn.Module) -> tuple[str, str]:
+    """(precision, cpu_linear) that `model` runs in, as --dtype and --cpu-linear name them once resolved:
+    what another process passes load_model_in to run the same weights on the same kernels."""
+    modules = list(model.modules())
+    if any(isinstance(module, Int8WeightLinear) for module in modules):
+        precision = INT8
+    else:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        precision = next((name for name, known in DTYPES.items() if known == dtype), str(dtype).removeprefix("torch."))
+    return precision, "onednn" if any(isinstance(module, OneDnnLinear) for module in modules) else "torch"
 
 
 @torch.no_grad()  # not inference_mode: a model timed here may be trained next (specmesh distill)

@@ -170,6 +170,12 @@ def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_p
     for record in result["requests"]:  # each line's own max_tokens
         assert 0 < record["output_tokens"] <= limits[result["prompts"][record["index"]]["prompt"]]
     assert result["server"]["self_started"] and result["config"]["request_rate"] == "inf"
+    # The peer runs what the services report running (their auto choices, resolved), not a timing of its own.
+    weights = result["server"]["weights"]
+    assert set(weights) == {"target", "draft"} and weights["target"]["precision"] == "float32"
+    assert all(w["cpu_linear"] in ("onednn", "torch") and w["precision"] for w in weights.values())
+    assert (f"({weights['target']['precision']}, {weights['target']['cpu_linear']} linear) and "
+            in done.stderr and "as the services run them" in done.stderr)
 
 
 def check_peer(entry: dict, records: list[dict], out: str) -> None:
@@ -242,7 +248,7 @@ async def test_bench_against_running_http_server(tmp_path, capsys, tiny_llama_di
         assert "on/off by pass: " + ", ".join(f"{r:.2f}x" for r in by_pass) in out
     assert result["server"] == {"endpoint": f"127.0.0.1:{port}", "protocol": "http", "self_started": False,
                                 "target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b",
-                                "num_speculative_tokens": None}
+                                "num_speculative_tokens": None, "weights": {}}  # a user's server: not asked
 
 
 async def test_bench_concurrency_sweep_on_and_off_in_one_run(tmp_path, capsys, tiny_llama_dir,

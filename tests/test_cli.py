@@ -63,6 +63,11 @@ def test_serve_then_generate_json(tiny_llama_dir, tiny_llama_perturbed_dir):
         bad = subprocess.run(specmesh("generate", "--endpoint", endpoint, "--max-tokens", "0", "hi"),
                              capture_output=True, text=True, env=env, timeout=60)
         assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
+        listed = subprocess.run(specmesh("replicas", "--endpoint", endpoint), capture_output=True, text=True, env=env,
+                                timeout=60)
+        # each replica with what it runs: the target in float32 (--dtype's default), the draft as auto resolved
+        assert listed.returncode == 0 and re.search(r"target-0 .*\(float32, (onednn|torch) linear\)", listed.stdout)
+        assert re.search(r"draft-0 .*\((int8|float32|bfloat16), (onednn|torch) linear\)", listed.stdout), listed.stdout
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0

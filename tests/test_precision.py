@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import grpc
 import pytest
 import torch
 
-from harness import make_engine, start_stack
+from harness import make_engine, start_model_server, start_stack
+from orchestrator.bench.peer import PeerPair
 from specmesh.batching import Part
-from specmesh.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, native_bf16,
+from specmesh.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, loaded_as, native_bf16,
                                 one_row_step_s, quantize_int8_weights, resolve_precision)
+from specmesh.v1 import common_pb2, target_pb2_grpc
 from test_batching import session_over
 from test_greedy_parity import target_greedy
 from tiny_models import TINY_PROMPTS
@@ -128,3 +131,23 @@ def test_auto_without_native_bf16_keeps_whichever_runs_a_step_faster(tiny_llama_
 def test_a_one_row_step_is_timed_on_the_real_model(tiny_llama_dir):
     model, _ = load_model_in(str(tiny_llama_dir), "cpu", "float32")
     assert 0 < one_row_step_s(model, repeats=2) < 10
+
+
+@pytest.mark.parametrize("dtype, cpu_linear", [("float32", "torch"), ("float32", "onednn"), ("bfloat16", "torch"),
+                                               ("int8", "torch")])
+async def test_a_service_reports_what_it_runs_and_the_peer_loaded_from_the_report_runs_the_same(
+        tiny_llama_dir, dtype, cpu_linear):
+    """ModelInfo's precision and cpu_linear name what the model runs once `auto` is resolved; the bench's peer,
+    loaded from them, runs the same weights on the same kernels."""
+    engine = make_engine(tiny_llama_dir, dtype=dtype, cpu_linear=cpu_linear)
+    server, port = await start_model_server("target", engine)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = await target_pb2_grpc.TargetServiceStub(channel).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=30)
+    finally:
+        await server.stop(None)
+    assert (info.precision, info.cpu_linear) == (dtype, cpu_linear)
+    peer = PeerPair.load(str(tiny_llama_dir), str(tiny_llama_dir), "cpu", None, info.precision, "float32",
+                         info.cpu_linear, "onednn")
+    assert loaded_as(peer.target) == (dtype, cpu_linear)
+    assert loaded_as(peer.draft) == ("float32", "onednn")  # each model its own kernel

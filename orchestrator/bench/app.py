@@ -1,7 +1,9 @@
 """`specmesh bench`: run the sweep, the A/B and the peer, then report.
 
 Order: start the stack (unless --endpoint), then with --peer/--peer-k load the peer's pair
-in this process (after the services measured their step costs), warm up, then for every
+in this process (after the services measured their step costs), in the precisions and on the
+CPU kernels the services report running (their `auto` choices are timed, and a second timing
+here could choose otherwise), warm up, then for every
 configuration (max concurrency x temperature) speculation on (the server's default policy)
 and, with --ab or --sweep-k, off right after it, then with --sweep-k every fixed k, all on
 the same prompts in the same order; beside every configuration of max concurrency 1 the
@@ -21,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from orchestrator.bench.args import peer_ks, sweep_ks
-from orchestrator.bench.clients import clear_suffix_index, make_client
+from orchestrator.bench.clients import clear_suffix_index, make_client, served_weights
 from orchestrator.bench.metrics import (RequestRecord, aggregate, aggregate_by_kind, output_agreement, pass_figures,
                                         speedups)
 from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, peer_modes, served_modes
@@ -40,6 +42,7 @@ from specmesh.security import new_internal_token
 # (configuration, mode) -> (records, seconds of each pass over the prompts)
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], list[float]]]
 Rounds = dict[tuple[str, str], RoundParts]  # (configuration, mode) -> its decode rounds' time by part
+Weights = dict[str, tuple[str, str]]  # role -> (precision, cpu_linear) its service reports running
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,11 +65,11 @@ def run(args: argparse.Namespace) -> int:
                         args.seeded_requests, args.repeats, args.min_seconds)
     started_at = datetime.now(timezone.utc)
     try:
-        endpoint, (runs, rounds) = serve_phase(args, prompts, configurations, load)
+        endpoint, weights, (runs, rounds) = serve_phase(args, prompts, configurations, load)
     except RuntimeError as error:
         print(f"specmesh bench: {error}", file=sys.stderr)
         return 1
-    result = build_result(args, prompts, configurations, runs, endpoint, started_at, rounds)
+    result = build_result(args, prompts, configurations, runs, endpoint, started_at, rounds, weights)
     result_dir = Path(args.result_dir or Path("bench-results") / started_at.strftime("%Y%m%d-%H%M%S"))
     result_dir.mkdir(parents=True, exist_ok=True)
     write_json(result, result_dir / "result.json")
@@ -77,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configuration],
-                load: LoadSettings) -> tuple[str, tuple[Runs, Rounds]]:
-    group, metrics_url = None, args.metrics_url
+                load: LoadSettings) -> tuple[str, Weights, tuple[Runs, Rounds]]:
+    """Run every configuration; returns the endpoint, what the stack this run started reports running
+    (empty for a server of the user's) and the runs."""
+    group, metrics_url, weights = None, args.metrics_url, {}
     try:
         endpoint = args.endpoint
         # Where to empty the suffix index before each configuration: a stack of our own always, so that
@@ -87,9 +92,10 @@ def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configura
         if endpoint is None:
             group = ProcessGroup()
             endpoint, admin, metrics_url = start_own_stack(group, args)
-        peer = load_peer(args, prompts, configurations)
-        return endpoint, asyncio.run(run_served(args, endpoint, prompts, configurations, load, admin, peer,
-                                                metrics_url))
+            weights = asyncio.run(served_weights(admin))
+        peer = load_peer(args, prompts, configurations, weights)
+        return endpoint, weights, asyncio.run(run_served(args, endpoint, prompts, configurations, load, admin, peer,
+                                                         metrics_url))
     finally:
         if group is not None:
             group.stop()
@@ -149,8 +155,9 @@ def configuration_modes(args, configuration: Configuration, peer) -> list[str]:
     return modes
 
 
-def load_peer(args, prompts: list[BenchPrompt], configurations: list[Configuration]):
-    """With --peer/--peer-k: transformers on the same pair in this process (a PeerClient), else None."""
+def load_peer(args, prompts: list[BenchPrompt], configurations: list[Configuration], weights: Weights):
+    """With --peer/--peer-k: transformers on the same pair in this process (a PeerClient), else None; in the
+    precisions and on the kernels the services report (`weights`), else as the flags say."""
     if not peer_ks(args):
         return None
     from orchestrator.bench.peer import PeerClient, PeerPair
@@ -161,14 +168,18 @@ def load_peer(args, prompts: list[BenchPrompt], configurations: list[Configurati
     if any(p.n > 1 for p in prompts):
         print("specmesh bench: warning: the peer generates one completion of each prompt (assisted generation "
               "takes one row), whatever its n", file=sys.stderr)
-    print(f"specmesh bench: loading {args.target} and {args.draft} in-process for transformers' assisted "
-          "generation ...", file=sys.stderr, flush=True)
+    target_dtype, target_kernel = weights.get(TARGET.name, (args.target_dtype, args.cpu_linear))
+    draft_dtype, draft_kernel = weights.get(DRAFT.name, (args.draft_dtype, args.cpu_linear))
+    print(f"specmesh bench: loading {args.target} ({target_dtype}, {target_kernel} linear) and {args.draft} "
+          f"({draft_dtype}, {draft_kernel} linear) in-process for transformers' assisted generation"
+          f"{', as the services run them' if weights else ''} ...", file=sys.stderr, flush=True)
     return PeerClient(PeerPair.load(args.target, args.draft, args.device, args.draft_device or args.device,
-                                    args.target_dtype, args.draft_dtype, args.cpu_linear, args.trust_remote_code))
+                                    target_dtype, draft_dtype, target_kernel, draft_kernel, args.trust_remote_code))
 
 
 def build_result(args, prompts: list[BenchPrompt], configurations: list[Configuration], runs: Runs,
-                 endpoint: str, started_at: datetime, rounds: Rounds | None = None) -> dict:
+                 endpoint: str, started_at: datetime, rounds: Rounds | None = None,
+                 weights: Weights | None = None) -> dict:
     entries, requests = [], []
     for configuration in configurations:
         modes = {}
@@ -205,7 +216,10 @@ def build_result(args, prompts: list[BenchPrompt], configurations: list[Configur
         "config": {key: _json_safe(value) for key, value in vars(args).items() if key != "handler"},
         "server": {"endpoint": endpoint, "protocol": args.protocol, "self_started": args.endpoint is None,
                    "target": args.target, "draft": args.draft,
-                   "num_speculative_tokens": args.num_speculative_tokens if args.endpoint is None else None},
+                   "num_speculative_tokens": args.num_speculative_tokens if args.endpoint is None else None,
+                   # what its services report running, and the peer runs too: {role: {precision, cpu_linear}}
+                   "weights": {role: {"precision": precision, "cpu_linear": kernel}
+                               for role, (precision, kernel) in (weights or {}).items()}},
         "machine": machine_info(),
         "prompts": [{"index": i, "kind": p.kind, "prompt": p.prompt, "n": p.n,
                      "messages": list(p.messages) if p.messages else None} for i, p in enumerate(prompts)],

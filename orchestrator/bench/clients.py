@@ -182,6 +182,15 @@ async def clear_suffix_index(endpoint: str) -> None:
         await admin_pb2_grpc.AdminStub(channel).ClearSuffixIndex(admin_pb2.ClearSuffixIndexRequest(), timeout=30)
 
 
+async def served_weights(endpoint: str) -> dict[str, tuple[str, str]]:
+    """(precision, cpu_linear) by pool ("target", "draft") as the server's replicas report running them
+    (Admin.ListReplicas); a pool whose replicas have not reported yet is missing."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        listed = await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(), timeout=30)
+    return {pool.pool: (replica.precision, replica.cpu_linear)
+            for pool in listed.pools for replica in pool.replicas if replica.precision}
+
+
 class RunClient:
     """The run's one client: a request goes to the served stack, or in a peer mode to the peer
     (orchestrator.bench.peer.PeerClient); and where each mode's rounds spent their time

@@ -113,14 +113,17 @@ class PeerPair:
 
     @classmethod
     def load(cls, target: str, draft: str | None, device: str, draft_device: str | None,
-             target_dtype: str, draft_dtype: str, cpu_linear: str = "auto",
+             target_dtype: str, draft_dtype: str, target_cpu_linear: str = "auto", draft_cpu_linear: str = "auto",
              trust_remote_code: bool = False) -> "PeerPair":
         """The pair in the precisions the --dtype names give (specmesh.precision) and on the CPU
-        kernels --cpu-linear names (specmesh.cpu_linear), as the services load it."""
-        target_model, tokenizer = load_model_in(target, device, target_dtype, cpu_linear, trust_remote_code)
+        kernels --cpu-linear names (specmesh.cpu_linear). Given what the services report running
+        (ModelInfo's precision and cpu_linear), it runs the same: `auto` timed again here could
+        choose otherwise."""
+        target_model, tokenizer = load_model_in(target, device, target_dtype, target_cpu_linear, trust_remote_code)
         draft_model = None
         if draft:
-            draft_model = load_model_in(draft, draft_device or device, draft_dtype, cpu_linear, trust_remote_code)[0]
+            draft_model = load_model_in(draft, draft_device or device, draft_dtype, draft_cpu_linear,
+                                        trust_remote_code)[0]
         return cls(target_model, draft_model, tokenizer)
 
     def encode(self, item: BenchPrompt) -> list[int]:

@@ -31,7 +31,7 @@ from specmesh.metrics import OrchestratorMetrics
 from specmesh.errors import InvalidArgument, NotManagedHere, RolloutInProgress
 from specmesh.security import token_interceptors
 from specmesh.telemetry import client_interceptors, tracer
-from specmesh.v1 import admin_pb2
+from specmesh.v1 import admin_pb2, common_pb2
 
 log = logging.getLogger(__name__)
 JOIN_DRAFT_WAIT_S = 10.0
@@ -246,10 +246,10 @@ class Pools:
             supervised, retry_in_s = getattr(controller, "replica_state", _unsupervised)(replica.name)
             shown = ("draining" if draining else supervised or
                      ("starting" if replica.name in pool.withheld else replica.state))
-            load = replica.load
+            load, info = replica.load, replica.info or common_pb2.ModelInfo()
             state.replicas.add(name=replica.name, address=replica.address or "", state=shown,
                                open_sessions=replica.open_sessions, routed_sessions=replica.routed,
-                               model=replica.info.model if replica.info is not None else "",
+                               model=info.model, precision=info.precision, cpu_linear=info.cpu_linear,
                                load=load.score, kv_cache_usage=load.kv_cache_usage, has_room=load.has_room,
                                retry_in_s=retry_in_s)
         return state

@@ -166,5 +166,6 @@ async def _admin(args: argparse.Namespace, call) -> int:
                   f"sessions {replica.open_sessions} (routed here {replica.routed_sessions}) "
                   f"load {replica.load:.1f} KV {replica.kv_cache_usage:.0%}" + ("" if replica.has_room else " full")
                   + (f" {replica.model}" if replica.model else "")
+                  + (f" ({replica.precision}, {replica.cpu_linear} linear)" if replica.precision else "")
                   + (f" retry in {replica.retry_in_s:.0f} s" if replica.state == "backoff" else ""))
     return 0

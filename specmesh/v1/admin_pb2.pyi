@@ -61,7 +61,7 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("name", "address", "state", "open_sessions", "routed_sessions", "model", "load", "kv_cache_usage", "has_room", "retry_in_s")
+    __slots__ = ("name", "address", "state", "open_sessions", "routed_sessions", "model", "load", "kv_cache_usage", "has_room", "retry_in_s", "precision", "cpu_linear")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class ReplicaState(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     HAS_ROOM_FIELD_NUMBER: _ClassVar[int]
     RETRY_IN_S_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    CPU_LINEAR_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: str
@@ -82,7 +84,9 @@ class ReplicaState(_message.Message):
     kv_cache_usage: float
     has_room: bool
     retry_in_s: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., open_sessions: _Optional[int] = ..., routed_sessions: _Optional[int] = ..., model: _Optional[str] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., has_room: _Optional[bool] = ..., retry_in_s: _Optional[float] = ...) -> None: ...
+    precision: str
+    cpu_linear: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., open_sessions: _Optional[int] = ..., routed_sessions: _Optional[int] = ..., model: _Optional[str] = ..., load: _Optional[float] = ..., kv_cache_usage: _Optional[float] = ..., has_room: _Optional[bool] = ..., retry_in_s: _Optional[float] = ..., precision: _Optional[str] = ..., cpu_linear: _Optional[str] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("pool", "desired_replicas", "min_replicas", "max_replicas", "replicas", "model", "rollout")

@@ -90,7 +90,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows", "step_costs", "planned_step_costs", "step_model")
+    __slots__ = ("model", "vocab_size", "vocab_fingerprint", "eos_token_ids", "context_window", "device", "open_sessions", "host", "cpu_affinity", "running_sessions", "waiting_sessions", "kv_cache_usage", "queued_rows", "step_costs", "planned_step_costs", "step_model", "precision", "cpu_linear")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class ModelInfo(_message.Message):
     STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_STEP_COSTS_FIELD_NUMBER: _ClassVar[int]
     STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    CPU_LINEAR_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     vocab_fingerprint: str
@@ -123,7 +125,9 @@ class ModelInfo(_message.Message):
     step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
     planned_step_costs: _containers.RepeatedCompositeFieldContainer[StepCost]
     step_model: StepCostModel
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., planned_step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., step_model: _Optional[_Union[StepCostModel, _Mapping]] = ...) -> None: ...
+    precision: str
+    cpu_linear: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., vocab_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., context_window: _Optional[int] = ..., device: _Optional[str] = ..., open_sessions: _Optional[int] = ..., host: _Optional[str] = ..., cpu_affinity: _Optional[_Iterable[int]] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., queued_rows: _Optional[int] = ..., step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., planned_step_costs: _Optional[_Iterable[_Union[StepCost, _Mapping]]] = ..., step_model: _Optional[_Union[StepCostModel, _Mapping]] = ..., precision: _Optional[str] = ..., cpu_linear: _Optional[str] = ...) -> None: ...
 
 class StepCostModel(_message.Message):
     __slots__ = ("scale", "per_session_s", "per_kilo_attended_s")
