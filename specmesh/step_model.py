@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from specmesh.v1 import common_pb2
 
 PRIOR = (1.0, 0.0, 0.0)  # the start-up table as it is: nothing added per session or per attended pair
@@ -37,47 +35,62 @@ class StepShape:
 
 
 class StepModel:
-    """The three coefficients, fitted online; `predict` reads them, `observe` adds a step."""
+    """The three coefficients, fitted online; `predict` reads them, `observe` adds a step.
+
+    A service observes every step it runs, right after a forward that has just swept the caches, so
+    observing only adds to the sums in plain floats; the least squares are solved when the
+    coefficients are next read (a report, a prediction).
+    """
 
     def __init__(self, coefficients: tuple[float, float, float] = PRIOR):
-        self.coefficients = tuple(float(c) for c in coefficients)
-        self._xx = np.zeros((3, 3))  # decayed sums of feature products ...
-        self._xy = np.zeros(3)  # ... and of features times seconds
-        self._x2 = np.zeros(3)  # decayed mean squares: the prior's weight per feature, in its units
+        self._coefficients = tuple(float(c) for c in coefficients)
+        self._stale = False  # steps observed since the last solve
+        self._xx = [[0.0] * 3 for _ in range(3)]  # decayed sums of feature products ...
+        self._xy = [0.0] * 3  # ... and of features times seconds
+        self._x2 = [0.0] * 3  # decayed mean squares: the prior's weight per feature, in its units
         self._steps = 0.0
         self._prior_steps = PRIOR_STEPS
 
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        if self._stale:
+            self._coefficients, self._stale = self._solve(), False
+        return self._coefficients
+
     @staticmethod
-    def features(planned_s: float, shape: StepShape) -> np.ndarray:
-        return np.array([planned_s, max(0, shape.sessions - 1), shape.attended / 1000.0])
+    def features(planned_s: float, shape: StepShape) -> tuple[float, float, float]:
+        return planned_s, float(max(0, shape.sessions - 1)), shape.attended / 1000.0
 
     def predict(self, planned_s: float, shape: StepShape) -> float:
-        return float(np.dot(self.coefficients, self.features(planned_s, shape)))
+        return sum(c * x for c, x in zip(self.coefficients, self.features(planned_s, shape)))
 
     def observe(self, planned_s: float, shape: StepShape, seconds: float) -> None:
         if not (math.isfinite(seconds) and seconds > 0 and planned_s > 0):
             return
         x = self.features(planned_s, shape)
-        self._xx = DECAY * self._xx + np.outer(x, x)
-        self._xy = DECAY * self._xy + x * seconds
+        for i in range(3):
+            row = self._xx[i]
+            for j in range(3):
+                row[j] = DECAY * row[j] + x[i] * x[j]
+            self._xy[i] = DECAY * self._xy[i] + x[i] * seconds
+            self._x2[i] = DECAY * self._x2[i] + x[i] * x[i]
         self._steps = DECAY * self._steps + 1.0
-        self._x2 = DECAY * self._x2 + x * x
         self._prior_steps = max(PRIOR_FLOOR, DECAY * self._prior_steps)
-        self.coefficients = self._solve()
+        self._stale = True
 
     def _solve(self) -> tuple[float, ...]:
         """Ridge towards PRIOR, then each coefficient past its bound fixed there and the rest re-solved."""
-        prior_weight = self._prior_steps * np.maximum(self._x2 / max(self._steps, 1e-9), 1e-12)
-        a = self._xx + np.diag(prior_weight)
-        b = self._xy + prior_weight * np.array(PRIOR)
+        prior_weight = [self._prior_steps * max(x2 / max(self._steps, 1e-9), 1e-12) for x2 in self._x2]
+        a = [[self._xx[i][j] + (prior_weight[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [self._xy[i] + prior_weight[i] * PRIOR[i] for i in range(3)]
         fixed: dict[int, float] = {}
         solved: dict[int, float] = {}
         for _ in range(4):  # each pass fixes at least one coefficient or ends
             free = [i for i in range(3) if i not in fixed]
             if not free:
                 break
-            rhs = b[free] - a[np.ix_(free, list(fixed))] @ np.array(list(fixed.values())) if fixed else b[free]
-            solved = dict(zip(free, np.linalg.solve(a[np.ix_(free, free)], rhs)))
+            rhs = [b[i] - sum(a[i][j] * value for j, value in fixed.items()) for i in free]
+            solved = dict(zip(free, _solve_linear([[a[i][j] for j in free] for i in free], rhs)))
             outside = {i: min(max(v, BOUNDS[i][0]), BOUNDS[i][1]) for i, v in solved.items()
                        if not BOUNDS[i][0] <= v <= BOUNDS[i][1]}
             if not outside:
@@ -97,3 +110,20 @@ class StepModel:
         values = (reported.scale or PRIOR[0], reported.per_session_s, reported.per_kilo_attended_s)
         return cls(tuple(min(max(v if math.isfinite(v) else PRIOR[i], BOUNDS[i][0]), BOUNDS[i][1])
                          for i, v in enumerate(values)))
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b for a small positive-definite a (the ridge makes it so): Gaussian elimination
+    in plain floats, which costs microseconds where numpy's dispatch costs milliseconds on cold caches."""
+    n = len(b)
+    rows = [list(a[i]) + [b[i]] for i in range(n)]  # [n, n + 1] augmented
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [value - factor * top for value, top in zip(rows[r], rows[col])]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (rows[i][n] - sum(rows[i][j] * x[j] for j in range(i + 1, n))) / rows[i][i]
+    return x

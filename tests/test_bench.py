@@ -183,7 +183,12 @@ def check_peer(entry: dict, records: list[dict], out: str) -> None:
     target alone drafts nothing and k=1 at most one token a round."""
     throughput = {mode: figures["overall"]["output_throughput"] for mode, figures in entry["modes"].items()}
     best = max((1, 2), key=lambda k: throughput[f"peer k={k}"])
+    steps = entry["peer"].pop("target_step_ms")  # the target alone, timed in both processes
     assert entry["peer"] == {"ks": [1, 2], "best_k": best, "best_mode": f"peer k={best}"}
+    modes = entry["modes"]
+    assert (steps["served"], steps["peer"]) == (modes["off"]["round_parts"]["target_busy_ms"],
+                                                modes["peer-off"]["round_parts"]["target_busy_ms"])
+    assert f"target alone: {steps['peer']:.1f} ms a step in the peer's process" in out
     assert entry["speedup_peer_vs_peer_off"]["output_throughput"] == pytest.approx(
         throughput[f"peer k={best}"] / throughput["peer-off"])
     assert entry["speedup_on_vs_peer"]["output_throughput"] == pytest.approx(throughput["on"] /
@@ -461,3 +466,19 @@ async def test_a_warm_up_before_a_higher_concurrency_fills_every_slot_in_both_mo
     await warm_up(client, BUILTIN["code"][:3], 2, load, concurrency=5)
     assert [mode for mode, _ in client.sent] == [DEFAULT] * 5 + [OFF] * 5  # prompts reused to fill the slots
     assert client.most_in_flight == 5
+
+
+async def test_a_server_that_cannot_say_what_its_replicas_run_leaves_the_peer_to_the_flags(capsys):
+    """served_weights on a server without the Admin service: no weights (the peer loads as the flags
+    say), said on stderr, instead of a bench that ends in a gRPC error."""
+    import grpc
+    from orchestrator.bench.clients import served_weights
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        assert await served_weights(f"127.0.0.1:{port}") == {}
+    finally:
+        await server.stop(None)
+    err = capsys.readouterr().err
+    assert "could not read what the replicas run (UNIMPLEMENTED" in err and "--cpu-linear" in err

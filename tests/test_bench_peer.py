@@ -70,6 +70,23 @@ def test_tables_show_the_peer_at_its_best_k_beside_its_target_alone():
     assert modes == ["spec on", "spec off", "HF k=2", "HF target-only"]
 
 
+@pytest.mark.parametrize("peer_ms, uneven", [(450.0, False), (380.0, False), (590.0, True), (300.0, True)])
+def test_the_target_alone_is_timed_in_both_processes_and_an_uneven_host_is_named(peer_ms, uneven):
+    """The peer's target alone and the target service run the same one-row step: the report gives both
+    times, and calls a gap beyond the host's noise what it is, rather than a lead of either design."""
+    modes = synthetic_modes(TOKENS)
+    modes["off"]["round_parts"] = {"target_busy_ms": 420.0}
+    modes["peer-off"]["round_parts"] = {"target_busy_ms": peer_ms}
+    entry = {"name": "c=1 T=0", "max_concurrency": 1, "temperature": 0.0, "modes": modes, **speedup_fields(modes)}
+    steps = entry["peer"]["target_step_ms"]
+    assert steps == {"served": 420.0, "peer": peer_ms, "peer_over_served": pytest.approx(peer_ms / 420.0)}
+    line = configuration_table(entry).splitlines()[-1]
+    assert line.startswith(f"target alone: {peer_ms:.1f} ms a step in the peer's process, 420.0 in the target service")
+    assert ("UNEVEN" in line) is uneven
+    del modes["peer-off"]["round_parts"]  # no round clocks (an --endpoint without /metrics): nothing to compare
+    assert "target_step_ms" not in speedup_fields(modes)["peer"]
+
+
 def test_a_peer_whose_assisted_requests_all_failed_has_no_best_k_and_prints_dashes(capsys):
     tokens = {**TOKENS, "peer k=1": {"code": None, "chat": None}, "peer k=2": {"code": None, "chat": None}}
     result = synthetic_result(tokens)

@@ -165,3 +165,25 @@ def test_garbage_in_a_reported_model_is_brought_within_bounds(scale, per_session
     model = StepModel.from_proto(reported)
     assert model.coefficients == expected
     assert all(low <= c <= high for c, (low, high) in zip(model.coefficients, BOUNDS))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_plain_float_solver_agrees_with_numpy_on_the_systems_the_fit_builds(seed):
+    """_solve_linear stands in for numpy.linalg.solve on 1x1 to 3x3 ridge systems (symmetric, positive
+    definite, scales as far apart as seconds and thousands of attended pairs)."""
+    from specmesh.step_model import _solve_linear
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 3):
+        features = rng.random((20, n)) * np.array([0.5, 15.0, 20.0])[:n]  # [steps, n]
+        a = features.T @ features + np.diag(rng.random(n) * 1e-3)  # [n, n]
+        b = rng.random(n) * 10
+        assert _solve_linear(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b), rel=1e-9, abs=1e-12)
+
+
+def test_observing_a_step_adds_to_the_sums_and_the_fit_is_solved_when_read():
+    model = StepModel()
+    for shape in _shapes(40):
+        model.observe(0.01 * shape.rows, shape, _law(LAW, 0.01 * shape.rows, shape))
+    assert model._stale  # a step's bookkeeping stops at the sums
+    fitted = model.coefficients
+    assert not model._stale and fitted == model._solve()

@@ -11,6 +11,7 @@ the timer keeps them apart (orchestrator.bench.metrics says what the figures mea
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 
@@ -184,9 +185,16 @@ async def clear_suffix_index(endpoint: str) -> None:
 
 async def served_weights(endpoint: str) -> dict[str, tuple[str, str]]:
     """(precision, cpu_linear) by pool ("target", "draft") as the server's replicas report running them
-    (Admin.ListReplicas); a pool whose replicas have not reported yet is missing."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        listed = await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(), timeout=30)
+    (Admin.ListReplicas); a pool whose replicas have not reported yet is missing, and all are where the
+    call fails (said on stderr: the peer then loads as the flags say)."""
+    try:
+        async with grpc.aio.insecure_channel(endpoint) as channel:
+            listed = await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(),
+                                                                          timeout=30)
+    except grpc.aio.AioRpcError as error:
+        print(f"specmesh bench: could not read what the replicas run ({error.code().name}: {error.details()}); "
+              "the peer loads as --target-dtype, --draft-dtype and --cpu-linear say", file=sys.stderr)
+        return {}
     return {pool.pool: (replica.precision, replica.cpu_linear)
             for pool in listed.pools for replica in pool.replicas if replica.precision}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from orchestrator.bench.metrics import LATENCIES, lookup
 from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, fixed_k, mode_title, peer_k
-from orchestrator.bench.sweep import kind_throughput
+from orchestrator.bench.sweep import UNEVEN_STEPS, kind_throughput
 
 PEER_NOTE = ("HF k=N, HF target-only: transformers' generate in-process, one request at a time, assisted by the "
              "draft at a constant k of N (with transformers' default confidence stop: the assistant ends a round "
@@ -115,7 +115,20 @@ def peer_lines(entry: dict) -> list[str]:
         return []
     by_k = ", ".join(f"k={k} {_cell(entry['modes'][peer_k(k)]['overall']['output_throughput'])}" for k in peer["ks"])
     best = "-" if peer["best_k"] is None else f"k={peer['best_k']}"
-    return [f"HF assisted output tokens/s by constant k: {by_k}; best {best}"]
+    return [f"HF assisted output tokens/s by constant k: {by_k}; best {best}", *uneven_lines(peer)]
+
+
+def uneven_lines(peer: dict) -> list[str]:
+    """The target alone, served and in the peer's process: the same step, so they should take the same time."""
+    steps = peer.get("target_step_ms")
+    if steps is None:
+        return []
+    line = (f"target alone: {steps['peer']:.1f} ms a step in the peer's process, {steps['served']:.1f} in the "
+            f"target service ({steps['peer_over_served']:.2f}x)")
+    if abs(steps["peer_over_served"] - 1) <= UNEVEN_STEPS:
+        return [line]
+    return [line + ": UNEVEN, this host ran the same step at different speeds in the two processes, so on/HF "
+                   "favours the faster one; compare on/off with HF/HF off instead"]
 
 
 def pass_lines(entry: dict) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orchestrator.bench.modes import DEFAULT, OFF, fixed_k, fixed_k_of, peer_k, peer_k_of
+from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, fixed_k, fixed_k_of, peer_k, peer_k_of
 
 
 def draft_length_sweep(modes: dict[str, dict]) -> dict | None:
@@ -52,6 +52,9 @@ def best_k(measured: dict[int, float | None]) -> int | None:
     return max(candidates, key=lambda k: measured[k]) if candidates else None  # first maximum: the smallest k
 
 
+UNEVEN_STEPS = 0.1  # beyond the several % a host varies between runs
+
+
 def peer_standing(modes: dict[str, dict]) -> dict | None:
     """The peer's constant ks and the best of them (its mode is what the A/B tables compare "on" with);
     None when the configuration ran no peer."""
@@ -59,7 +62,21 @@ def peer_standing(modes: dict[str, dict]) -> dict | None:
     if not ks:
         return None
     best = best_k({k: modes[peer_k(k)]["overall"]["output_throughput"] for k in ks})
-    return {"ks": ks, "best_k": best, "best_mode": None if best is None else peer_k(best)}
+    standing = {"ks": ks, "best_k": best, "best_mode": None if best is None else peer_k(best)}
+    steps = target_alone_steps(modes)
+    if steps is not None:
+        standing["target_step_ms"] = steps
+    return standing
+
+
+def target_alone_steps(modes: dict[str, dict]) -> dict | None:
+    """The target's step alone, ms a round, as the target service ran it ("off") and as the peer did
+    ("peer-off"): one row of the same weights on the same kernels, so a ratio far from 1 is the host
+    running the two processes unevenly, not either design; None without both."""
+    served, peer = (((modes.get(mode) or {}).get("round_parts") or {}).get("target_busy_ms") for mode in (OFF, PEER_OFF))
+    if not served or not peer:
+        return None
+    return {"served": served, "peer": peer, "peer_over_served": peer / served}
 
 
 def _swept(ks: list[int]) -> set[str]:
