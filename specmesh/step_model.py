@@ -38,24 +38,16 @@ class StepModel:
     """The three coefficients, fitted online; `predict` reads them, `observe` adds a step.
 
     A service observes every step it runs, right after a forward that has just swept the caches, so
-    observing only adds to the sums in plain floats; the least squares are solved when the
-    coefficients are next read (a report, a prediction).
+    the sums and the 3x3 least squares run in plain floats: numpy's dispatch costs milliseconds there.
     """
 
     def __init__(self, coefficients: tuple[float, float, float] = PRIOR):
-        self._coefficients = tuple(float(c) for c in coefficients)
-        self._stale = False  # steps observed since the last solve
+        self.coefficients = tuple(float(c) for c in coefficients)
         self._xx = [[0.0] * 3 for _ in range(3)]  # decayed sums of feature products ...
         self._xy = [0.0] * 3  # ... and of features times seconds
         self._x2 = [0.0] * 3  # decayed mean squares: the prior's weight per feature, in its units
         self._steps = 0.0
         self._prior_steps = PRIOR_STEPS
-
-    @property
-    def coefficients(self) -> tuple[float, ...]:
-        if self._stale:
-            self._coefficients, self._stale = self._solve(), False
-        return self._coefficients
 
     @staticmethod
     def features(planned_s: float, shape: StepShape) -> tuple[float, float, float]:
@@ -76,7 +68,7 @@ class StepModel:
             self._x2[i] = DECAY * self._x2[i] + x[i] * x[i]
         self._steps = DECAY * self._steps + 1.0
         self._prior_steps = max(PRIOR_FLOOR, DECAY * self._prior_steps)
-        self._stale = True
+        self.coefficients = self._solve()
 
     def _solve(self) -> tuple[float, ...]:
         """Ridge towards PRIOR, then each coefficient past its bound fixed there and the rest re-solved."""
@@ -113,8 +105,7 @@ class StepModel:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b for a small positive-definite a (the ridge makes it so): Gaussian elimination
-    in plain floats, which costs microseconds where numpy's dispatch costs milliseconds on cold caches."""
+    """x with a x = b for a small positive-definite a (the ridge makes it so): Gaussian elimination."""
     n = len(b)
     rows = [list(a[i]) + [b[i]] for i in range(n)]  # [n, n + 1] augmented
     for col in range(n):

@@ -11,13 +11,14 @@ from pathlib import Path
 
 from orchestrator.bench.metrics import LATENCIES, lookup
 from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, fixed_k, mode_title, peer_k
-from orchestrator.bench.sweep import UNEVEN_STEPS, kind_throughput
+from orchestrator.bench.sweep import kind_throughput
 
 PEER_NOTE = ("HF k=N, HF target-only: transformers' generate in-process, one request at a time, assisted by the "
              "draft at a constant k of N (with transformers' default confidence stop: the assistant ends a round "
              "early below assistant_confidence_threshold, 0.4 to start) and with the target alone; the A/B "
              "columns show the peer at its best k (the most output tokens/s of the configuration). It takes turns "
              "with the served modes prompt by prompt; its drafted tokens are its draft's forward calls.")
+UNEVEN_STEPS = 0.1  # the target alone, peer against served: beyond the several % a host varies between runs
 LATENCY_TITLES = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2e_ms": "E2E"}
 
 

@@ -52,9 +52,6 @@ def best_k(measured: dict[int, float | None]) -> int | None:
     return max(candidates, key=lambda k: measured[k]) if candidates else None  # first maximum: the smallest k
 
 
-UNEVEN_STEPS = 0.1  # beyond the several % a host varies between runs
-
-
 def peer_standing(modes: dict[str, dict]) -> dict | None:
     """The peer's constant ks and the best of them (its mode is what the A/B tables compare "on" with);
     None when the configuration ran no peer."""
@@ -73,7 +70,8 @@ def target_alone_steps(modes: dict[str, dict]) -> dict | None:
     """The target's step alone, ms a round, as the target service ran it ("off") and as the peer did
     ("peer-off"): one row of the same weights on the same kernels, so a ratio far from 1 is the host
     running the two processes unevenly, not either design; None without both."""
-    served, peer = (((modes.get(mode) or {}).get("round_parts") or {}).get("target_busy_ms") for mode in (OFF, PEER_OFF))
+    served, peer = (((modes.get(mode) or {}).get("round_parts") or {}).get("target_busy_ms")
+                    for mode in (OFF, PEER_OFF))
     if not served or not peer:
         return None
     return {"served": served, "peer": peer, "peer_over_served": peer / served}
