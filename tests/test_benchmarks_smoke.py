@@ -96,6 +96,20 @@ def test_prompt_lookup_replay_counts_every_round(tiny_llama_dir, capsys):
     assert "acceptance by position" in capsys.readouterr().out
 
 
+def test_draft_stop_replay_prices_every_rule_and_a_draft_that_is_the_target_is_always_accepted(tiny_llama_dir,
+                                                                                                 capsys):
+    tables = load_script("draft_stop_replay").main(["--target", str(tiny_llama_dir), "--draft", str(tiny_llama_dir),
+                                                    "--draft-dtype", "float32", "--kinds", "code", "--num-prompts",
+                                                    "2", "--max-tokens", "16", "--k", "3"])
+    rules = tables["all"]
+    assert {"k=1", "k=3", "conf<0.4", "run<0.4"} <= set(rules)
+    tokens_per_s, drafted, tokens, accepted, expected = rules["k=3"]
+    assert drafted == 3 and accepted > 0 and tokens_per_s > 0
+    assert tokens > 3  # every drafted token accepted: 4 a round, less only where an output ends mid-round
+    assert all(rule[1] <= 3 for rule in rules.values())  # no rule drafts past --k
+    assert "the policy's T would be" in capsys.readouterr().out
+
+
 def test_hostile_load_keeps_authenticated_calls_working_under_idle_connections_and_a_flood(tiny_llama_dir, tmp_path):
     config = tmp_path / "limits.yaml"
     config.write_text("handshake-timeout: 2\n")

@@ -18,7 +18,7 @@ from test_greedy_parity import target_greedy
 from test_sampling_parity import expected_sampling_tv, total_variation
 from tiny_models import TINY_PROMPTS
 
-from orchestrator.decoding.acceptance import DraftConfidence
+from orchestrator.decoding.acceptance import ConfidenceMemory, DraftConfidence
 from orchestrator.decoding.costs import BatchLoad
 from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.request import RoundTiming
@@ -153,7 +153,7 @@ def test_sampled_requests_learn_their_confidence_and_acceptance_apart_from_greed
     shared, greedy = _timed_policy()
     sampled = shared.for_request("code", sampled=True)
     assert sampled.confidence is not greedy.confidence
-    assert shared.for_request("chat", sampled=True).confidence is sampled.confidence  # one per regime
+    assert sampled.confidence.parent is shared.for_request("chat", sampled=True).confidence.parent  # the regime's
     greedy_factor, greedy_expected = greedy.confidence.factor, greedy.acceptance.expected_tokens(4)
     for _ in range(50):  # sampled rounds: the draft's peaks said 0.3 a token, the target took all 4
         k = sampled.choose(7)
@@ -163,6 +163,33 @@ def test_sampled_requests_learn_their_confidence_and_acceptance_apart_from_greed
     # only through the deployment-wide prior the two share, which a class's own history outweighs
     moved = shared.for_request("code").acceptance.expected_tokens(4) - greedy_expected
     assert abs(moved) < 0.25 * (shared.for_request("code", sampled=True).acceptance.expected_tokens(4) - greedy_expected)
+
+
+def test_each_prompt_class_learns_its_own_confidence_from_its_regimes():
+    """One draft can be overconfident on one kind of text and underconfident on another: a class's factor
+    starts at its regime's and follows its own rounds, so its stop bar moves and the other class's stays."""
+    shared, code = _timed_policy()
+    chat = shared.for_request("chat")
+    for _ in range(200):  # chat: the draft said 0.3 a token, the target took all 4
+        chat.confidence.observe([0.3] * 4, accepted=4)
+    for _ in range(200):  # code: the draft was sure of 4 tokens, the target took 1
+        code.confidence.observe([0.99] * 4, accepted=1)
+    assert chat.confidence.factor > 2.0 and code.confidence.factor < 0.5
+    regime = chat.confidence.parent.factor
+    assert code.confidence.factor < regime < chat.confidence.factor  # the regime's pools both
+    newcomer = shared.for_request("creative").confidence
+    assert newcomer.factor == pytest.approx(regime)  # a class without rounds of its own: its regime's
+    assert shared.for_request("chat").confidence is chat.confidence  # kept for the class's next request
+    assert shared.for_request("chat", sampled=True).confidence.factor == 1.0  # the sampled regime: untouched
+
+
+def test_confidence_classes_are_bounded():
+    memory = ConfidenceMemory(max_classes=3)
+    classes = [memory.for_class(name) for name in ("a", "b", "c")]
+    memory.for_class("a")  # used again: "b" is now the least recently used
+    memory.for_class("d")
+    assert list(memory.classes) == ["c", "a", "d"]
+    assert memory.for_class("a") is classes[0]
 
 
 def test_draft_confidence_is_the_accepted_count_over_the_drafts_own_expectation():

@@ -95,13 +95,7 @@ class AcceptanceMemory:
         self.max_classes = max_classes
 
     def for_class(self, prompt_class: str) -> PositionCounts:
-        counts = self.classes.get(prompt_class)
-        if counts is None:
-            counts = self.classes[prompt_class] = PositionCounts(decay=0.99)
-            while len(self.classes) > self.max_classes:
-                self.classes.popitem(last=False)
-        self.classes.move_to_end(prompt_class)
-        return counts
+        return recently_used(self.classes, prompt_class, lambda: PositionCounts(decay=0.99), self.max_classes)
 
     def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
         """A class's per-token rate and per-position rates, over the deployment's."""
@@ -153,15 +147,20 @@ class DraftConfidence:
     count over that estimate, decayed like the deployment's acceptance: below 1 for an
     overconfident draft, so the draft's stop (orchestrator.decoding.policy) comes sooner, above
     1 for an underconfident one. The policy keeps one per regime: under sampling acceptance is
-    the overlap of the two distributions, not agreement on an argmax, and maps otherwise.
+    the overlap of the two distributions, not agreement on an argmax, and maps otherwise. Under
+    it, one per prompt class (ConfidenceMemory), whose prior is its regime's factor: one draft
+    can be overconfident on one kind of text and underconfident on another.
     """
 
     DECAY = 0.995
     PRIOR_TOKENS = 4.0  # a calibrated draft until a few rounds say otherwise
+    CLASS_PRIOR_TOKENS = 16.0  # a class follows its regime until a few requests of its own say otherwise
     BOUNDS = (0.1, 10.0)
 
-    def __init__(self):
-        self.expected = self.accepted = self.PRIOR_TOKENS
+    def __init__(self, parent: "DraftConfidence | None" = None):
+        self.parent = parent  # the level whose factor is this one's prior (a class's: its regime's)
+        self.prior_tokens = self.PRIOR_TOKENS if parent is None else self.CLASS_PRIOR_TOKENS
+        self.expected = self.accepted = 0.0
 
     def observe(self, probabilities: list[float], accepted: int) -> None:
         if not probabilities:
@@ -172,8 +171,35 @@ class DraftConfidence:
             expected += run
         self.expected = self.expected * self.DECAY + expected
         self.accepted = self.accepted * self.DECAY + min(accepted, len(probabilities))
+        if self.parent is not None:
+            self.parent.observe(probabilities, accepted)
 
     @property
     def factor(self) -> float:
+        prior = 1.0 if self.parent is None else self.parent.factor
         low, high = self.BOUNDS
-        return min(high, max(low, self.accepted / max(self.expected, 1e-9)))
+        ratio = (self.accepted + self.prior_tokens * prior) / (self.expected + self.prior_tokens)
+        return min(high, max(low, ratio))
+
+
+class ConfidenceMemory:
+    """One regime's draft confidence and its prompt classes' under it (bounded, least recently used out)."""
+
+    def __init__(self, max_classes: int = MAX_CLASSES):
+        self.regime = DraftConfidence()
+        self.classes: OrderedDict[str, DraftConfidence] = OrderedDict()
+        self.max_classes = max_classes
+
+    def for_class(self, prompt_class: str) -> DraftConfidence:
+        return recently_used(self.classes, prompt_class, lambda: DraftConfidence(self.regime), self.max_classes)
+
+
+def recently_used(entries: OrderedDict, key: str, make, limit: int):
+    """entries[key], made if missing, as the most recently used; the least recently used beyond `limit` out."""
+    entry = entries.get(key)
+    if entry is None:
+        entry = entries[key] = make()
+        while len(entries) > limit:
+            entries.popitem(last=False)
+    entries.move_to_end(key)
+    return entry

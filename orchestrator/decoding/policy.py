@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.decoding.acceptance import AcceptanceMemory, DraftConfidence, RequestAcceptance
+from orchestrator.decoding.acceptance import AcceptanceMemory, ConfidenceMemory, DraftConfidence, RequestAcceptance
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
@@ -67,7 +67,7 @@ class DraftLength:
         self.costs = shared.costs
         self.acceptance = acceptance
         self.lookup = lookup  # prompt lookup's acceptance
-        self.confidence = confidence  # its regime's (greedy or sampled): Speculation.confidence
+        self.confidence = confidence  # its prompt class's, under its regime's (greedy or sampled)
         self.suffix: dict[str, RequestAcceptance] = {}  # the suffix index's, by matched length
         self.k = 0
         self.k_max: int | None = None  # of its latest choice; None before its first
@@ -196,9 +196,10 @@ class Speculation:
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
     lookup: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=LOOKUP_PRIOR))
     suffix: AcceptanceMemory = field(default_factory=lambda: AcceptanceMemory(prior=SUFFIX_PRIOR))
-    # by regime: the draft's confidence maps to acceptance one way under greedy, another when sampling
-    confidence: dict[str, DraftConfidence] = field(
-        default_factory=lambda: {GREEDY: DraftConfidence(), SAMPLED: DraftConfidence()})
+    # by regime (the draft's confidence maps to acceptance one way under greedy, another when sampling),
+    # and under it by prompt class
+    confidence: dict[str, ConfidenceMemory] = field(
+        default_factory=lambda: {GREEDY: ConfidenceMemory(), SAMPLED: ConfidenceMemory()})
     active: dict[int, DraftLength] = field(default_factory=dict)
 
     def for_request(self, prompt_class: str, sampled: bool = False) -> DraftLength:
@@ -207,7 +208,7 @@ class Speculation:
         regime = SAMPLED if sampled else GREEDY
         history = f"{prompt_class} ({regime})" if sampled else prompt_class
         return DraftLength(self, RequestAcceptance(self.acceptance, history), RequestAcceptance(self.lookup, history),
-                           self.confidence[regime])
+                           self.confidence[regime].for_class(prompt_class))
 
     def batch(self) -> BatchLoad:
         requests = list(self.active.values())
