@@ -6,9 +6,10 @@ proposed as the next ones. Code that repeats a name, an edit that copies its
 input, a list that continues a pattern: the target would write the same tokens,
 and verifying them rides the target step the round runs anyway, as extra rows.
 
-The policy sends such a proposal only in a round that would otherwise verify
-nothing (target-only), and only as many tokens as pay for their rows
-(orchestrator.decoding.policy). The draft model's session never sees them.
+The policy (orchestrator.decoding.policy) weighs such a proposal every round
+against the draft model's tokens and the suffix index's, and sends as many of its
+tokens as pay for their rows. The draft model's session sees them only once they
+are committed.
 
 Lossless: the proposal is a function of the committed sequence alone, so as a
 draft its distribution q is one-hot; the target accepts a token with probability
