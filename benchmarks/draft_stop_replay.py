@@ -23,9 +23,7 @@ per prompt kind and overall. Equal costs for every rule: what differs is only ho
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from forward_cost import CONTEXT, forward_ms  # noqa: E402
 from prompt_lookup_replay import greedy, prompt_ids  # noqa: E402
 from stack_checks import print_header  # noqa: E402
 from orchestrator.bench.prompts import KINDS, prompt_pool, select_prompts  # noqa: E402
@@ -41,7 +40,7 @@ from specmesh.hf_compat import cache_kwargs  # noqa: E402
 from specmesh.models import eos_token_ids  # noqa: E402
 from specmesh.precision import load_model_in  # noqa: E402
 
-TIMED_STEPS = 5
+TIMED_STEPS = 5  # forwards timed per row count (their median)
 
 
 def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[tuple[list[int], list[float]]]:
@@ -64,20 +63,6 @@ def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[tupl
             logits = draft(torch.tensor([[output[position]]]), **cache_kwargs(draft, cache),
                            use_cache=True).logits[0, -1]
     return runs
-
-
-def step_seconds(model, rows: int, context: int = 100) -> float:
-    """Median seconds of a `rows`-row decode step over a `context`-token cache."""
-    cache = DynamicCache()
-    with torch.inference_mode():
-        model(torch.zeros(1, context, dtype=torch.long), **cache_kwargs(model, cache), use_cache=True)
-        times = []
-        for _ in range(TIMED_STEPS + 1):
-            started = time.perf_counter()
-            model(torch.zeros(1, rows, dtype=torch.long), **cache_kwargs(model, cache), use_cache=True).logits.float()
-            times.append(time.perf_counter() - started)
-            cache.crop(-rows)
-    return statistics.median(times[1:])
 
 
 def fixed_length(k: int):
@@ -120,8 +105,10 @@ def replay(requests, length, draft_s: float, target_s: list[float]) -> tuple[flo
                 expected += run
             position += accepted + 1
             seconds += n * draft_s + target_s[n]
-            rounds, drafted, accepted_all, expected_all = rounds + 1, drafted + n, accepted_all + accepted, \
-                expected_all + expected
+            rounds += 1
+            drafted += n
+            accepted_all += accepted
+            expected_all += expected
         tokens += len(output)
     return tokens / seconds, drafted / rounds, tokens / rounds, accepted_all, expected_all
 
@@ -142,8 +129,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple]]:
     print_header(__file__, sys.argv[1:] if argv is None else argv)
     target, tokenizer = load_model_in(args.target, "cpu", args.target_dtype, "auto")
     draft, _ = load_model_in(args.draft, "cpu", args.draft_dtype, "auto")
-    draft_s = step_seconds(draft, 1)
-    target_s = [step_seconds(target, rows + 1) for rows in range(args.k + 1)]  # target_s[n]: n drafts + 1
+    context = tokenizer.encode(CONTEXT)
+    draft_s = forward_ms(draft, context, 1, TIMED_STEPS) / 1e3
+    target_s = [forward_ms(target, context, n + 1, TIMED_STEPS) / 1e3 for n in range(args.k + 1)]  # n drafts + 1
     print(f"step costs here: draft {draft_s * 1e3:.1f} ms; target by rows 1..{args.k + 1}: "
           + ", ".join(f"{s * 1e3:.0f}" for s in target_s) + " ms")
     eos = set(eos_token_ids(target, tokenizer))
