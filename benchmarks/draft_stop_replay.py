@@ -12,7 +12,11 @@ here in this process (a draft step, and a target step by rows):
 - `run<T`: specmesh's draft stop, which ends a round after the first token at which the run
   probability (the product of the confidences so far) is below T, at most --k; the policy sets T each
   round to goodput x the cost of one more token / how well the draft's confidences have matched
-  acceptance (orchestrator.decoding.policy), printed as `the policy's T`.
+  acceptance (orchestrator.decoding.policy), printed as `the policy's T`;
+- `run<T+alt`: the same rounds, their verification also trying the draft's second choice at the
+  positions the policy would offer (target_service.alternatives): where the chance of committing one
+  more token (run probability before the position x the second choice's probability) is worth the
+  row at the rule's own rate, each row priced by the target's step costs here.
 
 Prints tokens per second of the rounds (prefill aside), draft tokens and committed tokens a round,
 per prompt kind and overall. Equal costs for every rule: what differs is only how long each drafts.
@@ -43,23 +47,27 @@ from specmesh.precision import load_model_in  # noqa: E402
 TIMED_STEPS = 5  # forwards timed per row count (their median)
 
 
-def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[tuple[list[int], list[float]]]:
-    """For each position of `output`: the draft's k greedy tokens from prompt + output[:position], and its
-    confidence at each."""
+def draft_runs(draft, prompt: list[int], output: list[int], k: int) -> list[tuple[list[int], list[float], list[int],
+                                                                                list[float]]]:
+    """For each position of `output`: the draft's k greedy tokens from prompt + output[:position], its
+    confidence at each, and its second choice at each with that choice's probability."""
     runs = []
     cache = DynamicCache()
     with torch.inference_mode():
         logits = draft(torch.tensor([prompt]), **cache_kwargs(draft, cache), use_cache=True).logits[0, -1]  # [V]
         for position in range(len(output)):
-            base, step_logits, tokens, confidences = cache.get_seq_length(), logits, [], []
+            base, step_logits, tokens, confidences, seconds, second_confidences = (
+                cache.get_seq_length(), logits, [], [], [], [])
             for _ in range(k):
-                confidence, token = torch.softmax(step_logits.float(), -1).max(-1)
-                tokens.append(int(token))
-                confidences.append(float(confidence))
-                step_logits = draft(torch.tensor([[int(token)]]), **cache_kwargs(draft, cache),
+                top, ids = torch.softmax(step_logits.float(), -1).topk(2)
+                tokens.append(int(ids[0]))
+                confidences.append(float(top[0]))
+                seconds.append(int(ids[1]))
+                second_confidences.append(float(top[1]))
+                step_logits = draft(torch.tensor([[int(ids[0])]]), **cache_kwargs(draft, cache),
                                     use_cache=True).logits[0, -1]
             cache.crop(base - cache.get_seq_length())
-            runs.append((tokens, confidences))
+            runs.append((tokens, confidences, seconds, second_confidences))
             logits = draft(torch.tensor([[output[position]]]), **cache_kwargs(draft, cache),
                            use_cache=True).logits[0, -1]
     return runs
@@ -86,14 +94,32 @@ def length_by_run(threshold: float, k: int):
     return length
 
 
-def replay(requests, length, draft_s: float, target_s: list[float]) -> tuple[float, float, float, float, float]:
+def offered_alternatives(confidences: list[float], second_confidences: list[float], n: int, rate: float,
+                         target_s: list[float]) -> set[int]:
+    """The positions of n drafted whose second choice the policy offers at `rate` tokens a second
+    (orchestrator.decoding.policy.DraftLength.alternatives, its confidence factor 1)."""
+    chances, run = [], 1.0
+    for index in range(n):
+        chances.append((run * second_confidences[index], index))
+        run *= confidences[index]
+    chosen: set[int] = set()
+    for chance, index in sorted(chances, reverse=True):
+        rows = n + len(chosen)  # target_s[rows]: n drafts, the last committed token, the alternatives so far
+        if rows + 1 >= len(target_s) or chance < rate * (target_s[rows + 1] - target_s[rows]):
+            break
+        chosen.add(index)
+    return chosen
+
+
+def replay(requests, length, draft_s: float, target_s: list[float],
+           alternatives_at: float | None = None) -> tuple[float, float, float, float, float]:
     """(tokens/s, drafted a round, tokens a round, accepted, the draft's expected accepted) over the requests'
-    rounds."""
+    rounds; with alternatives_at, each round also verifies the alternatives offered at that rate."""
     seconds = rounds = drafted = tokens = accepted_all = expected_all = 0.0
     for output, runs in requests:
         position = 0
         while position < len(output):
-            proposal, confidences = runs[position]
+            proposal, confidences, seconds_choice, second_confidences = runs[position]
             n = length(confidences)
             accepted = 0
             while (accepted < n and position + accepted < len(output)
@@ -103,8 +129,12 @@ def replay(requests, length, draft_s: float, target_s: list[float]) -> tuple[flo
             for confidence in confidences[:n]:
                 run *= confidence
                 expected += run
-            position += accepted + 1
-            seconds += n * draft_s + target_s[n]
+            offered = set() if alternatives_at is None else offered_alternatives(
+                confidences, second_confidences, n, alternatives_at, target_s)
+            taken = (accepted < n and accepted in offered and position + accepted < len(output)
+                     and seconds_choice[accepted] == output[position + accepted])
+            position += accepted + 1 + taken
+            seconds += n * draft_s + target_s[n + len(offered)]
             rounds += 1
             drafted += n
             accepted_all += accepted
@@ -131,8 +161,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple]]:
     draft, _ = load_model_in(args.draft, "cpu", args.draft_dtype, "auto")
     context = tokenizer.encode(CONTEXT)
     draft_s = forward_ms(draft, context, 1, TIMED_STEPS) / 1e3
-    target_s = [forward_ms(target, context, n + 1, TIMED_STEPS) / 1e3 for n in range(args.k + 1)]  # n drafts + 1
-    print(f"step costs here: draft {draft_s * 1e3:.1f} ms; target by rows 1..{args.k + 1}: "
+    # n drafts + 1, and up to one alternative for each draft
+    target_s = [forward_ms(target, context, n + 1, TIMED_STEPS) / 1e3 for n in range(2 * args.k + 1)]
+    print(f"step costs here: draft {draft_s * 1e3:.1f} ms; target by rows 1..{2 * args.k + 1}: "
           + ", ".join(f"{s * 1e3:.0f}" for s in target_s) + " ms")
     eos = set(eos_token_ids(target, tokenizer))
     by_kind: dict[str, list] = {}
@@ -151,6 +182,9 @@ def report(by_kind: dict[str, list], k: int, draft_s: float, target_s: list[floa
     tables = {}
     for kind, requests in [("all", [r for rs in by_kind.values() for r in rs]), *by_kind.items()]:
         results = tables[kind] = {name: replay(requests, length, draft_s, target_s) for name, length in rules.items()}
+        for t in (0.3, 0.4, 0.5):  # each at its own rate: what its rounds earn without alternatives
+            name = f"run<{t}"
+            results[f"{name}+alt"] = replay(requests, rules[name], draft_s, target_s, alternatives_at=results[name][0])
         best = max(results, key=lambda name: results[name][0])
         goodput, _, _, accepted, expected = results["run<0.4"]
         policy_t = goodput * per_token_s / (accepted / expected)

@@ -36,13 +36,16 @@ class CommitSpec:
     token_ids: tuple[int, ...]  # ... then append these
 
 
-@dataclass(frozen=True)
+@dataclass
 class Proposal:
     position: int  # position of token_ids[0]
     token_ids: list[int]
     distributions: list[common_pb2.TokenDistribution]  # empty: ids are point masses
     forward_ns: int
     probabilities: list[float] = field(default_factory=list)  # the draft's, of each token it proposed
+    # greedy without penalties: the draft's second choice at each position and its probability
+    alternative_token_ids: list[int] = field(default_factory=list)
+    alternative_probabilities: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -127,22 +130,34 @@ class DraftEngine:
         position = len(session.token_ids)
         generator = generator_at(session.seed, position)
         room = self.engine.context_window - position - 1  # the target adds one token after the draft
-        tokens, distributions, probabilities, total_ns, run = [], [], [], 0, 1.0
+        proposal = Proposal(position, [], [], 0)
+        run = 1.0
         for _ in range(min(num_tokens, room)):
             if interrupted():
                 break
             logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1)  # [1, V]
-            total_ns += forward_ns
-            token_id, distribution, probability = self._draw(session, logits, generator)
+            token_id, probability = self._draw_into(proposal, session, logits, generator, forward_ns)
             session.token_ids.append(token_id)
-            tokens.append(token_id)
-            probabilities.append(probability)
-            if distribution is not None:
-                distributions.append(distribution)
             run *= probability
             if token_id in self.engine.eos_token_ids or run < stop_below:
                 break  # the target would stop at EOS; past a doubtful token, drafting costs more than it gains
-        return Proposal(position, tokens, distributions, total_ns, probabilities)
+        return proposal
+
+    def _draw_into(self, proposal: Proposal, session: Session, logits: torch.Tensor, generator: torch.Generator,
+                   forward_ns: int) -> tuple[int, float]:
+        """Draw the next token from logits [1, V] and add it to the proposal -> (token, confidence)."""
+        proposal.forward_ns += forward_ns
+        if session.sampling.greedy and not session.sampling.penalizes:  # alternatives for the target to try
+            (token_id, probability), alternative = _top_two(logits[0])
+            proposal.alternative_token_ids.append(alternative[0])
+            proposal.alternative_probabilities.append(alternative[1])
+        else:
+            token_id, distribution, probability = self._draw(session, logits, generator)
+            if distribution is not None:
+                proposal.distributions.append(distribution)
+        proposal.token_ids.append(token_id)
+        proposal.probabilities.append(probability)
+        return token_id, probability
 
     def _draw(self, session: Session, logits: torch.Tensor,
               generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None, float]:
@@ -238,6 +253,12 @@ class DraftEngine:
             return None
         session.ahead.branches.append(branch)
         return proposal
+
+
+def _top_two(logits: torch.Tensor) -> tuple[tuple[int, float], tuple[int, float]]:
+    """logits [V] -> ((argmax, its probability), (the second most likely token, its probability))."""
+    probabilities, tokens = torch.softmax(logits.float(), dim=0).topk(2)
+    return (int(tokens[0]), float(probabilities[0])), (int(tokens[1]), float(probabilities[1]))
 
 
 def _softmax_at(logits: torch.Tensor, token_id: int) -> float:

@@ -39,7 +39,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.ProposeResponse(
             request_id=request.request_id, round=request.round, position=proposal.position,
             token_ids=proposal.token_ids, distributions=proposal.distributions,
-            forward_ns=proposal.forward_ns, probabilities=proposal.probabilities)
+            forward_ns=proposal.forward_ns, probabilities=proposal.probabilities,
+            alternative_token_ids=proposal.alternative_token_ids,
+            alternative_probabilities=proposal.alternative_probabilities)
 
     async def PreDraft(self, request: draft_pb2.PreDraftRequest, context: grpc.aio.ServicerContext):
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None

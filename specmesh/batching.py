@@ -40,6 +40,7 @@ class Feed:
     token_ids: list[int]
     keep_rows: int = 1  # logits of the last keep_rows fed tokens
     chunkable: bool = False  # a prefill: may be fed over several steps; logits come with the last chunk
+    parents: tuple[int, ...] = ()  # a tree of rows (specmesh.ragged.tree_ancestry); empty: a chain
 
 
 Job = Generator[Feed, Logits, Any]
@@ -53,6 +54,7 @@ class Part:
     token_ids: list[int]
     keep_rows: int  # 0: a chunk that is not the last, no logits
     prefill: bool = False  # a chunk of a chunkable Feed
+    parents: tuple[int, ...] = ()  # the Feed's (never chunked)
 
 
 @dataclass(eq=False)
@@ -92,7 +94,8 @@ class StepPlanner:
                 continue
             if planned and rows + work.rows_left > self.max_step_tokens:
                 break
-            planned.append((work, Part(work.feed.session, work.feed.token_ids, work.feed.keep_rows)))
+            planned.append((work, Part(work.feed.session, work.feed.token_ids, work.feed.keep_rows,
+                                       parents=work.feed.parents)))
             rows += work.rows_left
         prefills = sum(1 for work in active if work.feed is not None and work.feed.chunkable)
         if not prefills or (planned and not prefill):

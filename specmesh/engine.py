@@ -124,10 +124,11 @@ class ModelEngine:
         return await self.scheduler.submit(session.request_id, job)
 
     def feed(self, session: Session, token_ids: Sequence[int], keep_rows: int | None = None,
-             chunkable: bool = False) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
-        """In a job: feed token_ids after the cache in the next step; (logits [keep, V], step ns)."""
+             chunkable: bool = False, parents: tuple[int, ...] = ()) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
+        """In a job: feed token_ids after the cache in the next step, as a chain or as the tree `parents`
+        describes (Feed.parents); (logits [keep, V], step ns)."""
         keep = len(token_ids) if keep_rows is None else max(1, min(keep_rows, len(token_ids)))
-        logits, step_ns = yield Feed(session, list(token_ids), keep, chunkable)
+        logits, step_ns = yield Feed(session, list(token_ids), keep, chunkable, parents)
         session.last_used = time.monotonic()
         return logits, step_ns
 
@@ -328,7 +329,7 @@ class ModelEngine:
         if self.graph is not None:
             return self._graph_step(parts), time.perf_counter_ns() - start
         if len(parts) == 1 or not self.ragged:  # solo forwards: exactly what one session alone gets
-            logits = [self.forward(part.session, part.token_ids, max(1, part.keep_rows))[0] for part in parts]
+            logits = [self._solo(part) for part in parts]
         else:
             total = sum(len(part.token_ids) for part in parts)
             logits = ragged_forward(self.model, parts, self._padding(total), self.device, self.logits_device)
@@ -338,8 +339,21 @@ class ModelEngine:
         """Decode rows as one static step (specmesh.graph_steps); prefill chunks and forks without a slot alone."""
         fitting = [part for part in parts if self.graph.fits(part)]
         graphed = dict(zip(map(id, fitting), self.graph.step(fitting) if fitting else []))
-        return [graphed[id(part)] if id(part) in graphed
-                else self.forward(part.session, part.token_ids, max(1, part.keep_rows))[0] for part in parts]
+        return [graphed[id(part)] if id(part) in graphed else self._solo(part) for part in parts]
+
+    def _solo(self, part: Part) -> torch.Tensor | None:
+        """One part's logits from a forward of its own; a tree of rows (specmesh.ragged.tree_ancestry) takes
+        the segmented attention, the one path that masks and places rows other than as a chain."""
+        if part.parents:
+            return ragged_forward(self.model, [part], self._padding(len(part.token_ids)), self.device,
+                                  self.logits_device)[0]
+        return self.forward(part.session, part.token_ids, max(1, part.keep_rows))[0]
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether a Feed may carry a tree of rows (Feed.parents): the segmented attention runs, and the
+        cache is a DynamicCache that a rollback crops (static graph steps' slots are not)."""
+        return self.ragged and self.graph is None
 
     def close(self, request_id: str) -> bool:
         """Free the session; one not open (yet) is remembered, and its open refused (specmesh.closed_sessions)."""

@@ -191,7 +191,8 @@ class GraphSteps:
         """A decode or verification part in a slot with room for a padded step (else it runs eagerly, where a
         cache that would overflow its slot fails with CapacityExhausted instead of writing out of bounds)."""
         cache = part.session.cache
-        return (not part.prefill and isinstance(cache, SlotCache) and 0 < len(part.token_ids) <= MAX_ROWS
+        return (not part.prefill and not part.parents and isinstance(cache, SlotCache)
+                and 0 < len(part.token_ids) <= MAX_ROWS
                 and cache.get_seq_length() + MAX_ROWS <= self.pool.slot_length)
 
     @torch.inference_mode()

@@ -149,7 +149,9 @@ def _segments(parts: Sequence[Part], past_lengths: list[int], padding: int, grou
     segments, start = [], 0
     for part, past in zip(parts, past_lengths):
         rows = len(part.token_ids)
-        segments.append(Segment(part.session.cache, start, rows, _causal_mask(rows, past, groups, device)))
+        mask = _tree_mask(part.parents, past, groups, device) if part.parents else _causal_mask(
+            rows, past, groups, device)
+        segments.append(Segment(part.session.cache, start, rows, mask))
         start += rows
     if padding:
         segments.append(Segment(None, start, padding, _causal_mask(padding, 0, groups, device)))
@@ -165,12 +167,40 @@ def _causal_mask(rows: int, past: int, groups: int, device: torch.device) -> tor
     return mask.repeat(groups, 1).to(device)  # packed rows are ordered by query head within the group, then row
 
 
+def tree_ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    """A tree of new rows, row i after row parents[i] (-1: after the cache; parents[i] < i) ->
+    (sees [rows, rows] bool: each row's ancestors and itself, depth of each row: 0 after the cache).
+
+    A verification with alternatives feeds its chain of drafts, then each alternative token as a row
+    whose parent is the row before the draft it stands in for: it sees what that draft would have seen."""
+    rows = len(parents)
+    sees = torch.eye(rows, dtype=torch.bool)
+    depths = []
+    for row, parent in enumerate(parents):
+        if not -1 <= parent < row:
+            raise ValueError(f"row {row}'s parent {parent} is not an earlier row")
+        if parent >= 0:
+            sees[row] |= sees[parent]
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return sees, depths
+
+
+def _tree_mask(parents: Sequence[int], past: int, groups: int, device: torch.device) -> torch.Tensor:
+    """[groups * rows, past + rows]: every row sees the cache, its ancestors and itself."""
+    sees, _ = tree_ancestry(parents)
+    mask = torch.cat([torch.ones(len(parents), past, dtype=torch.bool), sees], dim=1)
+    return mask.repeat(groups, 1).to(device)
+
+
 def _layout(parts: Sequence[Part], past_lengths: list[int], padding: int,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(position ids [1, T], input ids [1, T]), T counting the padding."""
     positions, token_ids = [], []
     for part, past in zip(parts, past_lengths):
-        positions += range(past, past + len(part.token_ids))
+        if part.parents:  # a row of a tree sits at its depth: an alternative where its draft would be
+            positions += [past + depth for depth in tree_ancestry(part.parents)[1]]
+        else:
+            positions += range(past, past + len(part.token_ids))
         token_ids += part.token_ids
     positions += [0] * padding
     token_ids += [token_ids[-1]] * padding

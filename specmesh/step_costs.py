@@ -23,9 +23,10 @@ from specmesh.ewma import Ewma
 from specmesh.step_model import StepModel, StepShape
 from specmesh.v1 import common_pb2
 
-# Every size where padding decisions live, then a few to extrapolate chunk costs from.
-# About 20 s at start-up for a 1.5B fp32 model on 2 CPU cores; milliseconds on a GPU.
-MEASURED_ROWS = tuple(range(1, 9)) + (12, 16, 24, 32, 48, 64)
+# Every size where padding decisions and one session's verification (drafts, then alternatives) live,
+# then a few to extrapolate chunk costs from: a CPU GEMM's cost jumps past 8 rows, which interpolating
+# from 8 to 12 would hide. About 25 s at start-up for a 1.5B fp32 model on 2 CPU cores; ms on a GPU.
+MEASURED_ROWS = tuple(range(1, 13)) + (16, 24, 32, 48, 64)
 PAD_GAIN = 0.9  # pad only to a size at least 10 % cheaper: measurements are noisy
 MAX_REPORTED_SIZES = 256  # of a reported table (from_proto): a bad report stays cheap to read
 MIN_PREFILL_CHUNK = 8  # rows a prefill moves in a step at the least, whatever the budget

@@ -12,7 +12,9 @@ from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
-from specmesh.v1 import common_pb2
+from specmesh.v1 import common_pb2, target_pb2
+from target_service.alternatives import (Alternative, after_alternative, check_alternatives, taken_alternative,
+                                         tree_parents)
 from target_service.disagreements import Disagreement, DisagreementLog, context_hash
 from target_service.logprobs import token_logprobs
 from target_service.rejection_sampler import Verdict, verify_greedy, verify_sampled
@@ -33,6 +35,7 @@ class Verification:
     committed_length: int
     forward_ns: int
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # one per committed token, if asked
+    after: list[int] = field(default_factory=list)  # committed after verdict.next_token_id (an alternative's)
 
 
 class TargetEngine:
@@ -102,15 +105,21 @@ class TargetEngine:
         draft_token_ids: Sequence[int],
         draft_distributions: Sequence[common_pb2.TokenDistribution],
         from_draft_model: bool = True,
+        alternatives: Sequence[target_pb2.DraftAlternative] = (),
     ) -> Verification:
         session = self.engine.get(request_id)
         self._check_draft(session, position, draft_token_ids, draft_distributions)
+        checked = check_alternatives(alternatives, draft_token_ids, session.sampling)
+        self.engine.check_token_ids("alternatives", [alternative.token_id for alternative in checked])
+        if not self.engine.verifies_trees:
+            checked = []  # verified as drafts alone: an alternative only ever adds a chance
         session.enter_round(round_number)
         # A round that drafted will most likely draft again: its next Verify follows a draft round, and
         # steps (a prefill chunk above all) should not wait for it (specmesh.batching). Prompt lookup's
         # tokens come from the orchestrator itself: the next Verify comes at once, as after a decode step.
         session.back_soon = not draft_token_ids or not from_draft_model
-        return await self.engine.submit(session, self._verify(session, list(draft_token_ids), draft_distributions))
+        return await self.engine.submit(
+            session, self._verify(session, list(draft_token_ids), draft_distributions, checked))
 
     def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],
                      draft_distributions: Sequence[common_pb2.TokenDistribution]) -> None:
@@ -126,12 +135,19 @@ class TargetEngine:
             raise InvalidArgument("draft_token_ids", "draft runs past the context window")
 
     def _verify(self, session: Session, draft_ids: list[int],
-                draft_distributions: Sequence[common_pb2.TokenDistribution]):
-        """A job (specmesh.batching): one forward of the last committed token and the drafts -> Verification."""
+                draft_distributions: Sequence[common_pb2.TokenDistribution], alternatives: list[Alternative]):
+        """A job (specmesh.batching): one forward of the last committed token, the drafts and any alternatives
+        (target_service.alternatives) -> Verification."""
         k = len(draft_ids)
         draft_probs = self._decode_draft_probs(draft_distributions)  # [k, V] or None
-        # [k+1, V]: row i predicts position `position + i`, after the draft tokens before it
-        logits, forward_ns = yield from self.engine.feed_tail(session, draft_ids, keep_rows=k + 1)
+        tail = session.uncached_tail
+        parents = tree_parents(len(tail), k, alternatives) if alternatives else ()
+        # [k+1+m, V]: row i <= k predicts position `position + i`, after the draft tokens before it; row k+1+j
+        # the position after alternative j
+        logits, forward_ns = yield from self.engine.feed(
+            session, tail + draft_ids + [a.token_id for a in alternatives], keep_rows=k + 1 + len(alternatives),
+            parents=parents)
+        logits, alternative_logits = logits[: k + 1], logits[k + 1:]
         logits = session.penalize(logits, draft_ids=draft_ids)
         draft_tensor = torch.tensor(draft_ids, dtype=torch.long)  # [k]
         target_probs = None if session.sampling.greedy else logits_to_probs(logits, session.sampling)  # [k+1, V]
@@ -145,11 +161,23 @@ class TargetEngine:
             # Under greedy the logged distribution is the model's own (temperature 1).
             p = torch.softmax(logits[row], -1) if target_probs is None else target_probs[row]  # [V]
             self._log_rejection(session, position, draft_ids, verdict, p, draft_probs)
-        committed = draft_ids[: verdict.accepted_count] + [verdict.next_token_id]
-        # The forward cached every draft after the sequence: keep the accepted ones' entries (the next
-        # verification then feeds its next token and drafts only), drop the rejected ones'.
+        after, deciding = self._after_alternative(alternatives, logits, alternative_logits, verdict)
+        committed = draft_ids[: verdict.accepted_count] + [verdict.next_token_id] + after
+        # The forward cached every draft (and alternative) after the sequence: keep the accepted drafts'
+        # entries (the next verification then feeds its next tokens and drafts only), drop the rest.
         self.engine.rollback(session, position, committed, cached=verdict.accepted_count)
-        return Verification(verdict, len(session.token_ids), forward_ns, self._logprobs(session, logits, committed))
+        return Verification(verdict, len(session.token_ids), forward_ns, self._logprobs(session, deciding, committed),
+                            after)
+
+    def _after_alternative(self, alternatives: list[Alternative], logits: torch.Tensor,
+                           alternative_logits: torch.Tensor, verdict: Verdict) -> tuple[list[int], torch.Tensor]:
+        """(tokens committed after the verdict's next token, the logits [n, V] that decided each committed
+        token): the taken alternative's next token, if the verdict's next token is an alternative's."""
+        place = taken_alternative(alternatives, verdict.accepted_count, verdict.next_token_id,
+                                  self.engine.eos_token_ids)
+        if place is None:
+            return [], logits
+        return after_alternative(logits, alternative_logits, verdict.accepted_count, place)
 
     def _log_rejection(self, session: Session, position: int, draft_ids: list[int], verdict: Verdict,
                        p: torch.Tensor, draft_probs: torch.Tensor | None) -> None:

@@ -39,7 +39,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
         result = await self.engine.verify(request.request_id, request.round, request.position,
                                           list(request.draft_token_ids), list(request.draft_distributions),
-                                          from_draft_model=_from_draft_model(request.draft_source))
+                                          from_draft_model=_from_draft_model(request.draft_source),
+                                          alternatives=list(request.alternatives))
         self.metrics.observe_forward("verify", result.forward_ns)
         annotate_current_span(forward_ns=result.forward_ns, accepted=result.verdict.accepted_count,
                               next_token="bonus" if result.verdict.bonus else "recovered")
@@ -47,7 +48,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             request_id=request.request_id, round=request.round,
             accepted_count=result.verdict.accepted_count, next_token_id=result.verdict.next_token_id,
             next_token_kind=KIND[result.verdict.bonus], committed_length=result.committed_length,
-            forward_ns=result.forward_ns, logprobs=result.logprobs)
+            forward_ns=result.forward_ns, logprobs=result.logprobs, after_token_ids=result.after)
 
     async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
         return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))

@@ -36,11 +36,13 @@ CONFIGURATION_KEYS = {"name", "max_concurrency", "temperature", "modes"}
 AGGREGATE_KEYS = {"num_requests", "completed", "failed", "duration_s", "total_prompt_tokens", "total_output_tokens",
                   "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "draft_tokens",
                   "accepted_tokens", "rounds", "acceptance_rate", "mean_acceptance_length", "lookup_tokens",
-                  "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens"}
+                  "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens", "alternative_tokens",
+                  "alternative_accepted_tokens"}
 LATENCY_KEYS = {"mean", "p50", "p95", "p99"}
 REQUEST_KEYS = {"configuration", "kind", "mode", "index", "repeat", "ok", "error", "start_s", "ttft_ms", "tpot_ms", "e2e_ms",
                 "itl_ms", "prompt_tokens", "output_tokens", "draft_tokens", "accepted_tokens", "rounds",
-                "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens", "n",
+                "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens",
+                "alternative_tokens", "alternative_accepted_tokens", "n",
                 "completion_tokens", "output_digest"}
 PLOTS = ("latency_distributions.png", "throughput_by_concurrency.png", "itl_by_concurrency.png",
          "acceptance_by_kind.png")

@@ -108,6 +108,8 @@ def test_draft_stop_replay_prices_every_rule_and_a_draft_that_is_the_target_is_a
     assert tokens > 3  # every drafted token accepted: 4 a round, less only where an output ends mid-round
     assert all(rule[1] <= 3 for rule in rules.values())  # no rule drafts past --k
     assert "the policy's T would be" in capsys.readouterr().out
+    # a draft that is the target is never rejected: no alternative is ever committed
+    assert rules["run<0.4+alt"][2] == rules["run<0.4"][2]
 
 
 def test_hostile_load_keeps_authenticated_calls_working_under_idle_connections_and_a_flood(tiny_llama_dir, tmp_path):

@@ -38,16 +38,22 @@ def target_greedy(model_dir: str, device: str, prompt: str, max_tokens: int) -> 
     return tuple(generated)
 
 
+async def greedy_outputs_then_stop(stack) -> list:
+    """Every tiny prompt's greedy generation, all at once (sessions interleave on both services); then the
+    stack stops, whatever happened."""
+    try:
+        return await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                      for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+
+
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("target_name, draft_name, relation", CASES)
 async def test_greedy_parity(request, device, k, target_name, draft_name, relation):
     target_dir = str(request.getfixturevalue(target_name))
     stack = await start_stack(target_dir, request.getfixturevalue(draft_name), k=k, device=device)
-    try:  # all prompts at once: sessions interleave on both services
-        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
-                                         for p in TINY_PROMPTS))
-    finally:
-        await stack.stop()
+    results = await greedy_outputs_then_stop(stack)
     drafted = accepted = 0
     for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
         assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt
@@ -74,12 +80,8 @@ async def test_greedy_parity_on_onednn_kernels(request, device, k, target_name, 
     target_dir = str(request.getfixturevalue(target_name))
     stack = await start_stack(target_dir, request.getfixturevalue(draft_name), k=k, device=device,
                               cpu_linear="onednn")
-    try:
-        assert type(stack.target_engine.model.get_output_embeddings()).__name__ == "OneDnnLinear"
-        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
-                                         for p in TINY_PROMPTS))
-    finally:
-        await stack.stop()
+    assert type(stack.target_engine.model.get_output_embeddings()).__name__ == "OneDnnLinear"
+    results = await greedy_outputs_then_stop(stack)
     for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
         assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt
         assert last.stats.draft_tokens > 0

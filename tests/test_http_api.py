@@ -10,6 +10,7 @@ import pytest
 
 from harness import TargetHold, eventually, load, start_stack
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
 from specmesh.metrics import OrchestratorMetrics
@@ -22,8 +23,11 @@ async def served(tiny_llama_dir, tiny_llama_perturbed_dir, device):
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
     _, tokenizer = load(str(tiny_llama_dir), device)
     metrics = OrchestratorMetrics()
+    # The stack's fixed k: the default policy never waits for the draft's prefill, so on a loaded host a
+    # short completion could end before the draft is open and draft nothing.
     servicer = await create_servicer(tokenizer, OrchestratorOptions(
-        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}"), metrics=metrics)
+        f"127.0.0.1:{stack.target_port}", f"127.0.0.1:{stack.draft_port}",
+        loop=LoopConfig(num_speculative_tokens=3, adaptive_k=False)), metrics=metrics)
     server, port, task = await start_http_server(create_app(servicer), "127.0.0.1", 0)
     yield stack, metrics, f"http://127.0.0.1:{port}/v1"
     await stop_http_server(server, task)

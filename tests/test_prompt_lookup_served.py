@@ -69,7 +69,8 @@ class VerifyAllLookups:
     def worth_opening(self, k, catch_up, tokens_left): return False
     def choose_proposal(self, k, offers): return (offers[0], len(offers[0].tokens)) if offers else (None, 0)
     def draft_plan(self, k): return k, 0.0
-    def observe(self, timing, drafted, accepted, free=None, probabilities=None): pass
+    def alternatives(self, probabilities, alternative_probabilities): return []
+    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
     def close(self): pass
 
 

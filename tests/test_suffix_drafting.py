@@ -76,7 +76,8 @@ class VerifyAllSuffixes:
     def choose(self, k_max, context=0): return 0
     def worth_opening(self, k, catch_up, tokens_left): return False
     def draft_plan(self, k): return k, 0.0
-    def observe(self, timing, drafted, accepted, free=None, probabilities=None): pass
+    def alternatives(self, probabilities, alternative_probabilities): return []
+    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
     def close(self): pass
 
     def choose_proposal(self, k, offers):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 import httpx
 
-from orchestrator.bench.metrics import RequestRecord, token_digest
+from orchestrator.bench.metrics import COUNTED, RequestRecord, token_digest
 from orchestrator.bench.modes import is_peer_mode
 from orchestrator.bench.prompts import BenchPrompt
 from orchestrator.bench.round_parts import ByMode, RoundParts, scrape_round_parts
@@ -34,10 +34,6 @@ class RequestParams:
     speculation: bool
     num_speculative_tokens: int | None = None
     timeout_s: float = 600.0
-
-
-STAT_FIELDS = ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens",
-               "suffix_accepted_tokens")
 
 
 class _Timer:
@@ -66,7 +62,7 @@ class _Timer:
         self.record.prompt_tokens = max((int(s.get("prompt_tokens", 0)) for s in finished), default=0)
         self.record.completion_tokens = [int(s.get("completion_tokens", 0)) for s in finished]
         self.record.output_tokens = sum(self.record.completion_tokens)
-        for field in STAT_FIELDS:
+        for field in COUNTED:
             setattr(self.record, field, sum(int(s.get(field, 0)) for s in finished))
         if len(finished) < self.record.n:
             self.record.ok = False

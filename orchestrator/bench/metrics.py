@@ -6,7 +6,8 @@ speculation a chunk carries a whole round's tokens, so ITL rises while TPOT fall
 TPOT is (e2e - TTFT) / (output tokens - 1). Acceptance comes from the server's
 stats: acceptance rate = accepted / drafted tokens, mean acceptance length =
 tokens committed per verification round = 1 + accepted / rounds, where accepted counts every
-proposer's (the draft model's, prompt lookup's, the suffix index's).
+proposer's (the draft model's, prompt lookup's, the suffix index's) and the token after each committed
+alternative (the draft's second choice, tried beside its tokens under greedy).
 A request of n > 1 completions counts all of them: output tokens and the server's stats are
 summed over the completions (throughput counts every completion's tokens); TTFT is to the first
 token of any completion, ITL the gap between chunks of the same completion, TPOT (e2e - TTFT)
@@ -44,6 +45,8 @@ class RequestRecord:
     lookup_accepted_tokens: int = 0
     suffix_tokens: int = 0  # suffix-index tokens verified, and accepted (in neither of the above)
     suffix_accepted_tokens: int = 0
+    alternative_tokens: int = 0  # the draft's second choices verified beside its tokens, and committed
+    alternative_accepted_tokens: int = 0
     n: int = 1  # completions asked for
     completion_tokens: list[int] = field(default_factory=list)  # each completion's output tokens, by index
     output_digest: str = ""  # of the generated token ids (token_digest); "" where the client sees only text
@@ -95,13 +98,21 @@ def summary(values: list[float]) -> dict[str, float | None]:
     return {"mean": sum(values) / len(values), **{f"p{q}": percentile(values, q) for q in PERCENTILES}}
 
 
+# the server's stats a record sums over its completions (GenerationStats fields)
+COUNTED = ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens",
+           "suffix_accepted_tokens", "alternative_tokens", "alternative_accepted_tokens")
+# what a round commits beyond its one token from the target: every proposer's accepted tokens, and the
+# token after each committed alternative
+COMMITTED_BEYOND_ONE = ("accepted_tokens", "lookup_accepted_tokens", "suffix_accepted_tokens",
+                        "alternative_accepted_tokens")
+
+
 def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
     """Figures for one group of requests that ran over `duration_s` seconds of wall time."""
     done = [r for r in records if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
-    drafted, accepted, rounds, looked_up, lookup_accepted, suffixed, suffix_accepted = (
-        sum(getattr(r, f) for r in done) for f in ("draft_tokens", "accepted_tokens", "rounds", "lookup_tokens",
-                                                   "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens"))
+    counted = {f: sum(getattr(r, f) for r in done) for f in COUNTED}
+    drafted, accepted = counted["draft_tokens"], counted["accepted_tokens"]
     return {
         "num_requests": len(records),
         "completed": len(done),
@@ -115,16 +126,10 @@ def aggregate(records: list[RequestRecord], duration_s: float) -> dict:
         "tpot_ms": summary([r.tpot_ms for r in done if r.tpot_ms is not None]),
         "itl_ms": summary([gap for r in done for gap in r.itl_ms]),
         "e2e_ms": summary([r.e2e_ms for r in done]),
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
-        "rounds": rounds,
-        "lookup_tokens": looked_up,
-        "lookup_accepted_tokens": lookup_accepted,
-        "suffix_tokens": suffixed,
-        "suffix_accepted_tokens": suffix_accepted,
+        **counted,
         "acceptance_rate": accepted / drafted if drafted else None,
-        # every proposer's accepted tokens: a round commits them all, and one more
-        "mean_acceptance_length": 1 + (accepted + lookup_accepted + suffix_accepted) / rounds if rounds else None,
+        "mean_acceptance_length": 1 + sum(counted[f] for f in COMMITTED_BEYOND_ONE) / counted["rounds"]
+        if counted["rounds"] else None,
     }
 
 

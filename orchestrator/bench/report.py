@@ -60,6 +60,8 @@ def metric_rows() -> list[tuple[str, str, int]]:
     rows += [("acceptance rate", "acceptance_rate", 3), ("mean acceptance length", "mean_acceptance_length", 2),
              ("lookup tokens verified", "lookup_tokens", 0), ("lookup tokens accepted", "lookup_accepted_tokens", 0),
              ("suffix tokens verified", "suffix_tokens", 0), ("suffix tokens accepted", "suffix_accepted_tokens", 0),
+             ("alternatives verified", "alternative_tokens", 0),
+             ("alternatives committed", "alternative_accepted_tokens", 0),
              ("completed / failed", "", 0)]
     return rows
 

@@ -47,6 +47,8 @@ MAX_DRAFT_RETRY_ROUNDS = 32  # longest run of target-only rounds between two tri
 class SpeculativeGeneration:
     """Yields committed tokens, a list per round, until max_tokens or an EOS token."""
 
+    offers_alternatives = True  # verifications may try the draft's second choices (target_service.alternatives)
+
     def __init__(self, request: GenerationRequest, target: TargetEndpoint, draft: DraftEndpoint | None,
                  eos_token_ids: set[int], config: LoopConfig,
                  on_round: Callable[[int, int], None] = lambda drafted, accepted: None,
@@ -85,6 +87,7 @@ class SpeculativeGeneration:
         self._round = 0
         self._clock = RoundClock()
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
+        self._alternatives: list[target_pb2.DraftAlternative] = []  # this round's, sent with its Verify
 
     @property
     def generated(self) -> int:
@@ -195,7 +198,7 @@ class SpeculativeGeneration:
         drafted = 0 if free else len(draft_ids)  # by the draft model
         self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
                             drafted, accepted, free, list(proposal.probabilities) if proposal else [])
-        batch = draft_ids[:accepted] + [verified.next_token_id]
+        batch = draft_ids[:accepted] + [verified.next_token_id] + list(verified.after_token_ids)
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
         self._commit(batch)
@@ -203,6 +206,8 @@ class SpeculativeGeneration:
         self._count_round(drafted, 0 if free else accepted, len(batch))
         if free is not None:
             self.stats.count_free(free, accepted)
+        self.stats.alternative_tokens += len(self._alternatives)
+        self.stats.alternative_accepted_tokens += bool(verified.after_token_ids)
         self.on_proposer(_proposer(k, free), len(draft_ids), accepted)
         return batch
 
@@ -246,13 +251,22 @@ class SpeculativeGeneration:
                             k: int, free: FreeProposal | None = None) -> target_pb2.VerifyResponse:
         """The target's verdict on the draft's proposal, or on a free proposal (ids only: one-hot q)."""
         started = time.monotonic()
+        self._alternatives = self._choose_alternatives(proposal)
         verified = await self.target.verify(
             self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(
                 free.tokens if free else []),
             list(proposal.distributions) if proposal else [], timeout=self._timeout(self.config.target_timeout_s),
-            draft_source=DRAFT_SOURCES[free.source] if free else target_pb2.DRAFT_SOURCE_DRAFT_MODEL)
+            draft_source=DRAFT_SOURCES[free.source] if free else target_pb2.DRAFT_SOURCE_DRAFT_MODEL,
+            alternatives=self._alternatives)
         self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
         return verified
+
+    def _choose_alternatives(self, proposal: draft_pb2.ProposeResponse | None) -> list[target_pb2.DraftAlternative]:
+        """The draft's second choices this round's verification also tries (the policy's pick; greedy only)."""
+        if proposal is None or self.policy is None or not self.offers_alternatives:
+            return []
+        indices = self.policy.alternatives(list(proposal.probabilities), list(proposal.alternative_probabilities))
+        return [target_pb2.DraftAlternative(index=i, token_id=proposal.alternative_token_ids[i]) for i in indices]
 
     def _draft_plan(self, k: int) -> tuple[int, float]:
         """(tokens to ask the draft for, its stop_below) for a round of k: the policy's plan, else k exactly."""
@@ -293,7 +307,7 @@ class SpeculativeGeneration:
                        probabilities: list[float]) -> None:
         """Policies learn from each round's wall-clock costs and outcome."""
         if self.policy is not None:
-            self.policy.observe(timing, drafted, accepted, free, probabilities)
+            self.policy.observe(timing, drafted, accepted, free, probabilities, len(self._alternatives))
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1

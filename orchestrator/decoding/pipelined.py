@@ -148,6 +148,8 @@ class CostMeter:
 class PipelinedGeneration(SpeculativeGeneration):
     """SpeculativeGeneration with drafting overlapped with verification."""
 
+    offers_alternatives = False  # a pre-drafted branch is keyed by (accepted, next token): one token per outcome
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.costs = CostMeter()

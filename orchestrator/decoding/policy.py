@@ -31,7 +31,9 @@ in place of the request's k + 1; a free proposal must beat the draft's round by 
 The suffix index's acceptance is learned by how long the matched history was, since an
 exact repeat of tens of tokens and a three-token coincidence are different evidence.
 A draft session is opened only when the tokens its rounds save over the rest of the request
-pay for its prefill.
+pay for its prefill. Under greedy the verification may also carry the draft's second choice at
+some positions as rows of their own (alternatives), each where its chance of committing one more
+token is worth its row at the same rate.
 
 The choice never changes the output: k is fixed before the round's draft is sampled, and
 every round's tokens follow the target's distribution whatever k is. Seeded sampling
@@ -110,6 +112,32 @@ class DraftLength:
             return k, 0.0
         return self.k_max, max(0.0, stop)
 
+    def alternatives(self, probabilities: list[float], alternative_probabilities: list[float]) -> list[int]:
+        """Draft positions whose alternative (the draft's second choice) is worth a row of its own in the
+        verification (target_service.alternatives), most promising first.
+
+        The alternative at position j commits one more token when the drafts before j are accepted, the
+        one at j is not, and the target's token is the alternative: about the confidence-corrected run
+        probability before j times the alternative's probability. It is offered while that chance is at
+        least what its row costs the batch at the rate the round earns, each row priced by the target's
+        table (a row past a step-size boundary costs what the boundary costs)."""
+        if not alternative_probabilities or not self.costs.known:
+            return []
+        chances, run = [], 1.0
+        for index, (probability, alternative) in enumerate(zip(probabilities, alternative_probabilities)):
+            chances.append((min(1.0, run * self.confidence.factor) * alternative, index))
+            run *= probability
+        batch, drafted = self._batch, len(probabilities)
+        goodput = self.shared.goodput(max(self.k, 1), batch)
+        chosen: list[int] = []
+        for chance, index in sorted(chances, reverse=True):
+            rows = len(chosen)
+            row_s = self.costs.round_s(drafted, batch, rows + 1) - self.costs.round_s(drafted, batch, rows)
+            if chance < goodput * row_s:
+                break
+            chosen.append(index)
+        return chosen
+
     def wants_draft(self, k_max: int, catch_up: int, tokens_left: int, context: int = 0) -> bool:
         """Whether the first round would draft and pay for the draft's prefill of `catch_up` tokens."""
         k = self.choose(k_max, context)
@@ -175,14 +203,14 @@ class DraftLength:
             acceptance, 0, k) else 0
 
     def observe(self, timing: RoundTiming, drafted: int, accepted: int, free: FreeProposal | None = None,
-                probabilities: list[float] | None = None) -> None:
+                probabilities: list[float] | None = None, alternatives: int = 0) -> None:
         """A round's waits and outcome: `drafted` draft-model tokens (with the draft's `probabilities`
-        of them), or the `free` proposal's tokens verified (as many as it holds), `accepted` of them
-        accepted."""
+        of them) and `alternatives` rows beside them, or the `free` proposal's tokens verified (as many
+        as it holds), `accepted` of them accepted."""
         offered = len(free.tokens) if free is not None else 0
         if drafted and probabilities:
             self.confidence.observe(probabilities[:drafted], accepted)
-        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered)
+        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered + alternatives)
         self.acceptance.observe(drafted, 0 if offered else accepted)
         if offered:
             self._acceptance_of(free).observe(offered, accepted)

@@ -98,10 +98,11 @@ class TargetClient:
 
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution], timeout: float,
-                     draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL) -> target_pb2.VerifyResponse:
+                     draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL,
+                     alternatives: Sequence[target_pb2.DraftAlternative] = ()) -> target_pb2.VerifyResponse:
         request = target_pb2.VerifyRequest(request_id=request_id, round=round_number, position=position,
                                            draft_token_ids=draft_token_ids, draft_distributions=distributions,
-                                           draft_source=draft_source)
+                                           draft_source=draft_source, alternatives=alternatives)
         return await _call_target(self.stub.Verify, request, timeout)
 
     async def close(self, request_id: str) -> None:

@@ -215,6 +215,8 @@ def _stats(stats: LoopStats, started: float, first_token_at: float, completion_t
         lookup_accepted_tokens=stats.lookup_accepted_tokens,
         suffix_tokens=stats.suffix_tokens,
         suffix_accepted_tokens=stats.suffix_accepted_tokens,
+        alternative_tokens=stats.alternative_tokens,
+        alternative_accepted_tokens=stats.alternative_accepted_tokens,
     )
 
 

@@ -54,7 +54,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., stop_below: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "round", "position", "token_ids", "distributions", "forward_ns", "probabilities")
+    __slots__ = ("request_id", "round", "position", "token_ids", "distributions", "forward_ns", "probabilities", "alternative_token_ids", "alternative_probabilities")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class ProposeResponse(_message.Message):
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     position: int
@@ -69,7 +71,9 @@ class ProposeResponse(_message.Message):
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDistribution]
     forward_ns: int
     probabilities: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
+    alternative_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    alternative_probabilities: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., probabilities: _Optional[_Iterable[float]] = ..., alternative_token_ids: _Optional[_Iterable[int]] = ..., alternative_probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PreDraftRequest(_message.Message):
     __slots__ = ("request_id", "round", "commit", "position", "assumed_token_ids", "num_tokens", "extra_branches")

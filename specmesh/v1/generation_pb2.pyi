@@ -69,7 +69,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., speculation: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_class: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., user: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_rate", "rounds", "target_forward_passes", "ttft_ms", "tpot_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "draft_fallback", "tokens_per_round", "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens")
+    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_rate", "rounds", "target_forward_passes", "ttft_ms", "tpot_ms", "e2e_ms", "prompt_tokens", "completion_tokens", "draft_fallback", "tokens_per_round", "lookup_tokens", "lookup_accepted_tokens", "suffix_tokens", "suffix_accepted_tokens", "alternative_tokens", "alternative_accepted_tokens")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class GenerationStats(_message.Message):
     LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     accepted_tokens: int
     acceptance_rate: float
@@ -102,7 +104,9 @@ class GenerationStats(_message.Message):
     lookup_accepted_tokens: int
     suffix_tokens: int
     suffix_accepted_tokens: int
-    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., rounds: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_fallback: _Optional[bool] = ..., tokens_per_round: _Optional[float] = ..., lookup_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ...) -> None: ...
+    alternative_tokens: int
+    alternative_accepted_tokens: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., rounds: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_fallback: _Optional[bool] = ..., tokens_per_round: _Optional[float] = ..., lookup_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., suffix_accepted_tokens: _Optional[int] = ..., alternative_tokens: _Optional[int] = ..., alternative_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats", "logprobs", "index")

@@ -57,23 +57,33 @@ class TargetOpenResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions", "draft_source")
+    __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions", "draft_source", "alternatives")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDistribution]
     draft_source: DraftSource
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., draft_source: _Optional[_Union[DraftSource, str]] = ...) -> None: ...
+    alternatives: _containers.RepeatedCompositeFieldContainer[DraftAlternative]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., draft_source: _Optional[_Union[DraftSource, str]] = ..., alternatives: _Optional[_Iterable[_Union[DraftAlternative, _Mapping]]] = ...) -> None: ...
+
+class DraftAlternative(_message.Message):
+    __slots__ = ("index", "token_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_id: int
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns", "logprobs")
+    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns", "logprobs", "after_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +92,7 @@ class VerifyResponse(_message.Message):
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     accepted_count: int
@@ -90,4 +101,5 @@ class VerifyResponse(_message.Message):
     committed_length: int
     forward_ns: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    after_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
