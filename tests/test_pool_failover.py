@@ -25,6 +25,7 @@ from specmesh.sampling import SamplingParams
 from test_greedy_parity import target_greedy
 
 PROMPT = "The quick brown fox"
+ALTERNATIVES_PROMPT = "def fibonacci(n):"  # where the draft's second choice is sometimes the target's token
 MAX_TOKENS = 48
 
 
@@ -60,32 +61,58 @@ class Replicas:
             await self.stop(name)
 
 
-def generation(tokenizer, target, draft, k: int = 2, loop=SpeculativeGeneration) -> SpeculativeGeneration:
-    request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(PROMPT), max_tokens=MAX_TOKENS,
+def generation(tokenizer, target, draft, k: int = 2, loop=SpeculativeGeneration, policy=None,
+               prompt: str = PROMPT) -> SpeculativeGeneration:
+    request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(prompt), max_tokens=MAX_TOKENS,
                                 sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=k)
-    return loop(request, target, draft, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=k))
+    return loop(request, target, draft, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=k), policy=policy)
+
+
+class EveryAlternative:
+    """A stand-in for the default policy that drafts k every round and offers every alternative: pricing
+    is not the subject here, what a moved session keeps of rounds that committed alternatives is."""
+
+    def __init__(self, k: int): self.k = k
+    def arrive(self): pass
+    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return True
+    def choose(self, k_max, context=0): return min(self.k, k_max)
+    def worth_opening(self, k, catch_up, tokens_left): return True
+    def choose_proposal(self, k, offers): return None, 0
+    def draft_plan(self, k): return k, 0.0
+    def alternatives(self, probabilities, alternative_probabilities): return list(range(len(alternative_probabilities)))
+    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
+    def close(self): pass
 
 
 def placed(client, generation_: SpeculativeGeneration) -> str:
     return client.sessions[generation_.session_id].replica.name
 
 
-async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tiny_llama_perturbed_dir):
+@pytest.mark.parametrize("alternatives", [False, True], ids=["drafts", "drafts-and-alternatives"])
+async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tiny_llama_perturbed_dir, alternatives):
     targets = await Replicas.start("target", tiny_llama_dir, 2)
     drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 2)
     target, draft = PooledTargetClient(targets.pool), PooledDraftClient(drafts.pool)
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    expected = list(target_greedy(str(tiny_llama_dir), "cpu", PROMPT, MAX_TOKENS))
+    prompt = ALTERNATIVES_PROMPT if alternatives else PROMPT
+    expected = list(target_greedy(str(tiny_llama_dir), "cpu", prompt, MAX_TOKENS))
     assert len(expected) > 12, "the prompt must run long enough to lose replicas mid-generation"
-    gen, tokens, moved = generation(tokenizer, target, draft), [], []
+    gen = generation(tokenizer, target, draft, policy=EveryAlternative(2) if alternatives else None, prompt=prompt)
+    tokens, moved, target_lost_at = [], [], 0
     try:
         async for batch in gen.tokens():
             tokens.extend(batch)
-            if len(moved) < 2 and gen.stats.rounds == 2 + 2 * len(moved):  # rounds 2 and 4
-                replicas, client = (targets, target) if not moved else (drafts, draft)
-                moved.append(placed(client, gen))
-                await replicas.stop(moved[-1])
+            # the target at round 2 (with alternatives: once one was committed, which the new replica must
+            # be given too), the draft two rounds later
+            if not moved and (gen.stats.alternative_accepted_tokens if alternatives else gen.stats.rounds >= 2):
+                moved.append(placed(target, gen))
+                await targets.stop(moved[-1])
+                target_lost_at = gen.stats.rounds
+            elif len(moved) == 1 and gen.stats.rounds == target_lost_at + 2:
+                moved.append(placed(draft, gen))
+                await drafts.stop(moved[-1])
         assert tokens == expected
+        assert (gen.stats.alternative_accepted_tokens > 0) == alternatives
         assert target.failovers == 1 and draft.failovers == 1
         assert not gen.stats.draft_fallback  # the draft session moved rather than being dropped
         assert placed(target, gen) != moved[0] and placed(draft, gen) != moved[1]
