@@ -14,7 +14,6 @@ recomputation and a miss costs a crop.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
@@ -147,34 +146,33 @@ class DraftEngine:
                    forward_ns: int) -> tuple[int, float]:
         """Draw the next token from logits [1, V] and add it to the proposal -> (token, confidence)."""
         proposal.forward_ns += forward_ns
-        if session.sampling.greedy and not session.sampling.penalizes:  # alternatives for the target to try
-            (token_id, probability), alternative = _top_two(logits[0])
-            proposal.alternative_token_ids.append(alternative[0])
+        token_id, distribution, probability, alternative = self._draw(session, logits, generator)
+        if distribution is not None:
+            proposal.distributions.append(distribution)
+        if alternative is not None and session.sampling.greedy and not session.sampling.penalizes:
+            proposal.alternative_token_ids.append(alternative[0])  # for the target to try (target_service.alternatives)
             proposal.alternative_probabilities.append(alternative[1])
-        else:
-            token_id, distribution, probability = self._draw(session, logits, generator)
-            if distribution is not None:
-                proposal.distributions.append(distribution)
         proposal.token_ids.append(token_id)
         proposal.probabilities.append(probability)
         return token_id, probability
 
     def _draw(self, session: Session, logits: torch.Tensor,
-              generator: torch.Generator) -> tuple[int, common_pb2.TokenDistribution | None, float]:
+              generator: torch.Generator
+              ) -> tuple[int, common_pb2.TokenDistribution | None, float, tuple[int, float] | None]:
         """logits [1, V] -> (token, the exact distribution it was drawn from or None, the draft's
-        confidence at this position: its largest probability). Under greedy that is the proposed
-        token's; a sampled token's own probability would add the draw's randomness, which says
-        nothing of acceptance (a token drawn from q where the target's p is q is accepted whatever
-        q gave it)."""
+        confidence at this position: its largest probability, and under greedy its second choice with
+        that choice's probability). Under greedy the confidence is the proposed token's; a sampled
+        token's own probability would add the draw's randomness, which says nothing of acceptance (a
+        token drawn from q where the target's p is q is accepted whatever q gave it)."""
         logits = session.penalize(logits)  # as the target will at this position
         if session.sampling.greedy or self.greedy_proposals:
-            token_id = int(logits[0].argmax())
-            return token_id, None, _softmax_at(logits[0], token_id)
+            (token_id, probability), alternative = _top_two(logits[0])
+            return token_id, None, probability, alternative
         distribution = encode_distribution(logits_to_probs(logits, session.sampling)[0])
         # Sample from the decoded wire form: the target's q is then exactly ours.
         q = decode_distribution(distribution, self.engine.vocab_size)
         token_id = sample_token(q, generator)
-        return token_id, distribution, float(q.max())
+        return token_id, distribution, float(q.max()), None
 
     async def predraft(self, request_id: str, round_number: int, commit: CommitSpec | None, position: int,
                        assumed: Sequence[int], num_tokens: int,
@@ -259,12 +257,6 @@ def _top_two(logits: torch.Tensor) -> tuple[tuple[int, float], tuple[int, float]
     """logits [V] -> ((argmax, its probability), (the second most likely token, its probability))."""
     probabilities, tokens = torch.softmax(logits.float(), dim=0).topk(2)
     return (int(tokens[0]), float(probabilities[0])), (int(tokens[1]), float(probabilities[1]))
-
-
-def _softmax_at(logits: torch.Tensor, token_id: int) -> float:
-    """softmax(logits)[token_id] for logits [V], without materialising the softmax."""
-    logits = logits.float()
-    return math.exp(float(logits[token_id] - torch.logsumexp(logits, dim=0)))
 
 
 def _check_count(field: str, value: int, low: int, high: int) -> None:
