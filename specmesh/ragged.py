@@ -38,6 +38,7 @@ from specmesh.batching import Part
 ATTENTION = "specmesh_segmented"  # the model's attention once install_segmented_attention ran
 # A ready 4-D mask makes transformers skip building one (the segmented attention makes its own).
 NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+Ancestry = tuple[torch.Tensor, list[int]]  # a tree of rows' (sees [rows, rows] bool, depth of each row): tree_ancestry
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ def ragged_forward(model: PreTrainedModel, parts: Sequence[Part], padding: int,
     past_lengths = [part.session.cache.get_seq_length() for part in parts]
     heads = model.config.num_attention_heads
     groups = heads // (getattr(model.config, "num_key_value_heads", None) or heads)  # query heads per KV head
-    segments = _segments(parts, past_lengths, padding, groups, device)
-    position_ids, input_ids = _layout(parts, past_lengths, padding, device)
+    trees = [tree_ancestry(part.parents) if part.parents else None for part in parts]  # None: a chain
+    segments = _segments(parts, trees, past_lengths, padding, groups, device)
+    position_ids, input_ids = _layout(parts, trees, past_lengths, padding, device)
     keep = _kept_rows(parts, logits_device)
     if keep.numel() == 0:  # only prefill chunks that are not the last: project one row, read none
         keep = torch.tensor([0], dtype=torch.long, device=logits_device)
@@ -144,13 +146,12 @@ def _crop_layers(cache, length: int) -> None:
             layer.crop(-surplus)
 
 
-def _segments(parts: Sequence[Part], past_lengths: list[int], padding: int, groups: int,
-              device: torch.device) -> list[Segment]:
+def _segments(parts: Sequence[Part], trees: Sequence[Ancestry | None], past_lengths: list[int], padding: int,
+              groups: int, device: torch.device) -> list[Segment]:
     segments, start = [], 0
-    for part, past in zip(parts, past_lengths):
+    for part, tree, past in zip(parts, trees, past_lengths):
         rows = len(part.token_ids)
-        mask = _tree_mask(part.parents, past, groups, device) if part.parents else _causal_mask(
-            rows, past, groups, device)
+        mask = _tree_mask(tree[0], past, groups, device) if tree else _causal_mask(rows, past, groups, device)
         segments.append(Segment(part.session.cache, start, rows, mask))
         start += rows
     if padding:
@@ -167,7 +168,7 @@ def _causal_mask(rows: int, past: int, groups: int, device: torch.device) -> tor
     return mask.repeat(groups, 1).to(device)  # packed rows are ordered by query head within the group, then row
 
 
-def tree_ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+def tree_ancestry(parents: Sequence[int]) -> Ancestry:
     """A tree of new rows, row i after row parents[i] (-1: after the cache; parents[i] < i) ->
     (sees [rows, rows] bool: each row's ancestors and itself, depth of each row: 0 after the cache).
 
@@ -185,20 +186,20 @@ def tree_ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
     return sees, depths
 
 
-def _tree_mask(parents: Sequence[int], past: int, groups: int, device: torch.device) -> torch.Tensor:
-    """[groups * rows, past + rows]: every row sees the cache, its ancestors and itself."""
-    sees, _ = tree_ancestry(parents)
-    mask = torch.cat([torch.ones(len(parents), past, dtype=torch.bool), sees], dim=1)
+def _tree_mask(sees: torch.Tensor, past: int, groups: int, device: torch.device) -> torch.Tensor:
+    """sees [rows, rows] (tree_ancestry) -> [groups * rows, past + rows]: every row sees the cache, its
+    ancestors and itself."""
+    mask = torch.cat([torch.ones(len(sees), past, dtype=torch.bool), sees], dim=1)
     return mask.repeat(groups, 1).to(device)
 
 
-def _layout(parts: Sequence[Part], past_lengths: list[int], padding: int,
+def _layout(parts: Sequence[Part], trees: Sequence[Ancestry | None], past_lengths: list[int], padding: int,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(position ids [1, T], input ids [1, T]), T counting the padding."""
     positions, token_ids = [], []
-    for part, past in zip(parts, past_lengths):
-        if part.parents:  # a row of a tree sits at its depth: an alternative where its draft would be
-            positions += [past + depth for depth in tree_ancestry(part.parents)[1]]
+    for part, tree, past in zip(parts, trees, past_lengths):
+        if tree:  # a row of a tree sits at its depth: an alternative where its draft would be
+            positions += [past + depth for depth in tree[1]]
         else:
             positions += range(past, past + len(part.token_ids))
         token_ids += part.token_ids
