@@ -18,8 +18,9 @@ _SPARSE_BYTES, _DENSE_BYTES = 8, 2
 def encode_distribution(probs: torch.Tensor) -> common_pb2.TokenDistribution:
     """probs [V] -> the smaller of the sparse (non-zero entries) and dense fp16 forms."""
     probs = probs.detach().float().cpu()
-    nonzero_ids = torch.nonzero(probs > 0).flatten()  # [nnz]
-    if nonzero_ids.numel() * _SPARSE_BYTES < probs.numel() * _DENSE_BYTES:
+    # Counted first: listing the ids of a full distribution allocates 8 bytes per token for nothing.
+    if int(torch.count_nonzero(probs)) * _SPARSE_BYTES < probs.numel() * _DENSE_BYTES:
+        nonzero_ids = torch.nonzero(probs).flatten()  # [nnz]
         return common_pb2.TokenDistribution(
             sparse=common_pb2.SparseDistribution(
                 token_ids=nonzero_ids.tolist(), probs=probs[nonzero_ids].tolist()
@@ -57,18 +58,25 @@ def _decode_sparse(sparse: common_pb2.SparseDistribution, vocab_size: int) -> to
     values = torch.tensor(list(sparse.probs), dtype=torch.float32)
     if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"sparse token id outside [0, {vocab_size})")
-    if not torch.isfinite(values).all() or (values < 0).any():
-        raise ValueError("probabilities must be finite and non-negative")
+    _check_values(values)
     return torch.zeros(vocab_size, dtype=torch.float32).index_put_((ids,), values, accumulate=True)
 
 
 def _decode_dense(dense: common_pb2.DenseDistribution, vocab_size: int) -> torch.Tensor:
     if dense.vocab_size > vocab_size or len(dense.probs_fp16) != 2 * dense.vocab_size:
         raise ValueError(f"dense distribution must hold vocab_size <= {vocab_size} fp16 values")
-    values = torch.frombuffer(bytearray(dense.probs_fp16), dtype=torch.float16).float()
-    if not torch.isfinite(values).all() or (values < 0).any():
-        raise ValueError("probabilities must be finite and non-negative")
+    values = torch.frombuffer(bytearray(dense.probs_fp16), dtype=torch.float16).float()  # [n]
+    _check_values(values)
+    if values.numel() == vocab_size:
+        return values
     # A draft whose logits have fewer rows than the target's gives 0 to the rest.
     probs = torch.zeros(vocab_size, dtype=torch.float32)
     probs[: values.numel()] = values
     return probs
+
+
+def _check_values(values: torch.Tensor) -> None:
+    """Negative or NaN values refused in one pass (NaN fails the comparison); an infinite one makes the
+    total infinite, which decode_distribution refuses."""
+    if values.numel() and not float(values.min()) >= 0:
+        raise ValueError("probabilities must be non-negative numbers")

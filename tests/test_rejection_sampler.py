@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.sampling import SamplingParams, logits_to_probs, make_generator
+from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
 from target_service.rejection_sampler import verify_greedy, verify_sampled
 
 
@@ -49,6 +49,28 @@ def test_zero_draft_probability_is_never_accepted():
     for seed in range(50):
         verdict = verify_sampled(target, torch.tensor([0]), draft_probs, make_generator(seed))
         assert verdict.accepted_count == 0
+
+
+def test_sampled_token_frequencies_follow_the_distribution_and_skip_zeros():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])  # unnormalised is fine: scaled below
+    generator, draws = make_generator(0), 20_000
+    counts = torch.bincount(torch.tensor([sample_token(probs * 3.0, generator) for _ in range(draws)]),
+                            minlength=probs.numel())
+    assert counts[probs == 0].sum() == 0
+    # 5 standard deviations of a binomial count at most 0.5 x 0.5 x draws
+    assert torch.all((counts / draws - probs).abs() <= 5 * (0.25 / draws) ** 0.5)
+
+
+def test_a_token_with_all_the_mass_is_drawn_whatever_the_seed():
+    probs = torch.zeros(151_936)
+    probs[-1] = 1e-30  # alone, however small, and last: the draw's upper edge
+    assert {sample_token(probs, make_generator(seed)) for seed in range(50)} == {151_935}
+
+
+def test_seeded_draws_are_reproducible():
+    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(2)), -1)
+    runs = [[sample_token(probs, make_generator(seed)) for seed in range(40)] for _ in range(2)]
+    assert runs[0] == runs[1] and len(set(runs[0])) > 10
 
 
 def test_seeded_verification_is_reproducible():
