@@ -149,7 +149,7 @@ class DraftEngine:
         token_id, distribution, probability, alternative = self._draw(session, logits, generator)
         if distribution is not None:
             proposal.distributions.append(distribution)
-        if alternative is not None and session.sampling.greedy and not session.sampling.penalizes:
+        if alternative is not None and session.sampling.tries_alternatives:
             proposal.alternative_token_ids.append(alternative[0])  # for the target to try (target_service.alternatives)
             proposal.alternative_probabilities.append(alternative[1])
         proposal.token_ids.append(token_id)

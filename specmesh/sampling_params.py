@@ -38,6 +38,12 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty not in (0.0, 1.0))
 
+    @property
+    def tries_alternatives(self) -> bool:
+        """Whether the draft's second choices may be verified beside its tokens (target_service.alternatives):
+        greedy on the model's own logits, where what is committed is the target's argmax either way."""
+        return self.greedy and not self.penalizes
+
 
 def sampling_from_pb(sampling: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(

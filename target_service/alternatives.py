@@ -33,7 +33,7 @@ def check_alternatives(alternatives: Sequence[target_pb2.DraftAlternative], draf
     """The request's alternatives, by index; INVALID_ARGUMENT naming `alternatives` when unsound."""
     if not alternatives:
         return []
-    if not sampling.greedy or sampling.penalizes:
+    if not sampling.tries_alternatives:
         raise InvalidArgument("alternatives", "only for greedy sessions without penalties or biases")
     checked: dict[int, Alternative] = {}
     for alternative in alternatives:
