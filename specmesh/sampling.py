@@ -71,9 +71,10 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     One uniform draw located in the float64 cumulative sum: a token is drawn with probability its
     share of the mass (to float64 rounding), one sequential pass over V. torch.multinomial draws an
     exponential per token instead, several ms for a 150k vocabulary on a CPU core."""
-    cumulative = torch.cumsum(probs.detach().cpu(), dim=0, dtype=torch.float64)  # [V]
+    probs = probs.detach().cpu()
+    cumulative = torch.cumsum(probs, dim=0, dtype=torch.float64)  # [V]
     point = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]  # [1] in [0, mass)
     index = int(torch.searchsorted(cumulative, point, right=True))  # the first token whose mass passes it
     if index >= cumulative.numel():  # the draw rounded up to the whole mass: the last token that has any
-        index = int(torch.nonzero(probs.detach().cpu() > 0).max())
+        index = int(torch.nonzero(probs > 0).max())
     return index
