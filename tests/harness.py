@@ -219,6 +219,7 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       internal_token: str | None = None, loop_options: dict | None = None,
                       calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0,
                       cpu_linear: str = "torch", target_step_costs: dict[int, float] | None = None,
+                      draft_step_costs: dict[int, float] | None = None,
                       trust_remote_code: bool = False, engine_config: dict | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
@@ -231,7 +232,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     draft's --dtype name; `draft_cost_scale`: the calibrated draft reports its steps this many times their
     measured cost (a tiny draft the size of its target stands in for a cheaper one); `cpu_linear`: both
     services' float32 Linear kernel; `target_step_costs`: after calibration the target reports (and
-    keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject.
+    keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject;
+    `draft_step_costs`: the same for the draft (draft_cost_scale then unused).
     `trust_remote_code`: both models may run the code their directories ship (the set-acceptance pair);
     `engine_config`: more EngineConfig fields for both services."""
     target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear,
@@ -249,7 +251,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                                    trust_remote_code=trust_remote_code, **(engine_config or {}))
         if calibrate:
             measured = draft_engine.calibrate().measured
-            draft_engine.costs = StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()})
+            draft_engine.costs = (FixedStepCosts(draft_step_costs) if draft_step_costs is not None else
+                                  StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()}))
         servers["draft"], draft_port = await start_model_server("draft", draft_engine, server_tls, internal_token,
                                                                 greedy_proposals=greedy_proposals)
     options = OrchestratorOptions(

@@ -19,13 +19,18 @@ from orchestrator.deployment.clients import DraftClient, TargetClient, open_chan
 from test_greedy_parity import target_greedy
 from test_sampling_parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, total_variation
 from specmesh.sampling import SamplingParams
+from specmesh.step_costs import MEASURED_ROWS
 from specmesh.v1 import generation_pb2
 from tiny_models import TINY_PROMPTS
 
 async def test_useless_draft_serves_target_only_with_identical_output(tiny_llama_dir, tiny_llama_unrelated_dir,
                                                                       device):
+    """Set tables price the unrelated draft at a tenth of its target, so drafting pays until the draft's
+    acceptance shows it useless. (The two tiny models are the same size: calibrated beside another test's
+    load, their relative price, and so how long drafting was tried, was the host's timing.)"""
     stack = await start_stack(tiny_llama_dir, tiny_llama_unrelated_dir, k=4, device=device, adaptive_k=True,
-                              calibrate=True)
+                              calibrate=True, target_step_costs={rows: 0.01 for rows in MEASURED_ROWS},
+                              draft_step_costs={rows: 0.001 for rows in MEASURED_ROWS})
     try:
         token_ids, _, last = await stack.generate(prompt=TINY_PROMPTS[0], max_tokens=64, temperature=0.0)
     finally:
