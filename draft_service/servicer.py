@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind
 
 from draft_service.engine import CommitSpec, DraftEngine
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.security import caller_of
-from specmesh.telemetry import annotate_current_span
+from specmesh.telemetry import PROPOSE_ROUNDS, annotate_current_span, round_message_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
@@ -16,10 +18,13 @@ def commit_from_pb(commit: draft_pb2.Commit) -> CommitSpec:
     return CommitSpec(position=commit.position, token_ids=tuple(commit.token_ids))
 
 
+
+
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, engine: DraftEngine, metrics: ServiceMetrics):
+    def __init__(self, engine: DraftEngine, metrics: ServiceMetrics, tracer_provider: TracerProvider | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.tracer_provider = tracer_provider
 
     async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
@@ -31,6 +36,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                                            length=len(request.prompt_token_ids), forward_ns=forward_ns)
 
     async def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext):
+        return await self._propose(request)
+
+    async def ProposeRounds(self, requests, context: grpc.aio.ServicerContext):
+        async for request in requests:
+            with round_message_span(self.tracer_provider, PROPOSE_ROUNDS, request, SpanKind.SERVER):
+                response = await self._propose(request)
+            yield response
+
+    async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None
         proposal = await self.engine.propose(request.request_id, request.round, commit,
                                              request.position, request.num_tokens, request.stop_below)

@@ -159,6 +159,8 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+        if handler.stream_stream is not None:  # a session's rounds: in flight while the stream is open
+            return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))
         return handler
 
     def _wrap_unary(self, behaviour, method: str):
@@ -169,9 +171,9 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
         return unary_unary
 
     def _wrap_stream(self, behaviour, method: str):
-        async def unary_stream(request, context):
+        async def streaming(request_or_iterator, context):
             self.drain.check_admitted(method)
             async with self.drain.track():
-                async for response in behaviour(request, context):
+                async for response in behaviour(request_or_iterator, context):
                     yield response
-        return unary_stream
+        return streaming

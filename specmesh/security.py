@@ -235,14 +235,19 @@ class _UnaryStreamAdder(_MetadataAdder, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._with_metadata(client_call_details), request)
 
 
+class _StreamStreamAdder(_MetadataAdder, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(self._with_metadata(client_call_details), request_iterator)
+
+
 def token_interceptors(token: str | None) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that send `token` as `authorization: Bearer` on every call (none without one).
 
     For the orchestrator's channels to the draft and target, pooled or not; their calls are
-    unary or server-streaming.
+    unary, server-streaming (PreDraft) or bidirectional (a session's rounds on one stream).
     """
     metadata = bearer_metadata(token)
-    return [_UnaryUnaryAdder(metadata), _UnaryStreamAdder(metadata)] if metadata else []
+    return [_UnaryUnaryAdder(metadata), _UnaryStreamAdder(metadata), _StreamStreamAdder(metadata)] if metadata else []
 
 
 def new_internal_token() -> str:

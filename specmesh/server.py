@@ -41,6 +41,7 @@ from specmesh.telemetry import server_interceptors
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024  # the services' cap; the orchestrator's clients get a tighter one
+INTERNAL_DETAILS_PREFIX = "internal error: "  # every INTERNAL our servers send; grpc's own transport failures lack it
 
 
 def error_status(error: SpecmeshError) -> grpc.Status:
@@ -59,7 +60,7 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
     if isinstance(error, SpecmeshError):
         await context.abort_with_status(error_status(error))
     log.exception("unexpected error in %s", method, exc_info=error)
-    status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error: {type(error).__name__}")
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"{INTERNAL_DETAILS_PREFIX}{type(error).__name__}")
     await context.abort_with_status(rpc_status.to_status(status))
 
 
@@ -80,6 +81,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             wrap = self._wrap_stream if inspect.isasyncgenfunction(handler.unary_stream) else self._wrap_unary
             return handler._replace(unary_stream=wrap(handler.unary_stream, method),
                                     request_deserializer=deserializer)
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method),
+                                    request_deserializer=deserializer)
         return handler
 
     @staticmethod
@@ -97,17 +101,28 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     @staticmethod
     def _wrap_stream(behaviour, method):
-        async def unary_stream(request, context):
+        async def streaming(request_or_iterator, context):
             try:
-                if isinstance(request, UndecodableRequest):
-                    raise request.error
-                async for response in behaviour(request, context):
+                if isinstance(request_or_iterator, UndecodableRequest):
+                    raise request_or_iterator.error
+                requests = request_or_iterator
+                if hasattr(request_or_iterator, "__aiter__"):  # a bidirectional stream: each message checked
+                    requests = _decoded(request_or_iterator)
+                async for response in behaviour(requests, context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as error:  # noqa: BLE001
                 await _abort_for(error, context, method)
-        return unary_stream
+        return streaming
+
+
+async def _decoded(requests):
+    """A bidirectional stream's requests; one that did not decode ends the stream with its error."""
+    async for request in requests:
+        if isinstance(request, UndecodableRequest):
+            raise request.error
+        yield request
 
 
 async def start_server(

@@ -17,11 +17,13 @@ OTEL_TRACES_SAMPLER[_ARG]; a ratio given in code or on the command line wins.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from typing import Iterator
 
 from google.protobuf.message import Message
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -29,8 +31,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 log = logging.getLogger(__name__)
+# A session's rounds on one stream get a span per message instead of one per stream (round_message_span).
+VERIFY_ROUNDS = "/specmesh.v1.TargetService/VerifyRounds"
+PROPOSE_ROUNDS = "/specmesh.v1.DraftService/ProposeRounds"
 UNTRACED = filters.negate(filters.any_of(filters.service_name("grpc.health.v1.Health"),
-                                         filters.service_prefix("grpc.reflection")))
+                                         filters.service_prefix("grpc.reflection"),
+                                         *(filters.method_name(method.rsplit("/", 1)[1])
+                                           for method in (VERIFY_ROUNDS, PROPOSE_ROUNDS))))
 # request field -> client span attribute, for whichever request has the field
 _FIELDS = {"request_id": "specmesh.request_id", "round": "specmesh.round", "position": "specmesh.position",
            "num_tokens": "specmesh.num_tokens"}
@@ -102,6 +109,24 @@ def _describe_request(span: trace.Span, message: Message) -> None:
         if field in present:
             span.set_attribute(attribute, len(getattr(message, field)))
     span.set_attribute("rpc.request.bytes", message.ByteSize())
+
+
+def round_message_span(provider: TracerProvider | None, method: str, request: Message, side: trace.SpanKind):
+    """The span of one message of a round stream, as the instrumentation gives a unary call: the client's,
+    whose context it writes into the request's trace_context, and the server's, a child of that context."""
+    if side == trace.SpanKind.SERVER:
+        context = propagate.extract(dict(request.trace_context))
+        return tracer(provider).start_as_current_span(method, context=context, kind=side)
+    return _client_message_span(provider, method, request)
+
+
+@contextlib.contextmanager
+def _client_message_span(provider: TracerProvider | None, method: str, request: Message) -> Iterator[trace.Span]:
+    with tracer(provider).start_as_current_span(method, kind=trace.SpanKind.CLIENT) as span:
+        _describe_request(span, request)
+        if span.is_recording():
+            propagate.inject(request.trace_context)
+        yield span
 
 
 def annotate_current_span(**attributes) -> None:

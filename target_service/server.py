@@ -29,7 +29,7 @@ async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
                         tls: TLSConfig | None = None, internal_token: str | None = None,
                         ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     metrics = metrics or ServiceMetrics.for_engine("target", engine)
-    servicer = TargetServicer(TargetEngine(engine, disagreements), metrics)
+    servicer = TargetServicer(TargetEngine(engine, disagreements), metrics, tracer_provider)
     return await start_server(lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
                               [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
                               tls=tls, tracer_provider=tracer_provider, api_key=internal_token,

@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind
 
 from specmesh.errors import InvalidArgument
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.security import caller_of
-from specmesh.telemetry import annotate_current_span
+from specmesh.telemetry import VERIFY_ROUNDS, annotate_current_span, round_message_span
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
 KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
 
 
-
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, metrics: ServiceMetrics):
+    def __init__(self, engine: TargetEngine, metrics: ServiceMetrics, tracer_provider: TracerProvider | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.tracer_provider = tracer_provider
 
     async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
         open_ = self.engine.resume if request.resume else self.engine.open
@@ -37,6 +39,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return response
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext):
+        return await self._verify(request)
+
+    async def VerifyRounds(self, requests, context: grpc.aio.ServicerContext):
+        async for request in requests:
+            with round_message_span(self.tracer_provider, VERIFY_ROUNDS, request, SpanKind.SERVER):
+                response = await self._verify(request)
+            yield response
+
+    async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         result = await self.engine.verify(request.request_id, request.round, request.position,
                                           list(request.draft_token_ids), list(request.draft_distributions),
                                           from_draft_model=_from_draft_model(request.draft_source),

@@ -172,3 +172,13 @@ def test_gpu_speculation_runs_every_mode_and_writes_the_issues_keys(tmp_path, ca
     assert set(summary["engine_steps"]["ms"]) == {"off", "on"}  # graph steps, eager on a CPU
     assert all(summary["engine_steps"]["ms"][mode][shape] > 0 for mode in ("off", "on") for shape in ("1x1", "2x3"))
     assert "every output identical to target-only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_round_calls_times_unary_and_stream_blocks_in_turn(tiny_llama_dir, capsys, role):
+    blocks = load_script("round_calls").main(["--model", str(tiny_llama_dir), "--role", role, "--rounds", "4",
+                                              "--blocks", "2"])
+    assert [len(blocks["unary"]), len(blocks["stream"])] == [2, 2]
+    assert all(ms > 0 for values in blocks.values() for ms in values)  # every round costs something beyond its forward
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "paired blocks" in out

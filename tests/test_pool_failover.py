@@ -6,6 +6,7 @@ between two rounds at an exact point and check what the next round does.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import grpc
@@ -32,18 +33,19 @@ MAX_TOKENS = 48
 class Replicas:
     """n real gRPC servers of one role over engines of the same model, and a pool over them."""
 
-    def __init__(self, role: str, servers: dict[str, grpc.aio.Server], addresses: dict[str, str]):
+    def __init__(self, role: str, servers: dict[str, grpc.aio.Server], addresses: dict[str, str],
+                 round_streams: bool = False):
         self.role, self.servers, self.addresses = role, servers, addresses
-        client = TargetClient if role == "target" else DraftClient
+        client = functools.partial(TargetClient if role == "target" else DraftClient, round_streams=round_streams)
         self.pool = ReplicaPool(role, fixed_replicas(addresses), client, check_interval_s=0.1)
 
     @classmethod
-    async def start(cls, role: str, model_dir, count: int) -> "Replicas":
+    async def start(cls, role: str, model_dir, count: int, round_streams: bool = False) -> "Replicas":
         servers, addresses = {}, {}
         for index in range(count):
             server, port = await start_model_server(role, make_engine(model_dir, role_name=role))
             servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
-        replicas = cls(role, servers, addresses)
+        replicas = cls(role, servers, addresses, round_streams)
         await replicas.pool.wait_serving(count, timeout=WORK_TIMEOUT_S)
         return replicas
 
@@ -88,10 +90,12 @@ def placed(client, generation_: SpeculativeGeneration) -> str:
     return client.sessions[generation_.session_id].replica.name
 
 
-@pytest.mark.parametrize("alternatives", [False, True], ids=["drafts", "drafts-and-alternatives"])
-async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tiny_llama_perturbed_dir, alternatives):
-    targets = await Replicas.start("target", tiny_llama_dir, 2)
-    drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 2)
+@pytest.mark.parametrize("alternatives, round_streams", [(False, False), (True, False), (False, True)],
+                         ids=["drafts", "drafts-and-alternatives", "drafts-on-round-streams"])
+async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tiny_llama_perturbed_dir, alternatives,
+                                                             round_streams):
+    targets = await Replicas.start("target", tiny_llama_dir, 2, round_streams)
+    drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 2, round_streams)
     target, draft = PooledTargetClient(targets.pool), PooledDraftClient(drafts.pool)
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     prompt = ALTERNATIVES_PROMPT if alternatives else PROMPT

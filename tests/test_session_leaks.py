@@ -162,7 +162,8 @@ async def test_a_close_that_times_out_is_sent_again(code, attempts):
     async def close_session(request, timeout):
         sent.append(request.request_id)
         raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata())
-    client = DraftClient.__new__(DraftClient)
-    client.stub = SimpleNamespace(CloseSession=close_session)
-    await client.close("r/1")
+    async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:  # never dialled: the stub is replaced
+        client = DraftClient(channel)
+        client.stub = SimpleNamespace(CloseSession=close_session)
+        await client.close("r/1")
     assert sent == ["r/1"] * attempts

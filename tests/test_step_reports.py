@@ -290,8 +290,9 @@ async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(
         reports = (await servicer_over_pools(tokenizer, pools, LoopConfig())).backends.step_reports
         assert reports.target.cost(1) == engines["target"].costs.cost(1)
         started = engines["target"].costs.cost(1)  # the service's own, as its steps (a warm-up) left it
+        one_row = StepShape(1, 1 + engines["target"].costs.padding(1))  # as it runs: padded where that is cheaper
         for _ in range(3):
-            engines["target"].costs.observe(StepShape(1, 1), 3 * started)  # steps got slower
+            engines["target"].costs.observe(one_row, 3 * started)  # steps got slower
         checked_before = reports.updated_at["target"]
         await pools.pools["target"].refresh()
         assert reports.target.seconds == engines["target"].costs.seconds

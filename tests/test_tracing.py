@@ -19,6 +19,7 @@ from specmesh.v1 import generation_pb2, generation_pb2_grpc
 from test_cli import start_serve
 
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
+VERIFY = ("TargetService/Verify", "TargetService/VerifyRounds")  # a call, or a message on the session's stream
 # The processes export every 100 ms (OTEL_BSP_SCHEDULE_DELAY), but on a loaded 2-core machine
 # three processes and this one share the cores: the deadlines are for work finishing there.
 WORK_TIMEOUT_S = 120.0
@@ -85,9 +86,9 @@ def missing_from_trace(collector: Collector, stats: generation_pb2.GenerationSta
     def rounds(spans) -> set[int]:
         return {attributes(s).get("specmesh.round") for s in spans}
     round_spans = [s for s in local.values() if s.name == "specmesh.round"]
-    verifies = [s for s in local.values() if s.kind == CLIENT and s.name.endswith("TargetService/Verify")]
+    verifies = [s for s in local.values() if s.kind == CLIENT and s.name.endswith(VERIFY)]
     served = {s.parent_span_id for service, s in remote
-              if service == "specmesh-target" and s.name.endswith("TargetService/Verify")}
+              if service == "specmesh-target" and s.name.endswith(VERIFY)}
     missing = [f"{what} of rounds {sorted(wanted - got)}" for what, got in (
         ("the orchestrator's round spans", rounds(round_spans)),
         ("the orchestrator's Verify spans", rounds(verifies)),
@@ -176,10 +177,10 @@ def check_trace(collector: Collector, stats: generation_pb2.GenerationStats) -> 
     assert all(r["specmesh.time.target_busy_ms"] > 0 and min(r[f"specmesh.time.{p}_ms"] for p in parts) >= 0
                and sum(r[f"specmesh.time.{p}_ms"] for p in parts) <= r["specmesh.time.wall_ms"] * 1.01 + 0.01
                for r in rounds)
-    verifies = [attributes(s) for s in clients.values() if s.name.endswith("TargetService/Verify")]
+    verifies = [attributes(s) for s in clients.values() if s.name.endswith(VERIFY)]
     assert sorted(v["specmesh.round"] for v in verifies) == list(range(1, stats.rounds + 1))
     assert all(v["rpc.request.bytes"] > 0 and "specmesh.position" in v for v in verifies)
-    served_verifies = [attributes(s) for service, s in remote if s.name.endswith("TargetService/Verify")]
+    served_verifies = [attributes(s) for service, s in remote if s.name.endswith(VERIFY)]
     assert len(served_verifies) == stats.rounds  # one served Verify a round, none twice
     assert sum(v["specmesh.accepted"] for v in served_verifies) == stats.accepted_tokens
     assert all(v["specmesh.forward_ns"] > 0 for v in served_verifies)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator.decoding.request import LoopConfig
+from orchestrator.decoding.request import ROUND_CALLS, LoopConfig
 from orchestrator.decoding.pipelined import PIPELINE_MODES
 from specmesh.service import positive_int
 
@@ -30,6 +30,9 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix-index-bytes", type=positive_int, default=LoopConfig.suffix_index_bytes,
                         metavar="BYTES", help="memory the suffix index of earlier requests may hold (oldest "
                                               "requests out first)")
+    parser.add_argument("--round-calls", choices=ROUND_CALLS, default=LoopConfig.round_calls,
+                        help="stream: a session's rounds as messages on one bidirectional stream to each "
+                             "service; unary: a Propose and a Verify call a round (more overhead a round)")
     parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
                         help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
                              "the measured draft and target costs leave time for)")
@@ -39,5 +42,6 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
     return LoopConfig(num_speculative_tokens=args.num_speculative_tokens, draft_timeout_s=args.draft_timeout,
                       adaptive_k=args.speculation_policy == "adaptive", pipeline=args.pipeline,
                       extra_branches=args.extra_branches, prompt_lookup=args.prompt_lookup == "on",
-                      suffix_index=args.suffix_index == "on", suffix_index_bytes=args.suffix_index_bytes)
+                      suffix_index=args.suffix_index == "on", suffix_index_bytes=args.suffix_index_bytes,
+                      round_calls=args.round_calls)
 

@@ -10,6 +10,8 @@ from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
 from specmesh.sampling_params import SamplingParams
 
+ROUND_CALLS = ("unary", "stream")  # LoopConfig.round_calls
+
 
 @dataclass(frozen=True)
 class LoopConfig:
@@ -34,6 +36,9 @@ class LoopConfig:
     prompt_lookup: bool = True
     suffix_index: bool = True
     suffix_index_bytes: int = DEFAULT_MAX_BYTES
+    # How a session's rounds reach the draft and target: "stream", a message each on one bidirectional
+    # stream per session and service, or "unary", a Propose and a Verify call each (dearer a round).
+    round_calls: str = "stream"
 
 
 class SpeculationSwitch:

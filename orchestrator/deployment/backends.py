@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.pipelined import pipeline_enabled
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.deployment.clients import DraftClient, TargetClient, client_options, open_channel
 from orchestrator.deployment.options import PoolsOptions
 from orchestrator.deployment.step_reports import StepReports
 from orchestrator.frontend.servicer import Backends
@@ -56,10 +56,11 @@ def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
 async def connect_backends(tokenizer: PreTrainedTokenizerBase, options: OrchestratorOptions,
                            tracer_provider: TracerProvider | None = None) -> Backends:
     interceptors = [*client_interceptors(tracer_provider), *token_interceptors(options.internal_token)]
-    target = TargetClient(open_channel(options.target_endpoint, options.channel_tls, interceptors))
+    streams = client_options(options.loop.round_calls, tracer_provider)
+    target = TargetClient(open_channel(options.target_endpoint, options.channel_tls, interceptors), **streams)
     draft, draft_info = None, None
     if options.draft_endpoint:
-        draft = DraftClient(open_channel(options.draft_endpoint, options.channel_tls, interceptors))
+        draft = DraftClient(open_channel(options.draft_endpoint, options.channel_tls, interceptors), **streams)
         draft_info = await draft.model_info(timeout=STARTUP_TIMEOUT_S)
     return await backends_for(tokenizer, target, draft, draft_info, options.loop)
 

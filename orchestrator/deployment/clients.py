@@ -8,11 +8,14 @@ import logging
 from typing import Sequence
 
 import grpc
+from opentelemetry.sdk.trace import TracerProvider
 
+from orchestrator.deployment.round_streams import RoundStream
 from specmesh.errors import SpecmeshError
 from specmesh.sampling_params import SamplingParams, sampling_to_pb
 from specmesh.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args,
                                bearer_metadata, client_tls_from_args)
+from specmesh.telemetry import PROPOSE_ROUNDS, VERIFY_ROUNDS
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,9 +43,42 @@ def open_channel(endpoint: str, tls: TLSConfig | None = None,
     return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
 
 
-class DraftClient:
-    def __init__(self, channel: grpc.aio.Channel):
+class _RoundsOnStreams:
+    """With round_streams, each session's rounds go on one stream (orchestrator.deployment.round_streams)."""
+
+    def __init__(self, open_call, method: str, round_streams: bool, tracer_provider: TracerProvider | None):
+        self._open_call, self._method = open_call, method
+        self.round_streams, self.tracer_provider = round_streams, tracer_provider
+        self._streams: dict[str, RoundStream] = {}
+
+    async def _round(self, unary, request_id: str, request, timeout: float):
+        if not self.round_streams:
+            return await unary(request, timeout=timeout)
+        stream = self._streams.get(request_id)
+        if stream is None:
+            stream = self._streams[request_id] = RoundStream(self._open_call, self._method, self.tracer_provider)
+        try:
+            return await stream.send(request, timeout)
+        except BaseException:
+            self._streams.pop(request_id, None)  # ended; after a failover the session's rounds go elsewhere
+            raise
+
+    def _end_rounds(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.end()
+
+
+def client_options(round_calls: str, tracer_provider: TracerProvider | None) -> dict:
+    """The Draft/TargetClient settings of a deployment whose LoopConfig.round_calls is `round_calls`."""
+    return dict(round_streams=round_calls == "stream", tracer_provider=tracer_provider)
+
+
+class DraftClient(_RoundsOnStreams):
+    def __init__(self, channel: grpc.aio.Channel, round_streams: bool = False,
+                 tracer_provider: TracerProvider | None = None):
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)
+        super().__init__(self.stub.ProposeRounds, PROPOSE_ROUNDS, round_streams, tracer_provider)
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
@@ -59,7 +95,7 @@ class DraftClient:
                       stop_below: float = 0.0) -> draft_pb2.ProposeResponse:
         request = draft_pb2.ProposeRequest(request_id=request_id, round=round_number, position=position,
                                            num_tokens=num_tokens, commit=commit, stop_below=stop_below)
-        return await self.stub.Propose(request, timeout=timeout)
+        return await self._round(self.stub.Propose, request_id, request, timeout)
 
     def predraft(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None, position: int,
                  assumed_token_ids: Sequence[int], num_tokens: int, extra_branches: int,
@@ -71,12 +107,15 @@ class DraftClient:
         return self.stub.PreDraft(request, timeout=timeout)
 
     async def close(self, request_id: str) -> None:
+        self._end_rounds(request_id)
         await _close_quietly("draft", self.stub.CloseSession, request_id)
 
 
-class TargetClient:
-    def __init__(self, channel: grpc.aio.Channel):
+class TargetClient(_RoundsOnStreams):
+    def __init__(self, channel: grpc.aio.Channel, round_streams: bool = False,
+                 tracer_provider: TracerProvider | None = None):
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
+        super().__init__(self.stub.VerifyRounds, VERIFY_ROUNDS, round_streams, tracer_provider)
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
@@ -103,9 +142,13 @@ class TargetClient:
         request = target_pb2.VerifyRequest(request_id=request_id, round=round_number, position=position,
                                            draft_token_ids=draft_token_ids, draft_distributions=distributions,
                                            draft_source=draft_source, alternatives=alternatives)
-        return await _call_target(self.stub.Verify, request, timeout)
+        try:
+            return await self._round(self.stub.Verify, request_id, request, timeout)
+        except grpc.aio.AioRpcError as error:
+            raise UpstreamError("target", error) from error
 
     async def close(self, request_id: str) -> None:
+        self._end_rounds(request_id)
         await _close_quietly("target", self.stub.CloseSession, request_id)
 
 

@@ -11,6 +11,7 @@ their replicas as named actors in the namespace.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from grpc_health.v1 import health_pb2
@@ -18,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
 from orchestrator.deployment.backends import STARTUP_TIMEOUT_S, backends_for
+from orchestrator.deployment.clients import client_options
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
 from orchestrator.deployment.options import BACKENDS, PoolsOptions
 from orchestrator.deployment.pool import PoolSpec, ReplicaPool, new_pool
@@ -268,6 +270,9 @@ async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
     """The Generation servicer over pools; `options` is an OrchestratorOptions with `pools` set."""
     interceptors = [*client_interceptors(tracer_provider), *token_interceptors(options.internal_token)]
     pools = Pools.from_options(options.pools, interceptors)
+    for pool in pools.pools.values():  # clients are made as replicas appear
+        pool.make_client = functools.partial(pool.make_client,
+                                             **client_options(options.loop.round_calls, tracer_provider))
     return await servicer_over_pools(tokenizer, pools, options.loop, tracer_provider=tracer_provider,
                                      metrics=metrics)
 

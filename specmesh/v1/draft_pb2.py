@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x87\x01\n\x10\x44raftOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"K\n\x11\x44raftOpenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\"-\n\x06\x43ommit\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x92\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Commit\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\nstop_below\x18\x06 \x01(\x02\"\xfd\x01\n\x0fProposeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x35\n\rdistributions\x18\x05 \x03(\x0b\x32\x1e.specmesh.v1.TokenDistribution\x12\x12\n\nforward_ns\x18\x06 \x01(\x04\x12\x15\n\rprobabilities\x18\x07 \x03(\x02\x12\x1d\n\x15\x61lternative_token_ids\x18\x08 \x03(\x05\x12!\n\x19\x61lternative_probabilities\x18\t \x03(\x02\"\xb2\x01\n\x0fPreDraftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Commit\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x16\n\x0e\x65xtra_branches\x18\x07 \x01(\r\"\x90\x02\n\x0b\x44raftBranch\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x03 \x01(\r\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x35\n\rdistributions\x18\x07 \x03(\x0b\x32\x1e.specmesh.v1.TokenDistribution\x12\x12\n\nforward_ns\x18\x08 \x01(\x04\x12\x1f\n\x17planned_accepted_counts\x18\t \x03(\r\x12\x1e\n\x16planned_next_token_ids\x18\n \x03(\x05\x32\x84\x03\n\x0c\x44raftService\x12L\n\x0bOpenSession\x12\x1d.specmesh.v1.DraftOpenRequest\x1a\x1e.specmesh.v1.DraftOpenResponse\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12\x44\n\x08PreDraft\x12\x1c.specmesh.v1.PreDraftRequest\x1a\x18.specmesh.v1.DraftBranch0\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specmesh/v1/draft.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x87\x01\n\x10\x44raftOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"K\n\x11\x44raftOpenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\"-\n\x06\x43ommit\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x8d\x02\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Commit\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x12\n\nstop_below\x18\x06 \x01(\x02\x12\x44\n\rtrace_context\x18\x07 \x03(\x0b\x32-.specmesh.v1.ProposeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfd\x01\n\x0fProposeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x35\n\rdistributions\x18\x05 \x03(\x0b\x32\x1e.specmesh.v1.TokenDistribution\x12\x12\n\nforward_ns\x18\x06 \x01(\x04\x12\x15\n\rprobabilities\x18\x07 \x03(\x02\x12\x1d\n\x15\x61lternative_token_ids\x18\x08 \x03(\x05\x12!\n\x19\x61lternative_probabilities\x18\t \x03(\x02\"\xb2\x01\n\x0fPreDraftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12#\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.specmesh.v1.Commit\x12\x10\n\x08position\x18\x04 \x01(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x16\n\x0e\x65xtra_branches\x18\x07 \x01(\r\"\x90\x02\n\x0b\x44raftBranch\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x03 \x01(\r\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x10\n\x08position\x18\x05 \x01(\r\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x35\n\rdistributions\x18\x07 \x03(\x0b\x32\x1e.specmesh.v1.TokenDistribution\x12\x12\n\nforward_ns\x18\x08 \x01(\x04\x12\x1f\n\x17planned_accepted_counts\x18\t \x03(\r\x12\x1e\n\x16planned_next_token_ids\x18\n \x03(\x05\x32\xd4\x03\n\x0c\x44raftService\x12L\n\x0bOpenSession\x12\x1d.specmesh.v1.DraftOpenRequest\x1a\x1e.specmesh.v1.DraftOpenResponse\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12N\n\rProposeRounds\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse(\x01\x30\x01\x12\x44\n\x08PreDraft\x12\x1c.specmesh.v1.PreDraftRequest\x1a\x18.specmesh.v1.DraftBranch0\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTOPENREQUEST']._serialized_start=67
   _globals['_DRAFTOPENREQUEST']._serialized_end=202
   _globals['_DRAFTOPENRESPONSE']._serialized_start=204
@@ -39,13 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMIT']._serialized_start=281
   _globals['_COMMIT']._serialized_end=326
   _globals['_PROPOSEREQUEST']._serialized_start=329
-  _globals['_PROPOSEREQUEST']._serialized_end=475
-  _globals['_PROPOSERESPONSE']._serialized_start=478
-  _globals['_PROPOSERESPONSE']._serialized_end=731
-  _globals['_PREDRAFTREQUEST']._serialized_start=734
-  _globals['_PREDRAFTREQUEST']._serialized_end=912
-  _globals['_DRAFTBRANCH']._serialized_start=915
-  _globals['_DRAFTBRANCH']._serialized_end=1187
-  _globals['_DRAFTSERVICE']._serialized_start=1190
-  _globals['_DRAFTSERVICE']._serialized_end=1578
+  _globals['_PROPOSEREQUEST']._serialized_end=598
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_start=547
+  _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_end=598
+  _globals['_PROPOSERESPONSE']._serialized_start=601
+  _globals['_PROPOSERESPONSE']._serialized_end=854
+  _globals['_PREDRAFTREQUEST']._serialized_start=857
+  _globals['_PREDRAFTREQUEST']._serialized_end=1035
+  _globals['_DRAFTBRANCH']._serialized_start=1038
+  _globals['_DRAFTBRANCH']._serialized_end=1310
+  _globals['_DRAFTSERVICE']._serialized_start=1313
+  _globals['_DRAFTSERVICE']._serialized_end=1781
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,11 @@ class DraftServiceStub:
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeRounds = channel.stream_stream(
+                '/specmesh.v1.DraftService/ProposeRounds',
+                request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.PreDraft = channel.unary_stream(
                 '/specmesh.v1.DraftService/PreDraft',
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.PreDraftRequest.SerializeToString,
@@ -75,6 +80,16 @@ class DraftServiceServicer:
     def Propose(self, request, context):
         """Unary. Apply an optional commit, then draft up to num_tokens tokens
         starting at position.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeRounds(self, request_iterator, context):
+        """Bidirectional. A session's Propose calls as messages on one stream: one
+        response per request, in order, each answered as Propose answers it. A
+        request that fails ends the stream with its status (the caller opens a
+        new one); a draining server ends it before the next request, UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,6 +135,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeRounds': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeRounds,
                     request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
             ),
@@ -191,6 +211,33 @@ class DraftService:
             request,
             target,
             '/specmesh.v1.DraftService/Propose',
+            specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
+            specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeRounds(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.DraftService/ProposeRounds',
             specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
             options,

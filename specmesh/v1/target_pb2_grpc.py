@@ -45,6 +45,11 @@ class TargetServiceStub:
                 request_serializer=specmesh_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyRounds = channel.stream_stream(
+                '/specmesh.v1.TargetService/VerifyRounds',
+                request_serializer=specmesh_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specmesh.v1.TargetService/CloseSession',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -77,6 +82,16 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyRounds(self, request_iterator, context):
+        """Bidirectional. A session's Verify calls as messages on one stream: one
+        response per request, in order, each answered as Verify answers it. A
+        request that fails ends the stream with its status (the caller opens a
+        new one); a draining server ends it before the next request, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Unary. Free a session and its KV cache.
         """
@@ -101,6 +116,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyRounds': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyRounds,
                     request_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
             ),
@@ -167,6 +187,33 @@ class TargetService:
             request,
             target,
             '/specmesh.v1.TargetService/Verify',
+            specmesh_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+            specmesh_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyRounds(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.TargetService/VerifyRounds',
             specmesh_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specmesh_dot_v1_dot_target__pb2.VerifyResponse.FromString,
             options,
