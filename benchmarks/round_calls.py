@@ -1,6 +1,7 @@
 """What a round's calls cost beyond the forwards: unary calls against messages on a session's round stream.
 
     python benchmarks/round_calls.py --model /tmp/sap/target --role target --trust-remote-code
+    python benchmarks/round_calls.py --model /tmp/gpu/pair/target --trust-remote-code --device cuda --dtype bfloat16
 
 Starts one model service (`python -m target_service` or `draft_service`), then, with the orchestrator's
 own client (orchestrator.deployment.clients), runs blocks of rounds on fresh sessions, unary and
@@ -38,6 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a model directory the service loads")
     parser.add_argument("--role", choices=("target", "draft"), default="target")
     parser.add_argument("--trust-remote-code", action="store_true", help="for models that ship their code")
+    parser.add_argument("--device", default="cpu", help="the service's --device")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=300, help="rounds a block")
     parser.add_argument("--blocks", type=int, default=8, help="blocks of each kind of call")
     return parser.parse_args(argv)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     print(f"machine: {info['platform']}, {info['cpu']}, {info['cpu_count']} cores, torch {info['torch']}")
     print(f"command: python benchmarks/round_calls.py {shlex.join(argv if argv is not None else sys.argv[1:])}")
     port = free_port()
-    flags = ["--model", args.model, "--port", str(port), "--dtype", "float32"]
+    flags = ["--model", args.model, "--port", str(port), "--device", args.device, "--dtype", args.dtype]
     process = subprocess.Popen([sys.executable, "-m", f"{args.role}_service", *flags,
                                 *(["--trust-remote-code"] if args.trust_remote_code else [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
