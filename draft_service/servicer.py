@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanKind
 
 from draft_service.engine import CommitSpec, DraftEngine
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.security import caller_of
-from specmesh.telemetry import PROPOSE_ROUNDS, annotate_current_span, round_message_span
+from specmesh.server import answer_in_order
+from specmesh.telemetry import PROPOSE_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
 def commit_from_pb(commit: draft_pb2.Commit) -> CommitSpec:
     return CommitSpec(position=commit.position, token_ids=tuple(commit.token_ids))
-
-
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -39,9 +37,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return await self._propose(request)
 
     async def ProposeRounds(self, requests, context: grpc.aio.ServicerContext):
-        async for request in requests:
-            with round_message_span(self.tracer_provider, PROPOSE_ROUNDS, request, SpanKind.SERVER):
-                response = await self._propose(request)
+        async for response in answer_in_order(requests, self._propose, self.tracer_provider, PROPOSE_ROUNDS):
             yield response
 
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:

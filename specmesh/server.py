@@ -37,7 +37,7 @@ from specmesh.drain import register as register_drain
 from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.request_decoding import UndecodableRequest, tolerant_deserializer
 from specmesh.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
-from specmesh.telemetry import server_interceptors
+from specmesh.telemetry import server_interceptors, server_message_span
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024  # the services' cap; the orchestrator's clients get a tighter one
@@ -81,9 +81,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             wrap = self._wrap_stream if inspect.isasyncgenfunction(handler.unary_stream) else self._wrap_unary
             return handler._replace(unary_stream=wrap(handler.unary_stream, method),
                                     request_deserializer=deserializer)
-        if handler.stream_stream is not None:
-            return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method),
-                                    request_deserializer=deserializer)
+        if handler.stream_stream is not None:  # each message checked as it arrives
+            behaviour = handler.stream_stream
+            return handler._replace(stream_stream=self._wrap_stream(
+                lambda requests, context: behaviour(_decoded(requests), context), method),
+                request_deserializer=deserializer)
         return handler
 
     @staticmethod
@@ -105,16 +107,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 if isinstance(request_or_iterator, UndecodableRequest):
                     raise request_or_iterator.error
-                requests = request_or_iterator
-                if hasattr(request_or_iterator, "__aiter__"):  # a bidirectional stream: each message checked
-                    requests = _decoded(request_or_iterator)
-                async for response in behaviour(requests, context):
+                async for response in behaviour(request_or_iterator, context):
                     yield response
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as error:  # noqa: BLE001
                 await _abort_for(error, context, method)
         return streaming
+
+
+async def answer_in_order(requests, answer: Callable, tracer_provider: TracerProvider | None, method: str):
+    """A round stream's responses: each request answered by `answer` (the unary call's handler), in
+    order, within its own server span."""
+    async for request in requests:
+        with server_message_span(tracer_provider, method, request):
+            response = await answer(request)
+        yield response
 
 
 async def _decoded(requests):

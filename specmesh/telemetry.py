@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 log = logging.getLogger(__name__)
-# A session's rounds on one stream get a span per message instead of one per stream (round_message_span).
+# A session's rounds on one stream get spans per message instead of one per stream (client_message_span).
 VERIFY_ROUNDS = "/specmesh.v1.TargetService/VerifyRounds"
 PROPOSE_ROUNDS = "/specmesh.v1.DraftService/ProposeRounds"
 UNTRACED = filters.negate(filters.any_of(filters.service_name("grpc.health.v1.Health"),
@@ -111,22 +111,21 @@ def _describe_request(span: trace.Span, message: Message) -> None:
     span.set_attribute("rpc.request.bytes", message.ByteSize())
 
 
-def round_message_span(provider: TracerProvider | None, method: str, request: Message, side: trace.SpanKind):
-    """The span of one message of a round stream, as the instrumentation gives a unary call: the client's,
-    whose context it writes into the request's trace_context, and the server's, a child of that context."""
-    if side == trace.SpanKind.SERVER:
-        context = propagate.extract(dict(request.trace_context))
-        return tracer(provider).start_as_current_span(method, context=context, kind=side)
-    return _client_message_span(provider, method, request)
-
-
 @contextlib.contextmanager
-def _client_message_span(provider: TracerProvider | None, method: str, request: Message) -> Iterator[trace.Span]:
+def client_message_span(provider: TracerProvider | None, method: str, request: Message) -> Iterator[trace.Span]:
+    """The client span of one message of a round stream, as the instrumentation gives a unary call; its
+    context goes into the request's trace_context, for the server's span (server_message_span)."""
     with tracer(provider).start_as_current_span(method, kind=trace.SpanKind.CLIENT) as span:
         _describe_request(span, request)
         if span.is_recording():
             propagate.inject(request.trace_context)
         yield span
+
+
+def server_message_span(provider: TracerProvider | None, method: str, request: Message):
+    """The server span of one message of a round stream: a child of the context the message carries."""
+    context = propagate.extract(dict(request.trace_context))
+    return tracer(provider).start_as_current_span(method, context=context, kind=trace.SpanKind.SERVER)
 
 
 def annotate_current_span(**attributes) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanKind
 
 from specmesh.errors import InvalidArgument
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import sampling_from_pb
 from specmesh.security import caller_of
-from specmesh.telemetry import VERIFY_ROUNDS, annotate_current_span, round_message_span
+from specmesh.server import answer_in_order
+from specmesh.telemetry import VERIFY_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 
@@ -42,9 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return await self._verify(request)
 
     async def VerifyRounds(self, requests, context: grpc.aio.ServicerContext):
-        async for request in requests:
-            with round_message_span(self.tracer_provider, VERIFY_ROUNDS, request, SpanKind.SERVER):
-                response = await self._verify(request)
+        async for response in answer_in_order(requests, self._verify, self.tracer_provider, VERIFY_ROUNDS):
             yield response
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 from typing import Sequence
 
@@ -142,10 +143,7 @@ class TargetClient(_RoundsOnStreams):
         request = target_pb2.VerifyRequest(request_id=request_id, round=round_number, position=position,
                                            draft_token_ids=draft_token_ids, draft_distributions=distributions,
                                            draft_source=draft_source, alternatives=alternatives)
-        try:
-            return await self._round(self.stub.Verify, request_id, request, timeout)
-        except grpc.aio.AioRpcError as error:
-            raise UpstreamError("target", error) from error
+        return await _call_target(functools.partial(self._round, self.stub.Verify, request_id), request, timeout)
 
     async def close(self, request_id: str) -> None:
         self._end_rounds(request_id)

@@ -2,7 +2,7 @@
 
 A unary call pays for its own HTTP/2 stream, headers and the server's per-call set-up; a message on
 an open stream pays for itself only. Each message still has its own deadline and its own client and
-server spans (specmesh.telemetry.round_message_span). A message that fails, times out or finds the
+server spans (specmesh.telemetry.client_message_span, server_message_span). A message that fails, times out or finds the
 stream ended raises the AioRpcError its unary call would have raised, and the stream is dropped: the
 session's next round opens a new one (on another replica, after a failover).
 """
@@ -15,10 +15,9 @@ from typing import Callable
 import grpc
 from google.protobuf.message import Message
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import SpanKind
 
 from specmesh.server import INTERNAL_DETAILS_PREFIX
-from specmesh.telemetry import round_message_span
+from specmesh.telemetry import client_message_span
 
 
 class RoundStream:
@@ -33,28 +32,31 @@ class RoundStream:
     async def send(self, request: Message, timeout: float) -> Message:
         """The response to `request`; raises AioRpcError (DEADLINE_EXCEEDED past `timeout`) and ends the stream."""
         async with self._lock:
-            with round_message_span(self.tracer_provider, self.method, request, SpanKind.CLIENT):
+            with client_message_span(self.tracer_provider, self.method, request):
                 if self._call is None:
                     self._call = self._open_call()
-                call = self._call
                 try:
-                    return await asyncio.wait_for(_exchange(call, request), timeout)
-                except asyncio.TimeoutError:
+                    return await asyncio.wait_for(_exchange(self._call, request), timeout)
+                except BaseException as error:  # the stream is out of step with its requests: drop it
                     self.end()
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                               grpc.aio.Metadata(), details=f"no response within {timeout:g} s")
-                except grpc.aio.AioRpcError as error:
-                    self.end()
-                    raise _broken_as_unavailable(error) from None
-                except BaseException:
-                    self.end()
-                    raise
+                    raise _as_call_error(error, timeout) from None
 
     def end(self) -> None:
         """Stop the stream (the server's handler is cancelled between messages); a later send opens another."""
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
+
+
+def _as_call_error(error: BaseException, timeout: float) -> BaseException:
+    """What the unary call would have raised: DEADLINE_EXCEEDED past its timeout; anything else as it is
+    (a cancellation included), but a stream broken under the message as UNAVAILABLE."""
+    if isinstance(error, asyncio.TimeoutError):
+        return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                    details=f"no response within {timeout:g} s")
+    if isinstance(error, grpc.aio.AioRpcError):
+        return _broken_as_unavailable(error)
+    return error
 
 
 def _broken_as_unavailable(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
