@@ -49,9 +49,18 @@ class CountedOpens:
         return self._open()
 
 
-async def target_server(model_dir, **config):
-    server, port = await start_model_server("target", make_engine(model_dir), **config)
-    return server, f"127.0.0.1:{port}"
+@contextlib.asynccontextmanager
+async def served_target(engine, **config):
+    """A target server over `engine` on 127.0.0.1:0 and a channel to it: yields (server, channel, address);
+    the channel is closed and the server stopped after."""
+    server, port = await start_model_server("target", engine, **config)
+    address = f"127.0.0.1:{port}"
+    channel = open_channel(address)
+    try:
+        yield server, channel, address
+    finally:
+        await channel.close()
+        await server.stop(None)
 
 
 async def verify_rounds(client: TargetClient, request_id: str, rounds: int) -> list[target_pb2.VerifyResponse]:
@@ -81,24 +90,21 @@ async def test_greedy_output_over_unary_round_calls_is_the_targets_own(request, 
 
 @pytest.mark.parametrize("round_calls", ["unary", "stream"])
 async def test_the_orchestrators_clients_take_the_configured_round_calls(tiny_llama_dir, round_calls):
-    target, target_address = await target_server(tiny_llama_dir)
     draft, draft_port = await start_model_server("draft", make_engine(tiny_llama_dir, role_name="draft"))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     try:
-        backends = await connect_backends(tokenizer, OrchestratorOptions(
-            target_address, f"127.0.0.1:{draft_port}", LoopConfig(round_calls=round_calls)))
-        assert backends.target.round_streams == backends.draft.round_streams == (round_calls == "stream")
+        async with served_target(make_engine(tiny_llama_dir)) as (_, _, target_address):
+            backends = await connect_backends(tokenizer, OrchestratorOptions(
+                target_address, f"127.0.0.1:{draft_port}", LoopConfig(round_calls=round_calls)))
+            assert backends.target.round_streams == backends.draft.round_streams == (round_calls == "stream")
     finally:
-        await target.stop(None)
         await draft.stop(None)
 
 
 async def test_a_sessions_rounds_share_one_stream_and_are_answered_as_unary_calls(tiny_llama_dir):
-    server, address = await target_server(tiny_llama_dir)
-    channel = open_channel(address)
-    streamed, unary = TargetClient(channel, round_streams=True), TargetClient(channel)
-    opens = CountedOpens(streamed)
-    try:
+    async with served_target(make_engine(tiny_llama_dir)) as (_, channel, _):
+        streamed, unary = TargetClient(channel, round_streams=True), TargetClient(channel)
+        opens = CountedOpens(streamed)
         by_stream = await verify_rounds(streamed, "streamed", 6)
         by_calls = await verify_rounds(unary, "unary", 6)
         assert opens.opened == 1
@@ -108,17 +114,12 @@ async def test_a_sessions_rounds_share_one_stream_and_are_answered_as_unary_call
         assert "streamed" not in streamed._streams
         await verify_rounds(streamed, "again", 1)  # a new session, a new stream
         assert opens.opened == 2
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def test_a_failed_message_ends_its_stream_only_and_the_next_round_opens_another(tiny_llama_dir):
-    server, address = await target_server(tiny_llama_dir)
-    channel = open_channel(address)
-    client, bystander = TargetClient(channel, round_streams=True), TargetClient(channel, round_streams=True)
-    opens = CountedOpens(client)
-    try:
+    async with served_target(make_engine(tiny_llama_dir)) as (_, channel, _):
+        client, bystander = TargetClient(channel, round_streams=True), TargetClient(channel, round_streams=True)
+        opens = CountedOpens(client)
         seen = (await verify_rounds(bystander, "bystander", 1))[0]
         opened = await client.open("bad", PROMPT_IDS, GREEDY, timeout=30)
         with pytest.raises(UpstreamError) as refused:  # a position that is not the committed length
@@ -129,25 +130,17 @@ async def test_a_failed_message_ends_its_stream_only_and_the_next_round_opens_an
         assert good.committed_length > opened.committed_length and opens.opened == 2
         after = await bystander.verify("bystander", 2, seen.committed_length, [5], [], timeout=30)  # its stream
         assert after.committed_length > seen.committed_length
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def test_undecodable_bytes_on_a_stream_are_invalid_argument_and_the_server_stays_up(tiny_llama_dir):
-    server, address = await target_server(tiny_llama_dir)
-    channel = open_channel(address)
-    raw = channel.stream_stream(VERIFY_ROUNDS, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-    try:
+    async with served_target(make_engine(tiny_llama_dir)) as (_, channel, _):
+        raw = channel.stream_stream(VERIFY_ROUNDS, request_serializer=lambda b: b, response_deserializer=lambda b: b)
         call = raw()
         await call.write(b"\x0a\x02\xff\xfe")  # request_id (field 1): invalid UTF-8
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call.read()
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in refused.value.details()
         assert len(await verify_rounds(TargetClient(channel, round_streams=True), "after", 2)) == 2
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def committed_length(engine, request_id: str) -> int:
@@ -161,19 +154,14 @@ async def held_verification(model_dir, request_id: str, timeout: float):
     """A streamed client whose session's first verification is held in the engine: yields (client, the
     verification's task, its hold, the engine, the client's stream opens)."""
     engine = make_engine(model_dir)
-    server, port = await start_model_server("target", engine)
-    channel = open_channel(f"127.0.0.1:{port}")
-    client = TargetClient(channel, round_streams=True)
-    opens = CountedOpens(client)
-    try:
+    async with served_target(engine) as (_, channel, _):
+        client = TargetClient(channel, round_streams=True)
+        opens = CountedOpens(client)
         hold = TargetHold(engine)  # the open's prefill runs; the verification after it is held
         opened = await client.open(request_id, PROMPT_IDS, GREEDY, timeout=30)
         verifying = asyncio.ensure_future(client.verify(request_id, 1, opened.committed_length, [5], [], timeout))
         await hold.wait_held()  # the message is on the server, its answer still to come
         yield client, verifying, hold, engine, opens
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def test_a_message_past_its_deadline_raises_deadline_exceeded_and_drops_the_stream(tiny_llama_dir):
@@ -188,10 +176,8 @@ async def test_a_message_past_its_deadline_raises_deadline_exceeded_and_drops_th
 
 
 async def test_a_draining_target_serves_its_sessions_streams_until_they_close(tiny_llama_dir):
-    server, address = await target_server(tiny_llama_dir)
-    channel = open_channel(address)
-    client = TargetClient(channel, round_streams=True)
-    try:
+    async with served_target(make_engine(tiny_llama_dir)) as (server, channel, _):
+        client = TargetClient(channel, round_streams=True)
         first = (await verify_rounds(client, "held", 1))[0]
         drain = drain_of(server)
         drain.begin(grace_s=60)
@@ -203,9 +189,6 @@ async def test_a_draining_target_serves_its_sessions_streams_until_they_close(ti
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         await client.close("held")
         assert await asyncio.wait_for(drain.wait(), 30) == 0
-    finally:
-        await channel.close()
-        await server.stop(None)
 
 
 async def test_each_message_has_a_client_and_a_server_span_across_the_stream(tiny_llama_dir):
@@ -228,19 +211,16 @@ async def test_each_message_has_a_client_and_a_server_span_across_the_stream(tin
 
 
 async def test_round_streams_need_the_internal_token_like_every_call(tiny_llama_dir):
-    server, address = await target_server(tiny_llama_dir, internal_token="secret")
-    keyed = open_channel(address, interceptors=token_interceptors("secret"))
-    bare = open_channel(address)
-    try:
-        assert len(await verify_rounds(TargetClient(keyed, round_streams=True), "keyed", 2)) == 2
-        stranger = TargetClient(bare, round_streams=True)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stranger.stub.VerifyRounds().read()
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        await keyed.close()
-        await bare.close()
-        await server.stop(None)
+    async with served_target(make_engine(tiny_llama_dir), internal_token="secret") as (_, bare, address):
+        keyed = open_channel(address, interceptors=token_interceptors("secret"))
+        try:
+            assert len(await verify_rounds(TargetClient(keyed, round_streams=True), "keyed", 2)) == 2
+            stranger = TargetClient(bare, round_streams=True)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stranger.stub.VerifyRounds().read()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            await keyed.close()
 
 
 async def test_a_cancelled_caller_drops_its_stream_so_its_answer_never_reaches_the_next_round(tiny_llama_dir):
