@@ -11,18 +11,49 @@ import pytest
 import torch
 
 from orchestrator.frontend.detokenizer import IncrementalDetokenizer
-from specmesh.distributions import decode_distribution, encode_distribution
+from specmesh.distributions import TAIL_MASS, decode_distribution, encode_distribution
 from specmesh.sampling import SamplingParams, logits_to_probs
 from specmesh.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def fp16_rounded(probs: torch.Tensor) -> torch.Tensor:
+    rounded = probs.half().float()
+    return rounded / rounded.sum()
+
+
 def test_truncated_distribution_goes_sparse_and_round_trips_exactly():
+    torch.manual_seed(0)
     probs = logits_to_probs(torch.randn(1, 1000), SamplingParams(0.8, top_k=10))[0]  # [V]
     wire = encode_distribution(probs)
     assert wire.WhichOneof("form") == "sparse" and len(wire.sparse.token_ids) == 10
-    assert torch.allclose(decode_distribution(wire, 1000), probs, atol=1e-6)
+    assert torch.equal(decode_distribution(wire, 1000), fp16_rounded(probs))
+
+
+def test_a_near_point_mass_travels_as_one_id():
+    """A confident draft's q (every other entry far below fp16's range) costs one id and one probability,
+    not 2 bytes per vocabulary entry: 152k of them would be 300 KB a draft token."""
+    logits = torch.randn(1, 152064)
+    logits[0, 7] = logits.max() + 30
+    wire = encode_distribution(logits_to_probs(logits, SamplingParams(1.0))[0])
+    assert wire.WhichOneof("form") == "sparse" and list(wire.sparse.token_ids) == [7]
+    assert wire.ByteSize() < 16
+
+
+@pytest.mark.parametrize("scale", [4.0, 6.0, 8.0])
+def test_the_dropped_tail_holds_at_most_tail_mass(scale):
+    """Peaked distributions (large logit spread) drop their tail to go sparse; what the target tests is the
+    decoded q', which the draft samples from, so only acceptance can change, by at most TAIL_MASS."""
+    torch.manual_seed(int(scale))
+    probs = logits_to_probs(torch.randn(1, 50000) * scale, SamplingParams(1.0))[0]  # [V]
+    wire = encode_distribution(probs)
+    decoded = decode_distribution(wire, 50000)
+    kept = decoded > 0
+    assert wire.WhichOneof("form") == "sparse" and int(kept.sum()) < 50000 // 4
+    assert float(probs[~kept].sum()) <= TAIL_MASS
+    assert torch.equal(decoded, fp16_rounded(torch.where(kept, probs, torch.zeros_like(probs))))
+    assert float(torch.minimum(probs, decoded).sum()) >= 1 - TAIL_MASS - 1e-3  # the acceptance it allows
 
 
 def test_full_distribution_goes_dense_fp16():
