@@ -255,10 +255,11 @@ def new_internal_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def add_internal_token_arguments(parser: argparse.ArgumentParser, serving: bool) -> None:
-    """--internal-token-file; the token itself only through the environment, never on a command line."""
-    what = ("require this token from the orchestrator" if serving
-            else "send this token to the draft and target services (default: the API key)")
+def add_internal_token_arguments(parser: argparse.ArgumentParser, serving: bool, what: str | None = None) -> None:
+    """--internal-token-file; the token itself only through the environment, never on a command line.
+    `what`: the help's account of what the token is for, where the command's own differs."""
+    what = what or ("require this token from the orchestrator" if serving
+                    else "send this token to the draft and target services (default: the API key)")
     parser.add_argument("--internal-token-file", default=_env("SPECMESH_INTERNAL_TOKEN_FILE"), metavar="PATH",
                         help=f"{what}; read from this file (env SPECMESH_INTERNAL_TOKEN_FILE, or the token "
                              f"itself in {INTERNAL_TOKEN_ENV})")

@@ -16,6 +16,7 @@ import yaml
 from harness import serve_config
 from orchestrator.decoding.options import loop_config
 from orchestrator.deployment import ray_cli
+from orchestrator.deployment.attached import parse_endpoints
 from orchestrator.deployment.launch import local_pools_options
 from orchestrator.deployment.online_distill import fraction
 from orchestrator.frontend.cli import build_parser, frontend_options, main, metrics_ports_of
@@ -39,6 +40,7 @@ SAMPLES = {
     parse_kv_cache_memory: ("1GiB", parse_kv_cache_memory("1GiB")),
     ray_cli._resources: ({"specmesh_pool": 1}, {"specmesh_pool": 1}),
     fraction: (0.25, 0.25),
+    parse_endpoints: (["host-a:50061", "host-b:50061"], ("host-a:50061", "host-b:50061")),
 }
 
 

@@ -65,10 +65,12 @@ class Ready:
     replica_addresses: dict[str, str] | None = None  # local replicas' gRPC host:port, by role or replica name
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+TARGET_HELP = "target model: alias, directory, .gguf or hub id"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, target_help: str = TARGET_HELP) -> None:
     """The model pair and where it runs: shared by `specmesh serve` and `specmesh bench`."""
-    parser.add_argument("--target", default=TARGET.default_model, metavar="MODEL",
-                        help="target model: alias, directory, .gguf or hub id")
+    parser.add_argument("--target", default=TARGET.default_model, metavar="MODEL", help=target_help)
     parser.add_argument("--draft", default=DRAFT.default_model, metavar="MODEL",
                         help="draft model, or 'none' for target-only")
     add_loop_arguments(parser)

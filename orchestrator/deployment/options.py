@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.deployment.failover import MAX_REPLICA_FAILURES
 from orchestrator.deployment.online_distill import OnlineDistillOptions
@@ -45,8 +45,14 @@ TARGET_WAIT_S = 120.0
 class PoolsOptions:
     backend: str = "ray"  # "local": child processes under a supervisor; "ray": Ray actors
     namespace: str = "specmesh"  # Ray only
-    target: PoolSpec | None = None  # None (both): join the pools in `namespace`
-    draft: PoolSpec | None = None  # None while target is set: serve target-only
+    target: PoolSpec | None = None  # None (and no target attached): join the pools in `namespace`
+    draft: PoolSpec | None = None  # None (and no draft attached) while the target is set: serve target-only
+    # Roles served by services started elsewhere, by their host:port (orchestrator.deployment.attached): this
+    # orchestrator starts no replica of them, and its pool of each is exactly those addresses.
+    attached: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Sent to the attached services on every call (their --internal-token-file); None = send none. Kept out
+    # of reprs and logs.
+    attached_token: str | None = field(default=None, repr=False)
     check_interval_s: float = 1.0  # health checks and controller ticks
     max_replica_failures: int = MAX_REPLICA_FAILURES  # replicas one request may lose before it fails
     # Longest a request waits for a healthy target replica (within its own deadline): long enough for a
@@ -58,6 +64,18 @@ class PoolsOptions:
     channel_tls: TLSConfig | None = None  # the orchestrator's channels to replicas; None = plaintext
     online_distill: OnlineDistillOptions | None = None  # None: the draft changes only by rollouts asked for
 
+    def __post_init__(self):
+        for role, addresses in self.attached.items():
+            if role not in ("draft", "target") or not addresses:
+                raise ValueError(f"attached: 'draft' or 'target' and its addresses, not {role!r}: {addresses!r}")
+            if getattr(self, role) is not None:
+                raise ValueError(f"the {role} role is attached: it has no pool of replicas to start")
+        if self.attached and not self.manage:
+            raise ValueError("an attached draft needs a target, started here or attached: a joining orchestrator "
+                             "finds both roles in Ray")
+
     @property
     def manage(self) -> bool:
-        return self.target is not None
+        """Whether this orchestrator defines its pools (starts or attaches the target) rather than joining
+        the Ray pools in `namespace`."""
+        return self.target is not None or "target" in self.attached

@@ -125,9 +125,17 @@ class ReplicaPool:
                 raise NoHealthyReplica(self.role, time.monotonic() - started, "the pool failed: every replica "
                                        "used up its restarts and is retried with backoff")
             if time.monotonic() - started >= timeout:
-                raise NoHealthyReplica(self.role, time.monotonic() - started)
+                raise NoHealthyReplica(self.role, time.monotonic() - started, self._refusals())
             await asyncio.sleep(min(0.05, timeout))
         return replica
+
+    def refusing(self) -> list[Replica]:
+        """Replicas whose last check was UNAUTHENTICATED: they hold another internal token than we send."""
+        return [r for r in self.replicas.values() if r.refused_us]
+
+    def _refusals(self) -> str:
+        refusing = self.refusing()
+        return ", ".join(f"{r.name} at {r.address} refuses this orchestrator's internal token" for r in refusing)
 
     def release(self, replica: Replica) -> None:
         replica.routed = max(0, replica.routed - 1)

@@ -3,9 +3,11 @@
 Every deployment serves this way: each role is a `ReplicaPool` (routing, health) behind a
 failover client, and a controller per role keeps its replicas running, either as local
 child processes (`supervisor.LocalPoolController`, backend "local", plain `specmesh serve`)
-or as Ray actors (`ray_controller.PoolController`, backend "ray"). With `PoolsOptions.target`
-/ `.draft` unset, this orchestrator joins Ray pools that another one owns, discovering
-their replicas as named actors in the namespace.
+or as Ray actors (`ray_controller.PoolController`, backend "ray"). A role in
+`PoolsOptions.attached` has no controller: its pool is the services at those addresses,
+started elsewhere (`attached`). With neither a target spec nor an attached target, this
+orchestrator joins Ray pools that another one owns, discovering their replicas as named
+actors in the namespace.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
+from orchestrator.deployment.attached import attached_pools, not_managed, wait_for_attached
 from orchestrator.deployment.backends import STARTUP_TIMEOUT_S, backends_for
 from orchestrator.deployment.clients import client_options
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
@@ -70,7 +73,9 @@ class Pools:
         self._serving_names: tuple[str, ...] = ()
 
     @classmethod
-    def from_options(cls, options: PoolsOptions, interceptors=()) -> "Pools":
+    def from_options(cls, options: PoolsOptions, interceptors=(), tracing=()) -> "Pools":
+        """`interceptors`: of the channels to this orchestrator's replicas (tracing and its internal token);
+        `tracing`: of those to attached services, which get their own token (`options.attached_token`)."""
         if options.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {options.backend!r}")
         if not options.manage:
@@ -83,6 +88,7 @@ class Pools:
                 if spec is not None:
                     pools.controllers[spec.role] = pools._controller(spec, interceptors)
                     pools.pools[spec.role] = pools.controllers[spec.role].pool
+            pools.pools.update(attached_pools(options, tracing))
         for role, pool in pools.pools.items():
             pool.on_serving = pools._serving_changed
             if not isinstance(pools.controllers.get(role), LocalPoolController):
@@ -110,8 +116,9 @@ class Pools:
                 self.pools[role].start()
         for role in sorted(self.controllers, key=lambda r: r != "target"):
             await self.controllers[role].wait_ready(self.options.start_timeout_s)
-        if not self.controllers:
+        if not self.options.manage:
             await self._join()
+        await wait_for_attached(self.pools, self.options.attached, self.options.start_timeout_s)
         for role in self.pools:
             self._report(role)
         if "draft" in self.controllers:
@@ -195,6 +202,8 @@ class Pools:
         controller = self.controllers.get(role)
         if role not in ("draft", "target"):
             raise InvalidArgument("pool", "must be 'draft' or 'target'")
+        if role in self.options.attached:
+            raise not_managed(role, "scale them")
         if controller is None:
             raise NotManagedHere(f"this orchestrator does not own a {role} pool; scale it where it was started")
         if controller.rolling:
@@ -217,6 +226,8 @@ class Pools:
         if not model.strip():
             raise InvalidArgument("model", "must name a model directory, .gguf file, embedded alias or hub id")
         controller = self.controllers.get(role)
+        if role in self.options.attached:
+            raise not_managed(role, "replace their model")
         if controller is None:
             raise NotManagedHere("this orchestrator does not own a draft pool; replace its model where it was started"
                                  " (or start one with a draft)")
@@ -268,8 +279,8 @@ def _unsupervised(name: str) -> tuple[None, float]:
 async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
                                  tracer_provider: TracerProvider | None = None, metrics=None):
     """The Generation servicer over pools; `options` is an OrchestratorOptions with `pools` set."""
-    interceptors = [*client_interceptors(tracer_provider), *token_interceptors(options.internal_token)]
-    pools = Pools.from_options(options.pools, interceptors)
+    tracing = client_interceptors(tracer_provider)
+    pools = Pools.from_options(options.pools, [*tracing, *token_interceptors(options.internal_token)], tracing)
     for pool in pools.pools.values():  # clients are made as replicas appear
         pool.make_client = functools.partial(pool.make_client,
                                              **client_options(options.loop.round_calls, tracer_provider))

@@ -37,31 +37,45 @@ def serve(args: argparse.Namespace) -> int:
     from orchestrator.decoding.options import loop_config
     from orchestrator.deployment import ray_cli as pools_cli
     from orchestrator.deployment.backends import OrchestratorOptions
-    from orchestrator.deployment.launch import local_pools_options, run_orchestrator
+    from orchestrator.deployment.launch import run_orchestrator
 
     security = security_from_args(args)  # before anything starts: a bad TLS file fails here, naming its flag
     metrics_ports = metrics_ports_of(args.metrics_port)
     backend = pools_cli.backend_of(args)
-    if backend == "ray":
-        # The API key where one is configured: orchestrators that join these pools hold it too.
-        internal_token = security.api_key or new_internal_token()
-        pools = pools_cli.pools_options(args, security, internal_token)
+    pools, internal_token = serve_pools_options(args, security, metrics_ports)
+    # Attached roles are no Ray actors: with both attached there is nothing for Ray to run.
+    uses_ray = backend == "ray" and (pools.target or pools.draft) is not None
+    if uses_ray:
         pools_cli.init_ray(args.address, args.ray_namespace, pools)
-    else:
-        internal_token = new_internal_token()  # only this deployment's orchestrator may call its replicas
-        pools = local_pools_options(args, security, metrics_ports, internal_token)
     orchestrator = OrchestratorOptions("", None, loop_config(args), pools=pools, internal_token=internal_token)
     frontend = frontend_options(args, security, metrics_ports["orchestrator"])
-    ready = _ReadyLine(args.host, backend)
+    ready = _ReadyLine(args.host, pools_description(backend, pools))
     try:
         run_orchestrator(args.target, orchestrator, f"{args.host}:{args.port}", frontend, ready)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     finally:
-        if backend == "ray":
+        if uses_ray:
             import ray  # only with --backend ray: plain serving never loads Ray
             ray.shutdown()  # the replica actors belong to this driver and go with it
     return 0
+
+
+def serve_pools_options(args: argparse.Namespace, security: Security, metrics_ports: dict[str, int | None]):
+    """(PoolsOptions, the internal token this orchestrator's own replicas require) of `specmesh serve`."""
+    from orchestrator.deployment import ray_cli as pools_cli
+    from orchestrator.deployment.attached import attach_endpoints
+    from orchestrator.deployment.launch import local_pools_options
+
+    if pools_cli.backend_of(args) == "ray":
+        # The API key where one is configured: orchestrators that join these pools hold it too.
+        internal_token = security.api_key or new_internal_token()
+        pools = pools_cli.pools_options(args, security, internal_token)
+    else:
+        internal_token = new_internal_token()  # only this deployment's orchestrator may call its replicas
+        pools = local_pools_options(args, security, metrics_ports, internal_token)
+    # A role given by address is not started (attached services get their own token); the backend runs the rest.
+    return attach_endpoints(pools, args), internal_token
 
 
 def frontend_options(args: argparse.Namespace, security: Security, metrics_port: int | None) -> FrontendOptions:
@@ -73,11 +87,19 @@ def frontend_options(args: argparse.Namespace, security: Security, metrics_port:
                            connection_limits=connection_limits_from_args(args))
 
 
+def pools_description(backend: str, pools) -> str:
+    """What serves the roles, for the ready line: replicas serve starts (of `backend`), attached services, or both."""
+    started = "Ray replica pools" if backend == "ray" else "local replica processes"
+    if not pools.attached:
+        return started
+    return f"{started} and attached services" if (pools.target or pools.draft) is not None else "attached services"
+
+
 class _ReadyLine:
     """Receives the orchestrator's readiness report and prints the ready line (or the error)."""
 
-    def __init__(self, host: str, backend: str):
-        self.host, self.backend = host, backend
+    def __init__(self, host: str, pools: str):
+        self.host, self.pools = host, pools
 
     def put(self, ready: Ready) -> None:
         if ready.error:
@@ -85,8 +107,7 @@ class _ReadyLine:
             return
         from orchestrator.deployment.launch import ready_message
 
-        pools = "Ray replica pools" if self.backend == "ray" else "local replica processes"
-        print(ready_message(self.host, ready) + f" ({pools}; 'specmesh replicas' lists them)", flush=True)
+        print(ready_message(self.host, ready) + f" ({self.pools}; 'specmesh replicas' lists them)", flush=True)
         if ready.replica_addresses:
             print("internal services (the orchestrator's token required): " + ", ".join(
                 f"{name} {address}" for name, address in sorted(ready.replica_addresses.items())), flush=True)
@@ -127,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         raise AssertionError(f"unhandled command {args.command}")  # argparse admits only the commands above
     except SecurityConfigError as error:
         print(f"specmesh {args.command}: {error}", file=sys.stderr)
+        return 2
+    except ConfigError as error:  # settings that contradict each other, found once they are combined
+        print(f"specmesh {args.command}: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from orchestrator.deployment import ray_cli as pools_cli
-from orchestrator.deployment.launch import add_model_arguments, add_supervision_arguments
+from orchestrator.deployment.attached import add_attached_arguments
+from orchestrator.deployment.launch import TARGET_HELP, add_model_arguments, add_supervision_arguments
 from orchestrator.deployment.online_distill import add_online_distill_arguments
 from orchestrator.frontend.config_file import ConfigurableParser
 from specmesh.connections import add_connection_arguments
@@ -40,7 +41,10 @@ CONFIG_HELP = ("YAML file of settings: every option below and every other settin
 def serve_settings() -> argparse.ArgumentParser:
     """Every setting of `specmesh serve`, as flags: what its command line and its config file may set."""
     settings = argparse.ArgumentParser(prog="specmesh serve", add_help=False)
-    add_model_arguments(settings)
+    # The orchestrator always loads the target's tokenizer: with attached targets, from this spec.
+    add_model_arguments(settings, TARGET_HELP + "; with target-endpoints (config file), the model whose "
+                                                "tokenizer the orchestrator loads, checked against the attached "
+                                                "targets' vocabulary")
     settings.add_argument("--host", default="127.0.0.1", help="address every service binds")
     settings.add_argument("--port", type=int, default=50051, metavar="PORT", help="client-facing gRPC port")
     settings.add_argument("--http-port", type=int, default=8000, metavar="PORT",
@@ -58,6 +62,7 @@ def serve_settings() -> argparse.ArgumentParser:
     add_api_key_arguments(settings, serving=True)
     add_shutdown_arguments(settings)
     pools_cli.add_serve_arguments(settings)
+    add_attached_arguments(settings)
     add_supervision_arguments(settings)
     add_online_distill_arguments(settings)
     return settings
