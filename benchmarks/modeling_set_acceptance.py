@@ -1,7 +1,7 @@
 """A Qwen2 model whose greedy token is set by rule: the benchmark pair of `set_acceptance_pair.py`.
 
 Copied into each model directory the builder writes, and loaded from there as a user loads a custom
-architecture (`--trust-remote-code`): it imports nothing but torch and transformers.
+architecture (`--trust-remote-code`): it imports nothing but torch, transformers and the standard library.
 
 Each forward runs the real Qwen2 network (so a step costs what a model of its shape costs), then puts
 every kept row's top logit on a token chosen from the row's input token and position:
@@ -14,9 +14,19 @@ every kept row's top logit on a token chosen from the row's input token and posi
 So a draft's greedy proposal agrees with the target's greedy token at rate alpha at every position,
 in specmesh and in transformers' assisted generation alike. The other logits stay the network's own,
 so the forward's work is never dead code to a compiler.
+
+Emulated GPU step times (benchmark-only; `set_acceptance_pair.py --profile NAME`): with a `step_profile`
+in the config (a table of benchmarks/gpu_profiles.py), each forward runs the small real network, then
+sleeps up to the time the table gives a GPU step of its rows and sessions. The step time is then
+emulated, not measured: the sleep releases the GIL and leaves the CPU free, as the host of a GPU is
+while its kernels run. A forward whose real compute exceeds the table's time does not sleep; it counts
+in `emulation_overruns` (and warns once): such a run is not a faithful emulation, and says so.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -26,18 +36,22 @@ MIX_ROUNDS = ((1103515245, 12345), (214013, 2531011), (1664525, 1013904223))
 AGREE_SALT = 0x2545F491  # the draft's agree-or-not draw
 OTHER_SALT = 0x5BD1E995  # which other token a disagreeing draft proposes
 
+log = logging.getLogger(__name__)
+
 
 class SetAcceptanceConfig(Qwen2Config):
     model_type = "set_acceptance_qwen2"
 
     def __init__(self, set_acceptance_role: str = "target", alpha: float = 1.0, steer_low: int = 0,
-                 steer_high: int = 2, steer_seed: int = 0, steer_margin: float = 30.0, **kwargs):
+                 steer_high: int = 2, steer_seed: int = 0, steer_margin: float = 30.0,
+                 step_profile: dict | None = None, **kwargs):
         self.set_acceptance_role = set_acceptance_role
         self.alpha = alpha
         self.steer_low = steer_low  # ordinary token ids: [steer_low, steer_high)
         self.steer_high = steer_high
         self.steer_seed = steer_seed
         self.steer_margin = steer_margin  # nats above the row's top logit: one token under sampling too
+        self.step_profile = step_profile  # {"points": [[rows, ms], ...], "per_session_ms": ms}; None: no padding
         super().__init__(**kwargs)
 
 
@@ -83,11 +97,64 @@ def kept_rows(values: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch
     return values[:, -logits_to_keep:] if logits_to_keep else values
 
 
+def emulated_step_ms(profile: dict, rows: int, sessions: int) -> float:
+    """A `step_profile`'s time for a step: its (rows, ms) points interpolated linearly, flat before the
+    first, the last segment extended past the last; plus per_session_ms for each session after the
+    first. The same rule as gpu_profiles.StepTable.ms (this file cannot import it: it is copied alone)."""
+    points = profile["points"]
+    upper = next((i for i, (x, _) in enumerate(points) if rows <= x), len(points) - 1)
+    if upper == 0:  # at or before the first point (or the only one)
+        ms = points[0][1]
+    else:
+        (x0, y0), (x1, y1) = points[upper - 1], points[upper]
+        ms = y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+    return ms + profile.get("per_session_ms", 0.0) * max(0, sessions - 1)
+
+
+def step_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, segments) -> tuple[int, int]:
+    """(rows, sessions) of a forward: every input row, padding included; the session segments of a
+    ragged step (specmesh.ragged passes `segments`; padding segments have no cache), else the batch."""
+    shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]  # [batch, seq]
+    if segments is not None:
+        return shape.numel(), sum(segment.cache is not None for segment in segments)
+    return shape.numel(), shape[0]
+
+
 class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
     config_class = SetAcceptanceConfig
 
+    def __init__(self, config: SetAcceptanceConfig):
+        super().__init__(config)
+        self.emulated_steps = 0  # forwards padded to the step profile
+        self.emulation_overruns = 0  # forwards whose real compute took longer than the profile's time
+
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cache=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        if self.config.step_profile is None:
+            return self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
+        started = time.perf_counter()
+        output = self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
+        if output.logits.is_cuda:  # kernels run asynchronously: wait for them before reading the clock
+            torch.cuda.synchronize(output.logits.device)
+        rows, sessions = step_shape(input_ids, kwargs.get("inputs_embeds"), kwargs.get("segments"))
+        self.pad_step(started, emulated_step_ms(self.config.step_profile, rows, sessions) / 1e3)
+        return output
+
+    def pad_step(self, started: float, step_s: float) -> None:
+        """Sleep until `step_s` after `started`; count (and warn once of) a forward that took longer."""
+        self.emulated_steps += 1
+        remaining = step_s - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)  # releases the GIL: the CPU stays free for the services around the model
+            return
+        self.emulation_overruns += 1
+        if self.emulation_overruns == 1:
+            log.warning("emulated step overrun: the real forward took %.2f ms, the profile's step %.2f ms; "
+                        "step times are not faithfully emulated (see emulation_overruns)",
+                        (step_s - remaining) * 1e3, step_s * 1e3)
+
+    def steered_forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, cache,
+                        logits_to_keep: int | torch.Tensor, **kwargs):
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         past = cache.get_seq_length() if position_ids is None and cache is not None else 0  # before this forward
         output = super().forward(input_ids=input_ids, position_ids=position_ids, cache=cache,

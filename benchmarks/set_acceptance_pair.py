@@ -14,6 +14,13 @@ Writes DEST/tokenizer, DEST/target and DEST/draft-<alpha> for each alpha (the dr
 file). Loading them runs their code: they load only with an explicit --trust-remote-code.
 What the pair measures: step costs and speculation at a known acceptance. What it cannot: a real
 draft's acceptance, and greedy parity under numerical noise (the chosen token leads by a wide margin).
+
+Emulated GPU regime (benchmark-only): `--profile NAME` (benchmarks/gpu_profiles.py) writes the profile's
+target step table into the target's config and its draft table into each draft's, and builds the
+test-size shapes: the real compute must stay small, well under the emulated step, so that the forwards
+sleep out the GPU's step time and leave the CPU to the services, and several replicas fit on two cores.
+
+    python benchmarks/set_acceptance_pair.py /tmp/pair-h100 --profile h100-8b --alpha 0.8
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # tiny_models, as random_pair.py imports it
 
+from gpu_profiles import PROFILES, scaled, to_config  # noqa: E402  (as a sibling, the way this file imports the others)
 from modeling_set_acceptance import SetAcceptanceConfig, SetAcceptanceForCausalLM  # noqa: E402
 from random_pair import MAX_POSITIONS, SMALL_SHAPES, corpus  # noqa: E402
 from tiny_models import build_tokenizer  # noqa: E402
@@ -55,10 +63,12 @@ def ordinary_range(tokenizer) -> tuple[int, int]:
     return low, len(tokenizer)
 
 
-def pair_config(role: str, shape: dict, tokenizer, vocab: int, alpha: float, seed: int) -> SetAcceptanceConfig:
+def pair_config(role: str, shape: dict, tokenizer, vocab: int, alpha: float, seed: int,
+                step_profile: dict | None = None) -> SetAcceptanceConfig:
     low, high = ordinary_range(tokenizer)
     return SetAcceptanceConfig(
         set_acceptance_role=role, alpha=alpha, steer_low=low, steer_high=high, steer_seed=seed,
+        step_profile=step_profile,
         hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"], intermediate_size=shape["intermediate"],
         max_position_embeddings=MAX_POSITIONS, vocab_size=max(vocab, len(tokenizer)), tie_word_embeddings=False,
@@ -101,27 +111,40 @@ def draft_at(alpha: float, first: Path, dest: Path) -> Path:
 
 
 def build_pair(dest: Path, alphas: list[float], device: str = "cpu", dtype: str = "float32",
-               small: bool = False, vocab: int = 32768, seed: int = 0) -> dict[str, Path]:
-    """DEST/target and DEST/draft-<alpha> for each alpha; their directories by name."""
+               small: bool = False, vocab: int = 32768, seed: int = 0, profile: str | None = None,
+               time_scale: float = 1.0) -> dict[str, Path]:
+    """DEST/target and DEST/draft-<alpha> for each alpha; their directories by name.
+
+    `profile`: a name in gpu_profiles.PROFILES; its forwards are padded to that GPU's step times
+    (emulated), and the models are test-size whatever `small` says: their own compute must stay small.
+    `time_scale`: the profile's times multiplied by it (gpu_profiles.scaled), where this host's smallest
+    forward would overrun the profile's shortest step."""
+    if profile is not None and profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(sorted(PROFILES))}")
+    steps = PROFILES[profile] if profile is not None else None
+    small = small or steps is not None
     started = time.perf_counter()
     tokenizer = build_tokenizer(dest / "tokenizer", vocab_size=vocab, corpus=corpus(small))
     shapes = SMALL_SHAPES if small else SHAPES
     width = len(tokenizer) if small else QWEN_VOCAB
     torch_dtype = getattr(torch, dtype)
-    target_config = pair_config("target", shapes["target"], tokenizer, width, 1.0, seed)
+    target_config = pair_config("target", shapes["target"], tokenizer, width, 1.0, seed,
+                                to_config(scaled(steps.target, time_scale)) if steps else None)
     built = {"target": build_model(dest / "target", target_config, tokenizer, device, torch_dtype, seed=1)}
     first = None
     for alpha in alphas:
         name = f"draft-{alpha:g}"
         if first is None:
-            config = pair_config("draft", shapes["draft"], tokenizer, width, alpha, seed)
+            config = pair_config("draft", shapes["draft"], tokenizer, width, alpha, seed,
+                                 to_config(scaled(steps.draft, time_scale)) if steps else None)
             first = built[name] = build_model(dest / name, config, tokenizer, device, torch_dtype, seed=2)
         else:
             built[name] = draft_at(alpha, first, dest / name)
     sizes = {name: sum(p.stat().st_size for p in path.glob("*.safetensors") if not p.is_symlink()) / 1e9
              for name, path in built.items()}
     print(f"set-acceptance pair in {dest}: tokenizer {len(tokenizer)} tokens, output width {width}, "
-          f"{dtype}, built on {device} in {time.perf_counter() - started:.1f} s; weights GB "
+          f"{dtype}, built on {device} in {time.perf_counter() - started:.1f} s"
+          + (f", step times emulated as {profile} x{time_scale:g}" if profile else "") + "; weights GB "
           + ", ".join(f"{name} {size:.2f}" for name, size in sizes.items()), flush=True)
     return built
 
@@ -135,10 +158,15 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--small", action="store_true", help="test-sized models and the test corpora only")
     parser.add_argument("--seed", type=int, default=0, help="of the target's walk")
+    parser.add_argument("--profile", choices=sorted(PROFILES),
+                        help="emulate this GPU's step times (benchmarks/gpu_profiles.py); implies --small")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply the profile's step times by this (a host too slow for its shortest step)")
     args = parser.parse_args(argv)
     if not all(0.0 <= alpha <= 1.0 for alpha in args.alpha):
         parser.error(f"--alpha must lie in [0, 1], got {args.alpha}")
-    return build_pair(args.dest, args.alpha, args.device, args.dtype, args.small, seed=args.seed)
+    return build_pair(args.dest, args.alpha, args.device, args.dtype, args.small, seed=args.seed,
+                      profile=args.profile, time_scale=args.time_scale)
 
 
 if __name__ == "__main__":
