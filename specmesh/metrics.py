@@ -153,6 +153,10 @@ class ServiceMetrics:
                                    ("service", "model"), buckets=ROW_BUCKETS, registry=r)
         self.step_sessions = Histogram("specmesh_step_sessions", "Sessions sharing one batched forward step",
                                        ("service", "model"), buckets=ROW_BUCKETS, registry=r)
+        # Per step, not per call: a call's forward time counts a batched step once for each session in it.
+        # Its rate is the model's utilisation, and over committed tokens the capacity a token costs.
+        self.step_busy = Counter("specmesh_step_busy_seconds", "Time the model spent in batched forward steps",
+                                 ("service", "model"), registry=r)
         self.queued_rows = Gauge("specmesh_queued_rows", "Token rows waiting for the next steps",
                                  ("service", "model"), registry=r)
         self.device_memory = Gauge("specmesh_device_memory_bytes", "Accelerator memory allocated by the model "
@@ -188,10 +192,11 @@ class ServiceMetrics:
     def observe_forward(self, op: str, forward_ns: int) -> None:
         self.forward_seconds.labels(**self.labels, op=op).observe(forward_ns / 1e9)
 
-    def observe_step(self, parts, _step_ns: int) -> None:
-        """A batched step's size (specmesh.batching observer; runs on the model worker)."""
+    def observe_step(self, parts, step_ns: int) -> None:
+        """A batched step's size and time (specmesh.batching observer; runs on the model worker)."""
         self.step_rows.labels(**self.labels).observe(sum(len(part.token_ids) for part in parts))
         self.step_sessions.labels(**self.labels).observe(len({id(part.session) for part in parts}))
+        self.step_busy.labels(**self.labels).inc(step_ns / 1e9)
 
 
 class StepCostCollector:

@@ -314,9 +314,23 @@ async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(
             await server.stop(None)
 
 
-async def _prefill_then_decode(engine, decode_steps: int = 3) -> None:
+async def test_the_busy_counter_counts_each_batched_step_once(tiny_llama_dir):
+    """specmesh_step_busy_seconds: the model's time in steps, whatever the sessions in them (a call's forward
+    time counts a shared step once per session), so that over committed tokens it is what a token costs."""
+    engine = make_engine(tiny_llama_dir)
+    metrics = ServiceMetrics.for_engine("target", engine, CollectorRegistry())
+    stepped: list[int] = []
+    engine.scheduler.observers.append(lambda parts, step_ns: stepped.append(step_ns))
+    await asyncio.gather(*(_prefill_then_decode(engine, decode_steps=4, name=f"busy-{i}") for i in range(3)))
+    assert engine.scheduler.batched_steps > 0  # some steps held several sessions
+    busy = metrics.registry.get_sample_value("specmesh_step_busy_seconds_total", metrics.labels)
+    assert busy == pytest.approx(sum(stepped) / 1e9)
+    assert metrics.registry.get_sample_value("specmesh_step_rows_count", metrics.labels) == len(stepped)
+
+
+async def _prefill_then_decode(engine, decode_steps: int = 3, name: str = "costs") -> None:
     """A prompt's prefill (alone: one prefill step) and then one-row decode steps."""
-    session = engine.new_session("costs", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0))
+    session = engine.new_session(name, [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0.0))
 
     def job():
         yield from engine.feed_tail(session, keep_rows=1, chunkable=True)
