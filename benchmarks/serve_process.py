@@ -1,5 +1,6 @@
-"""`specmesh serve` as a child process of a benchmark: started with its output in a log file, ready
-when its log names its ports, stopped with SIGTERM (it drains, then stops its replicas)."""
+"""`specmesh serve` (or any of this repository's services) as a child process of a benchmark: started with
+its output in a log file, ready when its log names its ports, stopped with SIGTERM (it drains, then stops
+its replicas)."""
 
 from __future__ import annotations
 
@@ -38,22 +39,29 @@ def start_serve(flags: list[str], log_path: Path, timeout_s: float = 600.0, http
                 metrics: bool = False) -> ServeProcess:
     """`specmesh serve FLAGS` once its log names the gRPC port (and the HTTP and metrics ports, where
     `http` and `metrics` ask for them); exits with the log's tail where it stops or times out first."""
+    patterns = {"grpc": READY, **({"http": HTTP} if http else {}), **({"metrics": METRICS} if metrics else {})}
+    process, found = start_logged(serve_command(*flags), log_path, patterns, timeout_s)
+    port = {name: int(match.group(1)) for name, match in found.items()}
+    return ServeProcess(process, port["grpc"], port.get("http"), port.get("metrics"))
+
+
+def start_logged(command: list[str], log_path: Path, patterns: dict[str, re.Pattern], timeout_s: float = 600.0,
+                 ) -> tuple[subprocess.Popen, dict[str, re.Match]]:
+    """A child process of this repository's code with its output in `log_path`, once its log matches every
+    pattern; exits with the log's tail where it stops or times out first."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1")
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(serve_command(*flags), stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                   cwd=ROOT)
-    patterns = {"grpc": READY, **({"http": HTTP} if http else {}), **({"metrics": METRICS} if metrics else {})}
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
         text = log_path.read_text(errors="replace")
         found = {name: pattern.search(text) for name, pattern in patterns.items()}
         if all(found.values()):
-            port = {name: int(match.group(1)) for name, match in found.items()}
-            return ServeProcess(process, port["grpc"], port.get("http"), port.get("metrics"))
+            return process, found
         time.sleep(0.2)  # paces reading another process's log
     stop_serve(process)
-    raise SystemExit("serve did not become ready:\n" + log_path.read_text(errors="replace")[-3000:])
+    raise SystemExit(f"{' '.join(command[:4])} did not become ready:\n" + log_path.read_text(errors="replace")[-3000:])
 
 
 def stop_serve(process: subprocess.Popen) -> None:

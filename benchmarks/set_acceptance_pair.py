@@ -16,9 +16,10 @@ What the pair measures: step costs and speculation at a known acceptance. What i
 draft's acceptance, and greedy parity under numerical noise (the chosen token leads by a wide margin).
 
 Emulated GPU regime (benchmark-only): `--profile NAME` (benchmarks/gpu_profiles.py) writes the profile's
-target step table into the target's config and its draft table into each draft's, and builds the
-test-size shapes: the real compute must stay small, well under the emulated step, so that the forwards
-sleep out the GPU's step time and leave the CPU to the services, and several replicas fit on two cores.
+target step table into the target's config and its draft table into each draft's, and builds one-layer
+models on the test corpora: the real compute must stay small, well under the emulated step, so that the
+forwards sleep out the GPU's step time and leave the CPU to the services, and several replicas fit on
+two cores.
 
     python benchmarks/set_acceptance_pair.py /tmp/pair-h100 --profile h100-8b --alpha 0.8
 """
@@ -46,6 +47,13 @@ from tiny_models import build_tokenizer  # noqa: E402
 SHAPES = {  # Qwen2.5-7B and Qwen2.5-0.5B
     "target": dict(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944),
     "draft": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
+}
+# --profile: one layer each, the least real compute a transformers forward can have (about 0.6 ms on a CPU
+# core), so that the padded step is mostly sleep and the host's CPU stays with the services, as a GPU's
+# host does. The emulated step's time comes from the profile, not from these shapes.
+EMULATED_SHAPES = {
+    "target": dict(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128),
+    "draft": dict(hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64),
 }
 QWEN_VOCAB = 152064  # the real models' output width: the output projection costs what theirs costs
 MODELING_FILE = "modeling_set_acceptance.py"
@@ -116,7 +124,7 @@ def build_pair(dest: Path, alphas: list[float], device: str = "cpu", dtype: str 
     """DEST/target and DEST/draft-<alpha> for each alpha; their directories by name.
 
     `profile`: a name in gpu_profiles.PROFILES; its forwards are padded to that GPU's step times
-    (emulated), and the models are test-size whatever `small` says: their own compute must stay small.
+    (emulated), and the models are one layer each whatever `small` says: their own compute must stay small.
     `time_scale`: the profile's times multiplied by it (gpu_profiles.scaled), where this host's smallest
     forward would overrun the profile's shortest step."""
     if profile is not None and profile not in PROFILES:
@@ -125,7 +133,7 @@ def build_pair(dest: Path, alphas: list[float], device: str = "cpu", dtype: str 
     small = small or steps is not None
     started = time.perf_counter()
     tokenizer = build_tokenizer(dest / "tokenizer", vocab_size=vocab, corpus=corpus(small))
-    shapes = SMALL_SHAPES if small else SHAPES
+    shapes = EMULATED_SHAPES if steps is not None else SMALL_SHAPES if small else SHAPES
     width = len(tokenizer) if small else QWEN_VOCAB
     torch_dtype = getattr(torch, dtype)
     target_config = pair_config("target", shapes["target"], tokenizer, width, 1.0, seed,
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     parser.add_argument("--small", action="store_true", help="test-sized models and the test corpora only")
     parser.add_argument("--seed", type=int, default=0, help="of the target's walk")
     parser.add_argument("--profile", choices=sorted(PROFILES),
-                        help="emulate this GPU's step times (benchmarks/gpu_profiles.py); implies --small")
+                        help="emulate this GPU's step times (benchmarks/gpu_profiles.py) with one-layer models")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply the profile's step times by this (a host too slow for its shortest step)")
     args = parser.parse_args(argv)
