@@ -247,3 +247,56 @@ def test_one_rejected_round_does_not_set_the_deployments_prior():
         policy.observe(RoundTiming(draft_s=0.048 * k, verify_s=0.25), k, 0)
         chosen.append(k)
     assert chosen[0] >= 2 and chosen[-1] == 0, chosen
+
+
+def simulate_link(policy, rounds: int, acceptance: float, rng: random.Random, draft_latency_s: float,
+                  target_latency_s: float) -> list[int]:
+    """Rounds whose forwards cost what the reports say and whose calls add a latency each: the draft behind
+    a link of that round trip (a drafting round waits for it once), the target's calls their own."""
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose(K_MAX, 0)
+        accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
+        batch = policy.shared.batch()
+        reports = policy.shared.costs.reports
+        draft_forward = k * reports.draft.step_s(batch.draft_step()) if k else 0.0
+        verify_forward = reports.target.step_s(batch.target_step(k))
+        policy.observe(RoundTiming(draft_s=draft_forward + (draft_latency_s if k else 0.0),
+                                   verify_s=verify_forward + target_latency_s, draft_forward_s=draft_forward,
+                                   verify_forward_s=verify_forward), k, accepted)
+        chosen.append(k)
+    return chosen
+
+
+def link_rates(acceptance: float, draft_latency_s: float, target_latency_s: float) -> list[float]:
+    """A lone request's tokens per second at each k on gpu_target with a 2 ms draft behind the link."""
+    def rate(k: int) -> float:
+        seconds = (draft_latency_s + k * 0.002 if k else 0.0) + target_latency_s + gpu_target(k + 1)
+        return expected_tokens([acceptance] * k, k) / seconds
+    return [rate(k) for k in range(K_MAX + 1)]
+
+
+@pytest.mark.parametrize("draft_latency_s", [0.0, 0.005, 0.080])
+def test_a_links_round_trip_is_priced_once_a_round(draft_latency_s):
+    """A draft across a network: its round trip is paid once per drafting round whatever k, so the rule
+    drafts longer to amortise it, or not at all where no k pays for it; trying the draft again now and then
+    costs a small share of the time (RETRY_SHARE), however long the link."""
+    policy = speculation(gpu_target, lambda rows: 0.002).for_request("code")
+    chosen = simulate_link(policy, 600, 0.8, random.Random(3), draft_latency_s, target_latency_s=0.001)[-300:]
+    seconds = sum((draft_latency_s + k * 0.002 if k else 0.0) + 0.001 + gpu_target(k + 1) for k in chosen)
+    tokens = sum(expected_tokens([0.8] * k, k) for k in chosen)
+    rates = link_rates(0.8, draft_latency_s, 0.001)
+    assert tokens / seconds >= 0.95 * max(rates), (rates.index(max(rates)), chosen)
+    if draft_latency_s == 0.080:
+        assert chosen.count(0) >= len(chosen) - 3, chosen
+    assert policy.shared.costs.target_latency.value == pytest.approx(0.001)
+
+
+def test_the_latency_shifts_the_best_k_longer():
+    """The same acceptance and steps: a few milliseconds of round trip make the chosen draft longer."""
+    usual = {}
+    for latency in (0.0, 0.005):
+        chosen = simulate_link(speculation(gpu_target, lambda rows: 0.002).for_request("code"), 300, 0.8,
+                               random.Random(4), latency, 0.001)
+        usual[latency] = sorted(chosen[-100:])[50]  # the median of the settled rounds
+    assert usual[0.005] > usual[0.0] > 0, usual

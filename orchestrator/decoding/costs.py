@@ -8,16 +8,29 @@ one target step over their k + 1 rows each (and any prompt-lookup rows):
 Each step is priced by the service that runs it (specmesh.step_costs: its start-up table
 by rows, corrected by a model fitted to the steps it runs, with their sessions and cached
 context; reported in ModelInfo and collected in orchestrator.deployment.step_reports). What
-the services cannot see, the wire and waiting for other orchestrators' work, shows in the
-wall clock: each role's ratio of what rounds took to what its model predicted scales it.
+the services cannot see shows in the wall clock, in two parts, where the round knows the
+forward time its calls reported:
+
+- the call around the forward (the link's round trip, serialization, the services' own
+  handling), a latency a round pays once per call whatever its k: a drafting round pays
+  the draft's, every round the target's. A draft across a network is then worth a longer
+  draft or none at all, as the link's round trip is amortised over the tokens or avoided;
+- the forward itself against the service's model: each role's ratio of the two scales it
+  (waiting for other orchestrators' work on the service, a model that drifted).
+
+Without forward times (a round's waits only) the ratio takes the whole wait, latency included.
+
+    round_s(k) = [k > 0] (draft_latency + k * draft_step * draft_ratio)
+                 + target_latency + target_step(k + 1) * target_ratio
 
 Without a report (a service that does not send one) the wall-clock cost of each round shape
 seen so far stands in.
 
 At k = 0 nothing shows what drafting costs now: a draft that was slow (busy with another
-tenant, say) would stay priced slow for good. So in target-only rounds the draft's correction
-fades back towards what its service reports, and without reports the drafting rounds' wall
-clock fades towards the target-only one; drafting is tried again once it looks worth it.
+tenant, or behind a link that stalled) would stay priced slow for good. So in target-only
+rounds the draft's correction fades back towards what its service reports, its latency towards
+the target's, and without reports the drafting rounds' wall clock fades towards the target-only
+one; drafting is tried again once it looks worth it.
 """
 
 from __future__ import annotations
@@ -31,6 +44,10 @@ from specmesh.step_model import StepShape
 RATIO_WEIGHT = 0.2  # of a round in the wall-clock correction: one odd round must not swing it
 RATIO_BOUNDS = (0.02, 1000.0)  # a pipelined pre-draft makes the wait almost nothing; a busy service, long
 WALL_WEIGHT = 0.5  # without a report, round costs follow the newest rounds quickly
+LATENCY_WEIGHT = 0.5  # a call's latency follows the newest rounds quickly: a link's round trip changes in steps
+# Trying an unpaying draft again may cost this share of the time the target-only rounds take: within the
+# noise of any host, so that a long link never costs measurably more than not drafting at all.
+RETRY_SHARE = 0.02
 FADE_WEIGHT = 0.05  # what target-only rounds no longer show fades, a twentieth a round (so drafting is tried again)
 
 
@@ -57,6 +74,9 @@ class RoundCosts:
         self.reports = reports  # orchestrator.deployment.step_reports.StepReports, or None
         self.draft_ratio = Ewma(RATIO_WEIGHT)
         self.target_ratio = Ewma(RATIO_WEIGHT)
+        self.draft_latency = Ewma(LATENCY_WEIGHT)  # seconds a drafting round waits beyond the draft's forwards
+        self.target_latency = Ewma(LATENCY_WEIGHT)  # seconds a Verify takes beyond the target's forward
+        self.undrafted_s = 0.0  # wall time of the target-only rounds since the last drafting round
         self.wall_by_k: dict[int, Ewma] = {}  # without reports: a round's seconds by its draft length
 
     def _tables(self) -> tuple[StepCosts, StepCosts] | None:
@@ -74,13 +94,13 @@ class RoundCosts:
         tables = self._tables()
         if tables is None or k == 0:
             return 0.0
-        return k * tables[1].step_s(batch.draft_step()) * self.draft_ratio.get(1.0)
+        return self.draft_latency.get(0.0) + k * tables[1].step_s(batch.draft_step()) * self.draft_ratio.get(1.0)
 
     def target_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float:
         tables = self._tables()
         if tables is None:
             return 0.0
-        return tables[0].step_s(batch.target_step(k, lookup)) * self.target_ratio.get(1.0)
+        return self.target_latency.get(0.0) + tables[0].step_s(batch.target_step(k, lookup)) * self.target_ratio.get(1.0)
 
     def round_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float:
         """Seconds of one round of the batch at draft length k (or at k = 0 verifying `lookup` more rows)."""
@@ -93,11 +113,19 @@ class RoundCosts:
         tables = self._tables()
         return None if tables is None else tables[1].step_s(StepShape(1, tokens)) * self.draft_ratio.get(1.0)
 
-    def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad, lookup: int = 0) -> None:
-        """One round's wall-clock waits for its draft tokens and its verification, and the batch it ran in."""
+    def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad, lookup: int = 0,
+                draft_forward_s: float | None = None, verify_forward_s: float | None = None) -> None:
+        """One round's wall-clock waits for its draft tokens and its verification, and the batch it ran in;
+        with the forward time the calls reported, each wait is split into the forward and the call around it."""
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
-        if not drafted:
-            self._fade()
+        if verify_forward_s is not None:
+            verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
+        if drafted and draft_forward_s is not None:
+            draft_s = self._split(self.draft_latency, draft_s, draft_forward_s)
+        if drafted:
+            self.undrafted_s = 0.0
+        else:
+            self._fade(verify_s)
         tables = self._tables()
         if tables is None:
             return
@@ -105,9 +133,25 @@ class RoundCosts:
         if drafted:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
 
-    def _fade(self) -> None:
+    @staticmethod
+    def _split(latency: Ewma, wait_s: float, forward_s: float) -> float:
+        """Learn the call's latency from a wait; return the forward's part of it. A pre-drafted branch that
+        was ready when its verification came back (pipelining) shows no forward and a short wait: both means
+        then hold what a drafting round pays on average, hits and misses together."""
+        forward_s = min(max(0.0, forward_s), wait_s)
+        latency.update(wait_s - forward_s)
+        return forward_s
+
+    def _fade(self, round_s: float) -> None:
         if self.draft_ratio.value is not None:
             self.draft_ratio.value += FADE_WEIGHT * (1.0 - self.draft_ratio.value)
+        # A drafting round tried again pays the draft's latency once more: it is forgotten (and so measured
+        # anew) only once the target-only rounds since the last drafting one took 1/RETRY_SHARE times what it
+        # costs beyond the target's, so that such tries stay a small share of the time, however long the link.
+        self.undrafted_s += round_s
+        excess = self.draft_latency.get(0.0) - self.target_latency.get(0.0)
+        if excess > 0 and self.undrafted_s * RETRY_SHARE >= excess:
+            self.draft_latency.reset()
         target_only = self.wall_by_k.get(0)
         for k, wall in self.wall_by_k.items():
             if k and target_only is not None and target_only.value is not None and wall.value is not None:

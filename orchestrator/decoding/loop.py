@@ -196,7 +196,9 @@ class SpeculativeGeneration:
         self.on_timing(breakdown)
         accepted = verified.accepted_count
         drafted = 0 if free else len(draft_ids)  # by the draft model
-        self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s),
+        self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s,
+                                        draft_forward_s=self._clock.draft_busy_s,
+                                        verify_forward_s=self._clock.target_busy_s),
                             drafted, accepted, free, list(proposal.probabilities) if proposal else [])
         batch = draft_ids[:accepted] + [verified.next_token_id] + list(verified.after_token_ids)
         if proposal is not None:

@@ -210,7 +210,8 @@ class DraftLength:
         offered = len(free.tokens) if free is not None else 0
         if drafted and probabilities:
             self.confidence.observe(probabilities[:drafted], accepted)
-        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered + alternatives)
+        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered + alternatives,
+                           timing.draft_forward_s, timing.verify_forward_s)
         self.acceptance.observe(drafted, 0 if offered else accepted)
         if offered:
             self._acceptance_of(free).observe(offered, accepted)

@@ -89,6 +89,9 @@ class DraftLengthPolicy(Protocol):
 class RoundTiming:
     draft_s: float  # wall time the round waited for its draft tokens (0 in a target-only round)
     verify_s: float  # wall time of the Verify call
+    # The forward time the services reported for those waits; None: unknown (the waits count as forward time).
+    draft_forward_s: float | None = None
+    verify_forward_s: float | None = None
 
 
 @dataclass
