@@ -7,8 +7,9 @@ recovered or bonus token), the draft's tokens (commits applied, proposals append
 — so when a call finds its replica gone (UNAVAILABLE, or NOT_FOUND from a replica
 that restarted empty), the session is re-prefilled on the least-loaded other
 replica from that sequence and the same call is sent again with the same round and
-position. The client stream then has no lost or duplicated token, and under greedy
-the same output. (Under sampling the output keeps the target's distribution; a
+position. (A replica that was only cut off by a link reset, and is chosen again, still
+holds the session: that copy is closed first.) The client stream then has no lost or
+duplicated token, and under greedy the same output. (Under sampling the output keeps the target's distribution; a
 seeded request is no longer reproducible across the move.) A request that loses `max_replica_failures` replicas is failed
 (ABORTED) rather than allowed to take down one replica after another; a pool with
 no healthy replica answers UNAVAILABLE within the request's deadline. The loop
@@ -70,6 +71,25 @@ def _remaining(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
 
 
+async def _afresh(client, request_id: str, timeout: float, open_session: Callable[[float], Awaitable]):
+    """open_session(timeout), on a replica that may still hold the session: then it is closed and opened again.
+
+    Session ids are unique, so a replica answers an open with ALREADY_EXISTS only when the session was opened
+    there before and a call found the replica lost though it was not: only the connection broke (a link reset),
+    swallowing the answer to an open or a round, so the replica's copy may be past what we know of the session.
+    Opened again from our record, it holds what any other replica would. (Not closed in advance: a close that
+    finds no session, as on a replica that did restart, makes the replica refuse a later open of it.)
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        return await open_session(timeout)
+    except (UpstreamError, grpc.aio.AioRpcError) as error:
+        if _code(error) != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+    await client.close(request_id)
+    return await open_session(_remaining(deadline))
+
+
 class PooledClient:
     service = ""
 
@@ -105,7 +125,8 @@ class PooledClient:
             replica = placement.replica
             try:
                 if placement.stale:
-                    await self._reopen(replica.client, request_id, placement, _remaining(deadline))
+                    await _afresh(replica.client, request_id, _remaining(deadline),
+                                  lambda left: self._reopen(replica.client, request_id, placement, left))
                     placement.stale = False
                 return await call(replica.client, _remaining(deadline))
             except (UpstreamError, grpc.aio.AioRpcError) as error:
@@ -142,8 +163,8 @@ class PooledClient:
                    max_new_tokens: int = 0):
         placement = self.sessions[request_id] = Placement(
             list(prompt), sampling, kv_limit=len(prompt) + max_new_tokens if max_new_tokens else 0)
-        opened = await self._call(request_id, placement, timeout,
-                                  lambda client, t: client.open(request_id, prompt, sampling, t, max_new_tokens))
+        opened = await self._call(request_id, placement, timeout, lambda client, t: _afresh(
+            client, request_id, t, lambda left: client.open(request_id, prompt, sampling, left, max_new_tokens)))
         placement.opened = True
         self._opened(placement, opened)
         return opened
