@@ -50,7 +50,7 @@ class Counts:
     target_busy_s: float
     draft_busy_s: float
     wire_bytes: float  # both directions of every link
-    cpu_s: dict[str, float]  # CPU time by process: the stack's and the load generator's ("client")
+    cpu_s: dict[str, float]  # CPU time by process of the stack
 
     def __sub__(self, other: "Counts") -> "Counts":
         scalars = {f: getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__ if f != "cpu_s"}
