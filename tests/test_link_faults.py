@@ -11,26 +11,33 @@ Generation API, as a client's would.
 A fault must never hang a request nor change what it streams: a request ends within the deadline
 that governs the call the fault caught (the draft's per-round timeout, the target's per-call one),
 plus a generous margin for a loaded 2-core host; only lower-level timings are left unasserted.
+
+The last tests check when a call in flight is abandoned because the pool's health checks found its
+replica unreachable, over scripted replicas (health checks and a target that answer when the test says),
+so that a check fails exactly while a call waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from benchmarks.links import DelayLine, LinkSpec
 from harness import WORK_TIMEOUT_S, eventually, load
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
-from orchestrator.deployment.clients import UpstreamError
-from orchestrator.deployment.pool import Replica
+from orchestrator.deployment.failover import PooledTargetClient
+from orchestrator.deployment.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool,
+                                          fixed_replicas)
 from specmesh.sampling import SamplingParams
-from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2
 from test_attached_endpoints import Orchestrator, Service, serve_args, start_service, stop_all, token_file_in
 from test_greedy_parity import target_greedy
 from test_pool_failover import placed
@@ -42,6 +49,9 @@ FAULT_ROUND = 2  # the fault lands after this round: the draft has had tokens ac
 LINK = LinkSpec(rtt_ms=1.0)
 DRAFT_TIMEOUT_S = 0.5  # the loop's per-round deadline on the draft (draft-timeout; 5 s by default)
 TARGET_TIMEOUT_S = 3.0  # the loop's per-call deadline on the target, for a request a fault hits (120 s by default)
+# A stall is found by health checks failing in a row (each CHECK_TIMEOUT_S): the Verify a stall catches gets a
+# deadline well past that, so that only a failover, not the deadline, can end its wait.
+STALLED_VERIFY_TIMEOUT_S = UNREACHABLE_AFTER_FAILED_CHECKS * CHECK_TIMEOUT_S + 6.0
 # How far past the deadline that governs it a faulted request may end: generous for a loaded 2-core host,
 # and still short of what a hang would take (a draft timeout every round of 40: 20 s; the target's 120 s).
 SLACK_S = 10.0
@@ -70,13 +80,14 @@ class LinkedStack:
     def target_replica(self, name: str) -> Replica:
         return self.orchestrator.pool("target").replicas[name]
 
-    def generation(self, loop=SpeculativeGeneration, sampling: SamplingParams = GREEDY) -> SpeculativeGeneration:
+    def generation(self, loop=SpeculativeGeneration, sampling: SamplingParams = GREEDY,
+                   target_timeout_s: float = TARGET_TIMEOUT_S) -> SpeculativeGeneration:
         """A request at fixed k through the orchestrator's pooled clients, with the test's deadlines."""
         request = GenerationRequest(request_id="faulted", prompt_token_ids=self.tokenizer.encode(PROMPT),
                                     max_tokens=MAX_TOKENS, sampling=sampling, stop=[], num_speculative_tokens=K,
                                     fixed_k=True)
         config = LoopConfig(num_speculative_tokens=K, draft_timeout_s=DRAFT_TIMEOUT_S,
-                            target_timeout_s=TARGET_TIMEOUT_S)
+                            target_timeout_s=target_timeout_s)
         return loop(request, self.backends.target, self.backends.draft, self.backends.eos_token_ids, config)
 
     async def generate(self) -> tuple[list[int], generation_pb2.GenerationStats, float]:
@@ -281,33 +292,28 @@ async def test_a_stalled_target_link_never_holds_a_request_past_its_verify_deadl
         tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
     greedy = expected(tiny_llama_dir)
     async with linked_stack(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir, targets=2) as stack:
-        gen, stalled = stack.generation(), []
+        gen, stalled = stack.generation(target_timeout_s=STALLED_VERIFY_TIMEOUT_S), []
 
         async def stall_the_sessions_target(gen):
             stalled.append(placed(stack.backends.target, gen))
             stack.target_links[stalled[0]].stall()
-        run, failure = FaultedRun(gen), None
-        try:
-            await run.run(stall_the_sessions_target)
-        except UpstreamError as error:
-            failure = error
-        # Whatever becomes of it, the request ends by its Verify's deadline and never streams a wrong token.
-        assert run.seconds_after < TARGET_TIMEOUT_S + SLACK_S
-        assert run.tokens == greedy[:len(run.tokens)] and len(run.tokens) >= run.tokens_before
-        # The health checks (2 s deadline) find the stalled replica, and new requests go to the other one.
+        faulted = await FaultedRun(gen).run(stall_the_sessions_target)
+        # The health checks (2 s deadline) cross the stalled link too: once they have failed twice in a row,
+        # the Verify waiting there fails over, not at its deadline: the session is re-prefilled on the other
+        # target and the same round sent again, so the output is unchanged.
         (other,) = set(stack.target_links) - set(stalled)
+        assert faulted.tokens == greedy and gen.stats.draft_tokens > faulted.draft_tokens_before
+        assert stack.backends.target.failovers == 1 and placed(stack.backends.target, gen) == other
+        assert faulted.seconds_after < STALLED_VERIFY_TIMEOUT_S + SLACK_S
+        # The abandoned Verify was a message on the session's round stream: that stream was dropped with it.
+        stalled_client = stack.target_replica(stalled[0]).client
+        assert stalled_client.round_streams and gen.session_id not in stalled_client._streams
+        # New requests go to the other target.
         await eventually(lambda: stack.target_replica(stalled[0]).serving, False)
         placed_before = stack.target_replica(other).placed
         tokens, stats, _ = await stack.generate()
         assert tokens == greedy and stats.draft_tokens > 0
         assert stack.target_replica(other).placed == placed_before + 1
-        if failure is not None:
-            # The gap: a Verify to a stalled target waits out its whole deadline (target_timeout_s, 120 s by
-            # default) and DEADLINE_EXCEEDED is no failover code, so the request fails though another
-            # target serves, and the health checks found the stall within seconds.
-            assert failure.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            pytest.xfail("a stalled target link fails the request at target_timeout_s instead of failing over")
-        assert run.tokens == greedy and stack.backends.target.failovers == 1
 
 
 # ---- sampled, seeded: a draft link reset
@@ -328,3 +334,181 @@ async def test_a_reset_draft_link_under_seeded_sampling_completes_the_request(
         # tokens, so target-only rounds (and the draft's return after them) move every later draw, as a target
         # failover does (docs/design/pools-and-failover.md). The output keeps the target's distribution.
         assert faulted.tokens[:faulted.tokens_before] == undisturbed[:faulted.tokens_before]
+
+
+# ---- scripted replicas: when a health check fails while a call waits
+
+
+PROMPT_IDS = [1, 2, 3]
+FIRST_TOKEN = 4
+NO_ANSWER = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 details="no answer within the check's deadline")
+
+
+class ScriptedHealth:
+    """A replica's channel as the pool's health checks use it: with `scripted`, each check waits for the outcome
+    the test puts in `outcomes` (a status, or an error to raise); else every check finds it SERVING at once."""
+
+    def __init__(self, scripted: bool):
+        self.scripted = scripted
+        self.outcomes: asyncio.Queue = asyncio.Queue()
+
+    def unary_unary(self, _method, **_options):
+        return self._check
+
+    unary_stream = unary_unary
+
+    async def _check(self, _request, timeout=None):
+        outcome = await self.outcomes.get() if self.scripted else health_pb2.HealthCheckResponse.SERVING
+        if isinstance(outcome, Exception):
+            raise outcome
+        return health_pb2.HealthCheckResponse(status=outcome)
+
+    async def close(self, grace=None):
+        pass
+
+
+class ScriptedTarget:
+    """A target replica's client: a Verify waits until `answer` is set (at once with `answering`)."""
+
+    def __init__(self, answering: bool):
+        self.answer = asyncio.Event()
+        if answering:
+            self.answer.set()
+        self.verifying = asyncio.Event()  # set when a Verify arrives
+        self.calls: list[tuple] = []
+        self.cancelled = 0  # Verifies cancelled while they waited
+
+    async def model_info(self, timeout):
+        return common_pb2.ModelInfo(model="scripted")
+
+    async def open(self, request_id, prompt, sampling, timeout, max_new_tokens=0):
+        self.calls.append(("open", list(prompt)))
+        return target_pb2.TargetOpenResponse(token_id=FIRST_TOKEN)
+
+    async def resume(self, request_id, committed, sampling, timeout, max_new_tokens=0):
+        self.calls.append(("resume", list(committed)))
+        return target_pb2.TargetOpenResponse()
+
+    async def verify(self, request_id, round_number, position, draft_token_ids, distributions, timeout,
+                     *_options):
+        self.calls.append(("verify", round_number, position))
+        self.verifying.set()
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.verifying.clear()
+        return target_pb2.VerifyResponse(accepted_count=len(draft_token_ids), next_token_id=9)
+
+    async def close(self, request_id):
+        self.calls.append(("close",))
+
+
+@dataclass
+class ScriptedTargets:
+    """Target replicas `a` (its checks and Verifies answer when the test says) and `b` (at once), in a pool."""
+
+    pool: ReplicaPool
+    health: dict[str, ScriptedHealth]
+    clients: dict[str, ScriptedTarget]
+    target: PooledTargetClient
+
+    @classmethod
+    async def start(cls) -> "ScriptedTargets":
+        names = {"a": True, "b": False}  # scripted or not
+        discover = fixed_replicas({name: f"scripted:{name}" for name in names})
+        pool = ReplicaPool("target", discover, make_client=None)
+        resolves = await discover()
+        health = {name: ScriptedHealth(scripted) for name, scripted in names.items()}
+        clients = {name: ScriptedTarget(answering=not scripted) for name, scripted in names.items()}
+        for name in names:
+            pool.replicas[name] = Replica(name, resolves[name], address=f"scripted:{name}", channel=health[name],
+                                          client=clients[name], serving=True)
+        scripted = cls(pool, health, clients, PooledTargetClient(pool))
+        await scripted.target.open("s", PROMPT_IDS, GREEDY, timeout=WORK_TIMEOUT_S)
+        assert scripted.placed == "a"  # equal loads: the first by name
+        return scripted
+
+    @property
+    def a(self) -> Replica:
+        return self.pool.replicas["a"]
+
+    @property
+    def placed(self) -> str:
+        return self.target.sessions["s"].replica.name
+
+    async def verifying(self, round_number: int = 1) -> asyncio.Future:
+        """A Verify of the session's round, waiting on its replica."""
+        verify = asyncio.ensure_future(self.target.verify("s", round_number, len(PROMPT_IDS) + 1, [7], [],
+                                                          timeout=WORK_TIMEOUT_S))
+        await self.clients[self.placed].verifying.wait()
+        return verify
+
+    async def check_a(self, outcome) -> None:
+        """One health check of `a` that meets `outcome` (`b` passes its own)."""
+        self.health["a"].outcomes.put_nowait(outcome)
+        await self.pool.refresh()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+
+@contextlib.asynccontextmanager
+async def scripted_targets():
+    scripted = await ScriptedTargets.start()
+    try:
+        yield scripted
+    finally:
+        await scripted.stop()
+
+
+async def test_a_replica_that_misses_one_health_check_keeps_the_calls_in_flight_and_its_sessions():
+    # A busy replica may miss a check (2 s deadline): no new sessions go there until it passes one, but its
+    # calls in flight are not abandoned, so its sessions are not moved (each move re-prefills the session and
+    # uses up one of its max_replica_failures).
+    async with scripted_targets() as scripted:
+        for round_number in (1, 2):  # failed checks count in a row only: a pass between two starts afresh
+            verify = await scripted.verifying(round_number)
+            await scripted.check_a(NO_ANSWER)
+            assert not scripted.a.serving and scripted.a.failed_checks == 1 and not verify.done()
+            scripted.clients["a"].answer.set()
+            assert (await verify).next_token_id == 9
+            scripted.clients["a"].answer.clear()
+            # The pool checks a replica again at once after a miss: it passes.
+            scripted.health["a"].outcomes.put_nowait(health_pb2.HealthCheckResponse.SERVING)
+            await eventually(lambda: scripted.a.serving)
+            assert scripted.a.failed_checks == 0
+        assert scripted.target.failovers == 0 and scripted.placed == "a" and scripted.clients["a"].cancelled == 0
+        assert scripted.clients["b"].calls == []
+
+
+async def test_a_replica_that_fails_its_health_checks_in_a_row_fails_the_call_in_flight_over():
+    async with scripted_targets() as scripted:
+        verify = await scripted.verifying()
+        await scripted.check_a(NO_ANSWER)
+        assert not verify.done()
+        scripted.health["a"].outcomes.put_nowait(NO_ANSWER)  # the re-check after the miss fails too
+        verified = await asyncio.wait_for(verify, WORK_TIMEOUT_S)  # the scripted Verify on `a` never answers
+        # The Verify on `a` was cancelled; the session was re-prefilled on `b` from what it had committed, and
+        # the same round sent again there.
+        assert verified.next_token_id == 9 and scripted.clients["a"].cancelled == 1
+        assert scripted.target.failovers == 1 and scripted.placed == "b" and not scripted.a.calls
+        assert scripted.clients["b"].calls == [("resume", [*PROMPT_IDS, FIRST_TOKEN]),
+                                               ("verify", 1, len(PROMPT_IDS) + 1)]
+
+
+@pytest.mark.parametrize("found_unreachable_too", [False, True], ids=["cancelled", "cancelled-and-unreachable"])
+async def test_a_cancelled_request_is_cancelled_not_failed_over(found_unreachable_too):
+    # The client went away: the call on the replica is cancelled, and the cancellation reaches the request,
+    # also when the pool finds the replica unreachable at the same moment.
+    async with scripted_targets() as scripted:
+        verify = await scripted.verifying()
+        verify.cancel()
+        if found_unreachable_too:
+            scripted.a.abandon_calls()
+        with pytest.raises(asyncio.CancelledError):
+            await verify
+        assert scripted.clients["a"].cancelled == 1 and not scripted.a.calls
+        assert scripted.target.failovers == 0 and scripted.placed == "a" and scripted.clients["b"].calls == []

@@ -5,10 +5,11 @@ replicas. Each remembers the sequence its session holds on its replica — the
 target's committed tokens (prompt, first token, each round's accepted prefix plus
 recovered or bonus token), the draft's tokens (commits applied, proposals appended)
 — so when a call finds its replica gone (UNAVAILABLE, or NOT_FOUND from a replica
-that restarted empty), the session is re-prefilled on the least-loaded other
-replica from that sequence and the same call is sent again with the same round and
-position. (A replica that was only cut off by a link reset, and is chosen again, still
-holds the session: that copy is closed first.) The client stream then has no lost or
+that restarted empty), or the pool's health checks find the replica unreachable while
+the call waits on it (a stalled link, a hung replica: orchestrator.deployment.pool), the
+session is re-prefilled on the least-loaded other replica from that sequence and the
+same call is sent again with the same round and position. (A replica that was only cut
+off by a link reset, and is chosen again, still holds the session: that copy is closed first.) The client stream then has no lost or
 duplicated token, and under greedy the same output. (Under sampling the output keeps the target's distribution; a
 seeded request is no longer reproducible across the move.) A request that loses `max_replica_failures` replicas is failed
 (ABORTED) rather than allowed to take down one replica after another; a pool with
@@ -124,15 +125,20 @@ class PooledClient:
                 placement.stale = placement.opened
             replica = placement.replica
             try:
-                if placement.stale:
-                    await _afresh(replica.client, request_id, _remaining(deadline),
-                                  lambda left: self._reopen(replica.client, request_id, placement, left))
-                    placement.stale = False
-                return await call(replica.client, _remaining(deadline))
+                return await replica.unless_unreachable(self._attempt(request_id, placement, replica, deadline, call))
             except (UpstreamError, grpc.aio.AioRpcError) as error:
                 if isinstance(error, ReplicaFailure) or _code(error) not in FAILOVER_CODES:
                     raise
                 self._lose(request_id, placement, replica, error)
+
+    async def _attempt(self, request_id: str, placement: Placement, replica: Replica, deadline: float,
+                       call: Callable[[object, float], Awaitable]):
+        """call(client, timeout) on `replica`, after re-opening the session there when it has just moved."""
+        if placement.stale:
+            await _afresh(replica.client, request_id, _remaining(deadline),
+                          lambda left: self._reopen(replica.client, request_id, placement, left))
+            placement.stale = False
+        return await call(replica.client, _remaining(deadline))
 
     def _lose(self, request_id: str, placement: Placement, replica: Replica, error: Exception) -> None:
         placement.failures += 1

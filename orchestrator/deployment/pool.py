@@ -7,7 +7,10 @@ replica serves on a new port, so an unreachable one is resolved again. Every
 SERVING, then its GetModelInfo for its load (a replica that fails either is not
 routed to). A new session goes to the serving replica with the least load
 (orchestrator.deployment.load: one with KV room and nobody waiting first) and stays
-there until it ends or the replica is lost.
+there until it ends or the replica is lost. A replica that fails its checks
+UNREACHABLE_AFTER_FAILED_CHECKS times in a row is found unreachable: the calls in flight
+on it (`Replica.unless_unreachable`) fail as UNAVAILABLE at once, so they fail over
+instead of waiting out their deadlines on a stalled link or a hung replica.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ log = logging.getLogger(__name__)
 Resolve = Callable[[], Awaitable[str]]
 Discover = Callable[[], Awaitable[dict[str, Resolve]]]
 CHECK_TIMEOUT_S = 2.0
+# Health checks failed in a row that make the calls in flight on a replica fail over. Not one: a busy
+# replica may miss one check, and abandoning its calls would move all its sessions at once, each paying
+# a re-prefill and using up one of its max_replica_failures. Two mean about 2 x CHECK_TIMEOUT_S without an
+# answer: a stall or a hang, still far short of a target call's deadline (120 s by default).
+UNREACHABLE_AFTER_FAILED_CHECKS = 2
 CLIENTS = {"draft": DraftClient, "target": TargetClient}
 RESOLVE_TIMEOUT_S = 60.0  # a restarting replica loads its model before it answers
 
@@ -64,6 +72,9 @@ class Replica:
     open_sessions: int = 0  # sessions open on the replica, from its last check
     refused_us: bool = False  # its last check was UNAUTHENTICATED: logged once, not every check
     failures: int = 0  # calls that found it lost; a check begun before one must not revive it
+    failed_checks: int = 0  # health checks failed in a row
+    # The calls in flight here, each watched by an asyncio.timeout without a deadline (unless_unreachable).
+    calls: set[asyncio.Timeout] = field(default_factory=set, repr=False)
     info: common_pb2.ModelInfo | None = None  # what it serves, from its last check
     resolving: asyncio.Task | None = field(default=None, repr=False)
 
@@ -78,6 +89,36 @@ class Replica:
     @property
     def load(self) -> Load:
         return replica_load(self.info, self.placed - self.placed_at_report)
+
+    async def unless_unreachable(self, call: Awaitable):
+        """What `call` (a call on this replica) returns; UNAVAILABLE as soon as the pool finds the replica
+        unreachable while it is in flight (abandon_calls), rather than when the call's deadline passes."""
+        # An asyncio.timeout rather than a race against a task: on every round's path it costs a few
+        # microseconds and no task. Expiring it cancels the call where it waits (the RPC, or its message on
+        # a round stream, which drops the stream), and asyncio.timeout tells that cancellation apart from one
+        # of the caller's own task (the client went away), which propagates as a cancellation.
+        watch = asyncio.timeout(None)
+        try:
+            async with watch:
+                self.calls.add(watch)
+                try:
+                    return await call
+                finally:
+                    self.calls.discard(watch)
+        except TimeoutError:
+            if not watch.expired():
+                raise  # the call's own
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                details=f"replica {self.name} failed {UNREACHABLE_AFTER_FAILED_CHECKS} health checks in a row "
+                        "during the call") from None
+
+    def abandon_calls(self) -> None:
+        """The replica is unreachable: every call in flight on it raises UNAVAILABLE now."""
+        calls, self.calls = self.calls, set()
+        now = asyncio.get_running_loop().time()
+        for watch in calls:
+            watch.reschedule(now)
 
 
 class ReplicaPool:
@@ -209,6 +250,7 @@ class ReplicaPool:
                 replica.placed_at_report = max(replica.placed_at_report, placed)
                 self.on_info(self.role, replica.info)
             replica.serving = serving and replica.failures == failures
+            replica.failed_checks = 0  # it answered: not unreachable, however busy
             self._note_serving()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as error:
             code = error.code() if isinstance(error, grpc.aio.AioRpcError) else "timed out"
@@ -220,8 +262,16 @@ class ReplicaPool:
                             replica.address, code)
             replica.refused_us = code == grpc.StatusCode.UNAUTHENTICATED
             replica.serving = False
+            self._note_failed_check(replica)
             self._note_serving()
             self._start_resolving(replica)  # it may have restarted on another port
+
+    def _note_failed_check(self, replica: Replica) -> None:
+        replica.failed_checks += 1
+        if replica.failed_checks >= UNREACHABLE_AFTER_FAILED_CHECKS and replica.calls:
+            log.warning("%s replica %s at %s failed %d health checks in a row: its %d calls in flight fail over",
+                        self.role, replica.name, replica.address, replica.failed_checks, len(replica.calls))
+            replica.abandon_calls()
 
     def _start_resolving(self, replica: Replica) -> None:
         if replica.resolving is None or replica.resolving.done():
