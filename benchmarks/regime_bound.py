@@ -3,8 +3,10 @@
 One request at a time, over target-only decoding with the orchestrator beside the target (1 / t(1)
 tokens per second). Times in seconds: `t(rows)` is the target's step for a verification of `rows`
 rows, `d` the draft's one-row step, `rtt_draft_s` / `rtt_target_s` the round trips of the
-orchestrator's links to each (0 where they share a host). Both bounds maximise over k in 1..k_max
-(k = 0 is target-only, 1x by definition) and return (speedup, the k that reaches it; the smallest on ties).
+orchestrator's links to each (0 where they share a host). Both bounds maximise over k in 0..k_max and
+return (speedup, the k that reaches it; the smallest on ties). k = 0 is target-only through this
+placement: a round of t(1) + rtt_target_s, 1x where the target's link adds nothing (the orchestrator
+beside the target), less where every token crosses the target's link.
 """
 
 from __future__ import annotations
@@ -22,19 +24,21 @@ def E(alpha: float, k: int) -> float:  # noqa: N802 (the doc's name)
 
 
 def sequential_round_s(k: int, t: StepTime, d: float, rtt_draft_s: float, rtt_target_s: float) -> float:
-    """Draft k tokens, then verify them: the two sides one after the other."""
-    return k * d + rtt_draft_s + t(k + 1) + rtt_target_s
+    """Draft k tokens, then verify them: the two sides one after the other (k = 0: no draft call)."""
+    return (k * d + rtt_draft_s if k else 0.0) + t(k + 1) + rtt_target_s
 
 
 def pipelined_round_s(k: int, t: StepTime, d: float, rtt_draft_s: float, rtt_target_s: float, hit: float) -> float:
     """A hit (the prepared branch is the one verification chose) costs the longer side; a miss, both."""
+    if k == 0:
+        return sequential_round_s(0, t, d, rtt_draft_s, rtt_target_s)
     round_hit = max(t(k + 1) + rtt_target_s, k * d + rtt_draft_s)
     return hit * round_hit + (1.0 - hit) * sequential_round_s(k, t, d, rtt_draft_s, rtt_target_s)
 
 
 def best_k(alpha: float, t: StepTime, k_max: int, round_s: Callable[[int], float]) -> tuple[float, int]:
-    """max over k in 1..k_max of E(k) * t(1) / round_s(k), and its k."""
-    speedups = [(E(alpha, k) * t(1) / round_s(k), k) for k in range(1, k_max + 1)]
+    """max over k in 0..k_max of E(k) * t(1) / round_s(k), and its k."""
+    speedups = [(E(alpha, k) * t(1) / round_s(k), k) for k in range(0, k_max + 1)]
     return max(speedups, key=lambda pair: (pair[0], -pair[1]))
 
 

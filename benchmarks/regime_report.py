@@ -20,6 +20,7 @@ from benchmarks.regime_bound import pipelined_bound, sequential_bound
 ORCHESTRATOR_COUNTERS = {  # what a cell reads of the orchestrator's /metrics
     "rounds": ("specmesh_round_time_seconds_count", {"part": "draft_busy"}),
     "tokens": ("specmesh_generation_tokens_total", {}),
+    "drafting_rounds": ("specmesh_spec_decode_num_drafts_total", {}),
     "hits": ("specmesh_predraft_hits_total", {}),
     "misses": ("specmesh_predraft_misses_total", {}),
 }
@@ -45,6 +46,7 @@ class Counts:
 
     rounds: float
     tokens: float
+    drafting_rounds: float  # rounds that verified draft-model tokens
     hits: float
     misses: float
     target_busy_s: float
@@ -95,14 +97,17 @@ class Regime:
         return {"bound_sequential": sequential, "bound_sequential_k": k_seq, "bound_pipelined": pipelined,
                 "bound_pipelined_k": k_pipe, "bound_pipelined_h1": ceiling, "bound_pipelined_h1_k": k_ceiling}
 
-    def critical_path_ms(self, k: float, hit: float) -> float:
-        """What a round drafting k tokens (k may be a mean) takes with zero overhead: the profile's steps and
-        the links' round trips on its critical path (a pre-draft hit hides the draft behind the target)."""
+    def critical_path_ms(self, drafting: float, k: float, hit: float) -> float:
+        """What a round takes with zero overhead, on average: the profile's steps and the links' round trips
+        on its critical path, where a share `drafting` of the rounds drafted k tokens on average (the rest
+        were target-only) and a pre-draft hit hid the draft behind the target."""
+        target_only = self.target_s(1) + self.rtt_target_s
+        if drafting <= 0 or k <= 0:
+            return target_only * 1e3
         verify = self.target_s(max(1, round(k + 1))) + self.rtt_target_s
-        if k <= 0:
-            return verify * 1e3
         draft = k * self.draft_s() + self.rtt_draft_s
-        return (hit * max(verify, draft) + (1 - hit) * (verify + draft)) * 1e3
+        drafted = hit * max(verify, draft) + (1 - hit) * (verify + draft)
+        return ((1 - drafting) * target_only + drafting * drafted) * 1e3
 
 
 def cell_figures(mode: dict, counts: Counts, regime: Regime, baseline_tok_s: float | None) -> dict:
@@ -129,5 +134,8 @@ def cell_figures(mode: dict, counts: Counts, regime: Regime, baseline_tok_s: flo
     }
     if parts.get("decode_ms") is not None:
         # A round as the client saw it, less the profile's steps and the links' delays on its critical path.
-        figures["overhead_ms_per_round"] = parts["decode_ms"] - regime.critical_path_ms(drafted, hit)
+        drafting = min(1.0, counts.drafting_rounds / rounds)
+        k = drafted / drafting if drafting else 0.0  # the mean draft of the rounds that drafted
+        figures["overhead_ms_per_round"] = parts["decode_ms"] - regime.critical_path_ms(drafting, k, hit)
+        figures["drafting_round_share"] = drafting
     return figures

@@ -177,3 +177,13 @@ def test_a_scaled_profile_stretches_every_time_and_leaves_the_bound_as_it_was():
     assert bound(target, draft, scale) == pytest.approx(bound(profile.target, profile.draft, 1.0))
     with pytest.raises(ValueError):
         scaled(profile.target, 0.0)
+
+
+def test_target_only_is_in_the_bound_with_what_its_placement_costs():
+    """k = 0 is the round trip-free choice beside the target (1x) and one target round trip a token beside
+    the draft: a link so slow that no draft pays leaves the bound at target-only through the placement."""
+    t = lambda rows: 0.006  # noqa: E731
+    assert sequential_bound(0.8, t, 0.001, 0.020, 0.0) == (1.0, 0)  # beside the target
+    assert pipelined_bound(0.8, t, 0.001, 0.040, 0.0, hit=0.5) == (1.0, 0)
+    speedup, k = sequential_bound(0.8, t, 0.001, 0.0, 0.020)  # beside the draft: every round pays 20 ms
+    assert k > 0 and 0.006 / 0.026 < speedup < 1.0
