@@ -9,11 +9,11 @@ as on separate machines:
 
 - the target and the draft services (`python -m target_service`, `python -m draft_service`), holding one
   internal token; one compute thread each, as their tiny real forwards run fastest that way;
-- the links (benchmarks.links): a delay line in front of each service, with the round trip and bandwidth of
-  the placement: `beside-target` puts the orchestrator on the target's host (its link to the target adds
-  nothing, its link to the draft carries the delay), `beside-draft` the other way round, `direct` has no
-  links at all (every service on one host, the stack users get without a network);
-- `specmesh serve` attached to the two services through the links (`target-endpoints`, `draft-endpoints`,
+- the link (benchmarks.links): a delay line with the round trip and bandwidth of the placement in front of
+  the service across the network: `beside-target` puts the orchestrator on the target's host (it reaches
+  the target directly and the draft through the link), `beside-draft` the other way round, `direct` has no
+  link at all (every service on one host, the stack users get without a network);
+- `specmesh serve` attached to the two services, one of them through the link (`target-endpoints`, `draft-endpoints`,
   `internal-token-file`), pipelining on: the emulated draft and target are separate GPUs, where `auto`
   turns it on.
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.links import CONTROL_DONE, parse_counters_line, parse_ready_line
+from benchmarks.links import CONTROL_DONE, parse_counters_line
 from benchmarks.serve_process import METRICS, READY, serve_command, start_logged, stop_serve
 
 PLACEMENTS = ("direct", "beside-target", "beside-draft")
@@ -93,8 +93,10 @@ class RegimeStack:
         try:
             for role, model in (("target", self.target_dir), ("draft", self.draft_dir)):
                 self.services[role] = self._start_service(role, model, token)
-            addresses = self._start_links() if delayed_link(self.placement) else {
-                role: service.address for role, service in self.services.items()}
+            addresses = {role: service.address for role, service in self.services.items()}
+            linked = delayed_link(self.placement)
+            if linked is not None:
+                addresses[linked] = self._start_link(linked)
             self._start_serve(addresses, token)
         except BaseException:
             self.stop()
@@ -110,14 +112,14 @@ class RegimeStack:
         address, metrics_port = found["ready"].group(1), found["ready"].group(2)
         return Service(process, address, f"http://127.0.0.1:{metrics_port}/metrics")
 
-    def _start_links(self) -> dict[str, str]:
-        """One process of two delay lines, both at no delay until `set_links`; their listening addresses."""
-        command = [sys.executable, "-m", "benchmarks.links", "--control", str(self._control_file)]
-        for role, service in self.services.items():
-            command += ["--link", f"{role}=127.0.0.1:0,{service.address},0,unlimited"]
-        patterns = {role: re.compile(rf"^link ready: (\S+) .* name {role}$", re.M) for role in self.services}
-        self.links, found = start_logged(command, self.work / "links.log", patterns, timeout_s=60.0)
-        return {role: match.group(1) for role, match in found.items()}
+    def _start_link(self, role: str) -> str:
+        """A delay line in front of `role`'s service, at no delay until `set_links`; its listening address.
+        The other role is reached directly: beside the orchestrator its messages cross no network."""
+        command = [sys.executable, "-m", "benchmarks.links", "--control", str(self._control_file),
+                   "--link", f"{role}=127.0.0.1:0,{self.services[role].address},0,unlimited"]
+        pattern = re.compile(rf"^link ready: (\S+) .* name {role}$", re.M)
+        self.links, found = start_logged(command, self.work / "links.log", {role: pattern}, timeout_s=60.0)
+        return found[role].group(1)
 
     def _start_serve(self, addresses: dict[str, str], token: Path) -> None:
         config = {"target": str(self.target_dir), "draft": str(self.draft_dir), "trust-remote-code": True,
@@ -136,13 +138,11 @@ class RegimeStack:
         return self.work / "links.json"
 
     def set_links(self, rtt_ms: float, bandwidth: str) -> dict[str, dict]:
-        """The placement's delayed link at this round trip and bandwidth (the other stays at none); every
-        link's counters so far, by role ({} without links)."""
+        """The placement's link at this round trip and bandwidth; its counters so far, by role ({} without)."""
         if self.links is None:
             return {}
-        wanted = {role: {"rtt_ms": 0.0, "bandwidth": "unlimited"} for role in self.services}
-        wanted[delayed_link(self.placement)] = {"rtt_ms": rtt_ms, "bandwidth": bandwidth}
-        self._control_file.write_text(json.dumps(wanted))
+        self._control_file.write_text(json.dumps({delayed_link(self.placement): {"rtt_ms": rtt_ms,
+                                                                                  "bandwidth": bandwidth}}))
         return self._signal_links(signal.SIGHUP)
 
     def link_counters(self) -> dict[str, dict]:
