@@ -28,6 +28,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,7 @@ def ensure_pair(work: Path, profile: str, alphas: list[float], time_scale: float
     marker, wanted = dest / "built.json", {"profile": profile, "alphas": sorted(alphas), "time_scale": time_scale}
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         return {"target": dest / "target", **{f"draft-{a:g}": dest / f"draft-{a:g}" for a in alphas}}
+    shutil.rmtree(dest, ignore_errors=True)  # built for other alphas, or cut short
     pair = build_pair(dest, sorted(alphas), small=True, profile=profile, time_scale=time_scale)
     marker.write_text(json.dumps(wanted))
     return pair

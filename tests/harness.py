@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from benchmarks.links import DelayLine, LinkSpec
 from orchestrator.deployment.clients import open_channel
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
@@ -170,6 +171,7 @@ class Stack:
     channel_tls: TLSConfig | None = None  # the orchestrator's identity towards the draft and target
     api_key: str | None = None
     internal_token: str | None = None  # the draft and target require it; the orchestrator sends it
+    links: list[DelayLine] = field(default_factory=list)  # between the orchestrator and the draft and target
 
     def internal_channel(self, port: int) -> grpc.aio.Channel:
         """A channel to the draft or target as the orchestrator has one (its TLS identity and token)."""
@@ -208,6 +210,8 @@ class Stack:
             await self.channel.close()
         for server in self.servers.values():
             await server.stop(None)
+        for line in self.links:
+            await line.stop()
 
 
 async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int = 2,
@@ -220,7 +224,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                       calibrate: bool = False, draft_dtype: str = "float32", draft_cost_scale: float = 1.0,
                       cpu_linear: str = "torch", target_step_costs: dict[int, float] | None = None,
                       draft_step_costs: dict[int, float] | None = None,
-                      trust_remote_code: bool = False, engine_config: dict | None = None) -> Stack:
+                      trust_remote_code: bool = False, engine_config: dict | None = None,
+                      link: LinkSpec | None = None) -> Stack:
     """Three in-process servers; k is fixed per round unless adaptive_k (the serving default) is asked for.
 
     `server_tls`: all three servers; `channel_tls`: the orchestrator's channels to the draft and
@@ -235,7 +240,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     keeps) this table instead of its own (FixedStepCosts), where pricing is an input and not the subject;
     `draft_step_costs`: the same for the draft (draft_cost_scale then unused).
     `trust_remote_code`: both models may run the code their directories ship (the set-acceptance pair);
-    `engine_config`: more EngineConfig fields for both services."""
+    `engine_config`: more EngineConfig fields for both services; `link`: the orchestrator reaches the draft
+    and the target each through a delay line of that round trip and bandwidth (benchmarks/links.py)."""
     target_engine = make_engine(target_dir, device, "target", cpu_linear=cpu_linear,
                                 trust_remote_code=trust_remote_code, **(engine_config or {}))
     if calibrate:
@@ -255,9 +261,13 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
                                   StepCosts({rows: seconds * draft_cost_scale for rows, seconds in measured.items()}))
         servers["draft"], draft_port = await start_model_server("draft", draft_engine, server_tls, internal_token,
                                                                 greedy_proposals=greedy_proposals)
+    links = {role: await DelayLine(("127.0.0.1", port), link, name=role).start()
+             for role, port in (("target", target_port), ("draft", draft_port)) if link is not None and port}
+    target_seen, draft_seen = (links[role].port if role in links else port
+                               for role, port in (("target", target_port), ("draft", draft_port)))
     options = OrchestratorOptions(
-        target_endpoint=f"127.0.0.1:{target_port}",
-        draft_endpoint=f"127.0.0.1:{draft_port}" if draft_port else None,
+        target_endpoint=f"127.0.0.1:{target_seen}",
+        draft_endpoint=f"127.0.0.1:{draft_seen}" if draft_port else None,
         loop=LoopConfig(num_speculative_tokens=k, draft_timeout_s=draft_timeout_s, adaptive_k=adaptive_k,
                         pipeline=pipeline, extra_branches=extra_branches, **(loop_options or {})),
         channel_tls=channel_tls, internal_token=internal_token)
@@ -265,7 +275,8 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
     servers["orchestrator"], port, _ = await create_orchestrator_server(tokenizer, options, metrics=metrics,
                                                                         tls=server_tls, api_key=api_key)
     stack = Stack(target_engine, draft_engine, target_port, draft_port, port, servers,
-                  channel_tls=channel_tls, api_key=api_key, internal_token=internal_token)
+                  channel_tls=channel_tls, api_key=api_key, internal_token=internal_token,
+                  links=list(links.values()))
     stack.channel = open_channel(f"127.0.0.1:{port}", client_tls)
     return stack
 

@@ -14,15 +14,18 @@ import asyncio
 import pytest
 import torch
 
+from benchmarks.links import LinkSpec
 from harness import load, start_stack
 from specmesh.sampling import SamplingParams, logits_to_probs
 
 PROMPT = "def add(a, b):"
 SAMPLES = 1000
-CASES = [  # (sampling, the draft proposes point masses)
-    (SamplingParams(1.0), False),  # dense fp16 distributions on the wire
-    (SamplingParams(0.8, top_k=12, top_p=0.9), False),  # sparse distributions
-    (SamplingParams(1.0), True),  # ids only
+GIGABIT = LinkSpec(rtt_ms=2.0, bandwidth_bps=1e9)
+CASES = [  # (sampling, the draft proposes point masses, the link between the orchestrator and each service)
+    (SamplingParams(1.0), False, None),  # dense fp16 distributions on the wire
+    (SamplingParams(0.8, top_k=12, top_p=0.9), False, None),  # sparse distributions
+    (SamplingParams(1.0), True, None),  # ids only
+    (SamplingParams(1.0), False, GIGABIT),  # over 1 Gbit/s links with a 2 ms round trip (benchmarks/links.py)
 ]
 
 
@@ -64,17 +67,18 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs).abs().sum())
 
 
-@pytest.mark.parametrize("params, point_mass", CASES, ids=["dense", "sparse", "ids-only"])
+@pytest.mark.parametrize("params, point_mass, link", CASES, ids=["dense", "sparse", "ids-only", "gigabit-link"])
 async def test_second_token_follows_target_distribution(tiny_llama_dir, tiny_llama_perturbed_dir, device,
-                                                        params, point_mass):
+                                                        params, point_mass, link):
     exact = exact_second_token_marginal(str(tiny_llama_dir), device, params)
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2, device=device,
-                              greedy_proposals=point_mass)
+                              greedy_proposals=point_mass, link=link)
     try:
         counts = await second_token_counts(stack, params, range(SAMPLES), exact.numel())
     finally:
         await stack.stop()
     assert stack.target_engine.scheduler.batched_steps > 0  # the verifications ran in shared steps
+    assert all(line.bytes_up > 0 and line.bytes_down > 0 for line in stack.links)  # the calls crossed the links
     tv = total_variation(counts, exact)
     # Within the noise of SAMPLES exact draws (this shrinks like 1/sqrt(samples)) ...
     assert tv < 2 * expected_sampling_tv(exact, int(counts.sum())), tv
