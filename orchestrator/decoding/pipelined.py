@@ -52,6 +52,7 @@ class Predraft:
         self.last_event = time.monotonic()  # the start, or the latest branch's arrival
         self.first_arrived = False
         self.done = False
+        self.timed_out = False  # a take() waited its whole wait_s for a branch that may still have come
         self._changed = asyncio.Condition()
         self.task = asyncio.ensure_future(self._collect())
 
@@ -97,7 +98,7 @@ class Predraft:
             async with self._changed:
                 await asyncio.wait_for(self._changed.wait_for(lambda: not self._may_still_come(key)), wait_s)
         except asyncio.TimeoutError:
-            pass
+            self.timed_out = True
         branch = self.branches.get(key)
         if branch is None or branch.position != self.position + accepted + 1:
             return None  # for another outcome, or stale: never used
@@ -172,6 +173,9 @@ class PipelinedGeneration(SpeculativeGeneration):
             ahead.stop()
             if proposal is not None:
                 return proposal
+            if ahead.timed_out:  # the draft was given its timeout already: a fresh Propose would wait another
+                self._abandon_draft("no pre-drafted branch within the draft timeout")
+                return None
         return await super()._proposal_for_round(k)
 
     async def _take_branch(self, ahead: Predraft, k: int) -> draft_pb2.ProposeResponse | None:
