@@ -24,8 +24,8 @@ How a link behaves
     the bandwidth-delay product one way); past that the proxy stops reading from the sender, and
     TCP flow control pushes back on it. On a link without a bandwidth limit this caps a connection
     at about queue_limit_bytes / (rtt/2), like a TCP window: 1.6 GB/s at rtt 5 ms.
-  - The line's own speed: on a 2-core test host it forwards up to about 5-10 Gbit/s of bulk data
-    (1 Gbit/s links are met to the model's figure; a 10gbit link is bounded by the line's CPU).
+  - The line's own speed is its CPU's: a link faster than the line can forward is bounded by the
+    line, not by its setting (docs/design/across-a-network.md has the figures of one host).
   - A peer that resets its connection: the reset travels the link behind the data already sent
     and then resets the other peer.
   - Faults: `stall()` keeps every connection open but forwards nothing until `resume()` (arriving
@@ -37,14 +37,10 @@ How a link behaves
     `bytes_down`), connections accepted, open, refused and reset, and the bytes held (read, not
     yet delivered).
 
-Own cost of the line, measured on a 2-core test host: 64-byte ping-pong over loopback, rtt 0,
-unlimited bandwidth, blocking client and echo server on threads of their own. A round trip takes
-about 15 us direct and 45-85 us through the line, so the line adds some tens of microseconds
-(30-70 us measured, order 50 us) per message round trip: two extra loopback hops and an event-loop
-pass each way. With the line in its own process (the CLI, as a benchmark runs it) the figure is the
-same, 30-60 us. Both are far below the millisecond rtts the line emulates. At rtt 0 a chunk is
-written from the read callback itself, with no timer. `python -m benchmarks.links
---measure-overhead` repeats the in-process measurement.
+Own cost of the line: two extra loopback hops and an event-loop pass each way, tens of microseconds
+per message round trip, far below the millisecond round trips the line emulates (at rtt 0 a chunk is
+written from the read callback itself, with no timer). `python -m benchmarks.links --measure-overhead`
+measures it on the host at hand (an in-process 64-byte ping-pong, direct and through the line).
 
 Command line (run from the repository root; runs until SIGTERM or SIGINT):
 
