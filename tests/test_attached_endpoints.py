@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -151,6 +152,22 @@ async def stop_all(*services: Service) -> None:
         await service.stop()
 
 
+@contextlib.asynccontextmanager
+async def two_targets_and_a_draft(directory, target_dir, draft_dir):
+    """Two attached targets (target-ext-0, target-ext-1) serving, an attached draft and the orchestrator
+    over them; all stopped at the end."""
+    targets = {f"target-ext-{i}": await start_service("target", target_dir) for i in range(2)}
+    draft = await start_service("draft", draft_dir)
+    orchestrator = await Orchestrator.start(target_dir, attaching(directory, list(targets.values()), [draft],
+                                                                  token_file_in(directory)))
+    try:
+        await orchestrator.pool("target").wait_serving(2, WORK_TIMEOUT_S)
+        yield targets, draft, orchestrator
+    finally:
+        await orchestrator.stop()
+        await stop_all(*targets.values(), draft)
+
+
 # ---- the settings
 
 
@@ -220,12 +237,8 @@ def test_contradicting_settings_stop_serve_before_anything_starts(tmp_path, caps
 
 async def test_two_attached_targets_and_an_attached_draft_serve_the_targets_own_tokens(
         tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
-    targets = [await start_service("target", tiny_llama_dir) for _ in range(2)]
-    draft = await start_service("draft", tiny_llama_perturbed_dir)
-    orchestrator = await Orchestrator.start(tiny_llama_dir, attaching(tmp_path, targets, [draft],
-                                                                      token_file_in(tmp_path)))
-    try:
-        await orchestrator.pool("target").wait_serving(2, WORK_TIMEOUT_S)
+    async with two_targets_and_a_draft(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir) as (
+            targets, draft, orchestrator):
         prompts = TINY_PROMPTS[:4]
         outputs = await asyncio.gather(*(orchestrator.generate(prompt) for prompt in prompts))
         assert outputs == [expected(tiny_llama_dir, prompt) for prompt in prompts]
@@ -234,7 +247,7 @@ async def test_two_attached_targets_and_an_attached_draft_serve_the_targets_own_
         assert orchestrator.pool("draft").replicas["draft-ext-0"].placed == len(prompts)  # it drafted for each
         listed = await orchestrator.replicas()
         assert {name: (r.address, r.state) for name, r in listed.items()} == {
-            "target-ext-0": (targets[0].address, "serving"), "target-ext-1": (targets[1].address, "serving"),
+            **{name: (target.address, "serving") for name, target in targets.items()},
             "draft-ext-0": (draft.address, "serving")}
         for call in (orchestrator.admin.ScalePool(admin_pb2.ScalePoolRequest(pool="target", replicas=3)),
                      orchestrator.admin.ReplaceModel(admin_pb2.ReplaceModelRequest(pool="draft", model="m"))):
@@ -242,21 +255,14 @@ async def test_two_attached_targets_and_an_attached_draft_serve_the_targets_own_
                 await call
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "-endpoints" in refused.value.details()
-    finally:
-        await orchestrator.stop()
-        await stop_all(*targets, draft)
 
 
 async def test_an_attached_target_stopped_mid_generation_fails_over_to_the_other(
         tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
-    targets = {f"target-ext-{i}": await start_service("target", tiny_llama_dir) for i in range(2)}
-    draft = await start_service("draft", tiny_llama_perturbed_dir)
-    orchestrator = await Orchestrator.start(tiny_llama_dir, attaching(tmp_path, list(targets.values()), [draft],
-                                                                      token_file_in(tmp_path)))
-    backends = orchestrator.servicer.backends
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    try:
-        await orchestrator.pool("target").wait_serving(2, WORK_TIMEOUT_S)
+    async with two_targets_and_a_draft(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir) as (
+            targets, _, orchestrator):
+        backends = orchestrator.servicer.backends
         gen, tokens, stopped = generation(tokenizer, backends.target, backends.draft), [], None
         async for batch in gen.tokens():
             tokens.extend(batch)
@@ -267,48 +273,40 @@ async def test_an_attached_target_stopped_mid_generation_fails_over_to_the_other
                 assert placed(backends.target, gen) != stopped
         assert stopped is not None and tokens == expected(tiny_llama_dir)
         assert backends.target.failovers == 1 and gen.stats.draft_tokens > 0
-    finally:
-        await orchestrator.stop()
-        await stop_all(*targets.values(), draft)
 
 
 async def test_a_draining_attached_target_finishes_its_session_while_new_ones_go_to_the_other(
         tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
-    targets = {f"target-ext-{i}": await start_service("target", tiny_llama_dir) for i in range(2)}
-    draft = await start_service("draft", tiny_llama_perturbed_dir)
-    orchestrator = await Orchestrator.start(tiny_llama_dir, attaching(tmp_path, list(targets.values()), [draft],
-                                                                      token_file_in(tmp_path)))
-    backends, pool = orchestrator.servicer.backends, orchestrator.pool("target")
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     stopping = None
-    try:
-        await pool.wait_serving(2, WORK_TIMEOUT_S)
-        gen, tokens = generation(tokenizer, backends.target, backends.draft), []
-        stream = gen.tokens()
-        while gen.stats.rounds < 1:
-            tokens.extend(await stream.__anext__())
-        draining = placed(backends.target, gen)
-        (other,) = set(targets) - {draining}
-        # SIGTERM's drain (specmesh.server.serve_until_signal): health NOT_SERVING, new sessions refused
-        stopping = asyncio.ensure_future(stop_server(targets[draining].server, targets[draining].health,
-                                                     WORK_TIMEOUT_S))
-        await eventually(lambda: pool.replicas[draining].serving, False)
-        placed_on_draining = pool.replicas[draining].placed
-        assert await orchestrator.generate(TINY_PROMPTS[1]) == expected(tiny_llama_dir, TINY_PROMPTS[1])
-        assert pool.replicas[draining].placed == placed_on_draining and pool.replicas[other].placed == 1
-        assert (await orchestrator.replicas())[other].state == "serving"
-        async for batch in stream:  # the draining target's own session runs on to its end there
-            tokens.extend(batch)
-            if gen.session_id in backends.target.sessions:
-                assert placed(backends.target, gen) == draining
-        assert tokens == expected(tiny_llama_dir) and backends.target.failovers == 0
-        await asyncio.wait_for(stopping, WORK_TIMEOUT_S)  # the drain ends once that session is closed
-        assert not targets[draining].engine.sessions
-    finally:
-        if stopping is not None:
-            stopping.cancel()
-        await orchestrator.stop()
-        await stop_all(*targets.values(), draft)
+    async with two_targets_and_a_draft(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir) as (
+            targets, _, orchestrator):
+        backends, pool = orchestrator.servicer.backends, orchestrator.pool("target")
+        try:
+            gen, tokens = generation(tokenizer, backends.target, backends.draft), []
+            stream = gen.tokens()
+            while gen.stats.rounds < 1:
+                tokens.extend(await stream.__anext__())
+            draining = placed(backends.target, gen)
+            (other,) = set(targets) - {draining}
+            # SIGTERM's drain (specmesh.server.serve_until_signal): health NOT_SERVING, new sessions refused
+            stopping = asyncio.ensure_future(stop_server(targets[draining].server, targets[draining].health,
+                                                         WORK_TIMEOUT_S))
+            await eventually(lambda: pool.replicas[draining].serving, False)
+            placed_on_draining = pool.replicas[draining].placed
+            assert await orchestrator.generate(TINY_PROMPTS[1]) == expected(tiny_llama_dir, TINY_PROMPTS[1])
+            assert pool.replicas[draining].placed == placed_on_draining and pool.replicas[other].placed == 1
+            assert (await orchestrator.replicas())[other].state == "serving"
+            async for batch in stream:  # the draining target's own session runs on to its end there
+                tokens.extend(batch)
+                if gen.session_id in backends.target.sessions:
+                    assert placed(backends.target, gen) == draining
+            assert tokens == expected(tiny_llama_dir) and backends.target.failovers == 0
+            await asyncio.wait_for(stopping, WORK_TIMEOUT_S)  # the drain ends once that session is closed
+            assert not targets[draining].engine.sessions
+        finally:
+            if stopping is not None:
+                stopping.cancel()
 
 
 async def test_an_attached_target_holding_another_token_is_refused(tmp_path, caplog, tiny_llama_dir,
