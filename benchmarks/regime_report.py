@@ -9,13 +9,13 @@ models' steps are padded to the profile's (benchmarks/gpu_profiles.py), the link
 
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.gpu_profiles import StepTable
 from benchmarks.regime_bound import pipelined_bound, sequential_bound
+from orchestrator.frontend.stats_view import fetch_metrics
 
 ORCHESTRATOR_COUNTERS = {  # what a cell reads of the orchestrator's /metrics
     "rounds": ("specmesh_round_time_seconds_count", {"part": "draft_busy"}),
@@ -29,8 +29,7 @@ SERVICE_BUSY = "specmesh_step_busy_seconds_total"
 
 def scrape(url: str, timeout_s: float = 10.0) -> list[tuple[str, dict, float]]:
     """Every sample of a /metrics page: (name, labels, value)."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - the benchmark's own stack
-        text = response.read().decode("utf-8")
+    text = fetch_metrics(url, timeout_s)
     return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
 
 

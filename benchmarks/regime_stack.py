@@ -109,8 +109,8 @@ class RegimeStack:
         command = [sys.executable, "-m", f"{role}_service", "--model", str(model), "--trust-remote-code",
                    "--port", "0", "--metrics-port", "0", "--internal-token-file", str(token),
                    "--trace-exporter", "none"]
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the services: one compute thread each
-        process, found = start_logged(command, self.work / f"{role}.log", {"ready": SERVICE_READY})
+        process, found = start_logged(command, self.work / f"{role}.log", {"ready": SERVICE_READY},
+                                      env={"OMP_NUM_THREADS": "1"})  # one compute thread each
         address, metrics_port = found["ready"].group(1), found["ready"].group(2)
         return Service(process, address, f"http://127.0.0.1:{metrics_port}/metrics")
 

@@ -46,11 +46,12 @@ def start_serve(flags: list[str], log_path: Path, timeout_s: float = 600.0, http
 
 
 def start_logged(command: list[str], log_path: Path, patterns: dict[str, re.Pattern], timeout_s: float = 600.0,
-                 ) -> tuple[subprocess.Popen, dict[str, re.Match]]:
-    """A child process of this repository's code with its output in `log_path`, once its log matches every
-    pattern; exits with the log's tail where it stops or times out first."""
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict[str, re.Match]]:
+    """A child process of this repository's code with its output in `log_path` (and `env` over this process's
+    environment), once its log matches every pattern; exits with the log's tail where it stops or times out
+    first."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **(env or {}))
     with log_path.open("w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     deadline = time.monotonic() + timeout_s
