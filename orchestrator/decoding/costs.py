@@ -118,14 +118,14 @@ class RoundCosts:
         """One round's wall-clock waits for its draft tokens and its verification, and the batch it ran in;
         with the forward time the calls reported, each wait is split into the forward and the call around it."""
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
+        if drafted:
+            self.undrafted_s = 0.0
+        else:
+            self._fade(verify_s)  # the round's wall time, before the split below takes its forward part
         if verify_forward_s is not None:
             verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
         if drafted and draft_forward_s is not None:
             draft_s = self._split(self.draft_latency, draft_s, draft_forward_s)
-        if drafted:
-            self.undrafted_s = 0.0
-        else:
-            self._fade(verify_s)
         tables = self._tables()
         if tables is None:
             return
