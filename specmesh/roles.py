@@ -7,6 +7,9 @@ from dataclasses import dataclass
 # Most draft tokens one round may carry: the client's num_speculative_tokens, the draft's
 # Propose/PreDraft num_tokens and extra branches, and the target's Verify all stop here.
 MAX_DRAFT_TOKENS = 32
+# Most tokens a target-only Verify decodes after its next token (VerifyRequest.decode_ahead): no more than
+# a round of drafts commits, so the KV room a session reserves for a round's drafts covers them too.
+MAX_DECODE_AHEAD = MAX_DRAFT_TOKENS
 # The first start of a model service may assemble and convert the embedded models.
 START_TIMEOUT_S = 1800.0
 

@@ -10,7 +10,7 @@ import torch
 from specmesh.distributions import decode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
-from specmesh.roles import MAX_DRAFT_TOKENS
+from specmesh.roles import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
 from specmesh.v1 import common_pb2, target_pb2
 from target_service.alternatives import (Alternative, after_alternative, check_alternatives, taken_alternative,
@@ -106,9 +106,11 @@ class TargetEngine:
         draft_distributions: Sequence[common_pb2.TokenDistribution],
         from_draft_model: bool = True,
         alternatives: Sequence[target_pb2.DraftAlternative] = (),
+        decode_ahead: int = 0,
     ) -> Verification:
         session = self.engine.get(request_id)
         self._check_draft(session, position, draft_token_ids, draft_distributions)
+        _check_decode_ahead(decode_ahead, draft_token_ids, alternatives)
         checked = check_alternatives(alternatives, draft_token_ids, session.sampling)
         self.engine.check_token_ids("alternatives", [alternative.token_id for alternative in checked])
         if not self.engine.verifies_trees:
@@ -119,7 +121,7 @@ class TargetEngine:
         # tokens come from the orchestrator itself: the next Verify comes at once, as after a decode step.
         session.back_soon = not draft_token_ids or not from_draft_model
         return await self.engine.submit(
-            session, self._verify(session, list(draft_token_ids), draft_distributions, checked))
+            session, self._verify(session, list(draft_token_ids), draft_distributions, checked, decode_ahead))
 
     def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],
                      draft_distributions: Sequence[common_pb2.TokenDistribution]) -> None:
@@ -135,9 +137,10 @@ class TargetEngine:
             raise InvalidArgument("draft_token_ids", "draft runs past the context window")
 
     def _verify(self, session: Session, draft_ids: list[int],
-                draft_distributions: Sequence[common_pb2.TokenDistribution], alternatives: list[Alternative]):
+                draft_distributions: Sequence[common_pb2.TokenDistribution], alternatives: list[Alternative],
+                decode_ahead: int = 0):
         """A job (specmesh.batching): one forward of the last committed token, the drafts and any alternatives
-        (target_service.alternatives) -> Verification."""
+        (target_service.alternatives), then decode_ahead steps of the target alone -> Verification."""
         k = len(draft_ids)
         draft_probs = self._decode_draft_probs(draft_distributions)  # [k, V] or None
         tail = session.uncached_tail
@@ -166,8 +169,27 @@ class TargetEngine:
         # The forward cached every draft (and alternative) after the sequence: keep the accepted drafts'
         # entries (the next verification then feeds its next tokens and drafts only), drop the rest.
         self.engine.rollback(session, position, committed, cached=verdict.accepted_count)
-        return Verification(verdict, len(session.token_ids), forward_ns, self._logprobs(session, deciding, committed),
-                            after)
+        logprobs = self._logprobs(session, deciding, committed)
+        if decode_ahead:
+            ahead, ahead_logprobs, ahead_ns = yield from self._decode_ahead(session, decode_ahead)
+            after, logprobs, forward_ns = after + ahead, logprobs + ahead_logprobs, forward_ns + ahead_ns
+        return Verification(verdict, len(session.token_ids), forward_ns, logprobs, after)
+
+    def _decode_ahead(self, session: Session, limit: int):
+        """In a job: up to `limit` more tokens from the target alone, one step each, as a plain decode step
+        would choose them (penalties, sampling draws from the session's generator in the same order);
+        stops after an EOS token or at the context window -> (tokens, their logprobs, forward ns)."""
+        tokens, logprobs, forward_ns = [], [], 0
+        while (len(tokens) < limit and session.token_ids[-1] not in self.engine.eos_token_ids
+               and len(session.token_ids) < self.engine.context_window):
+            logits, step_ns = yield from self.engine.feed_tail(session, keep_rows=1)  # [1, V]
+            logits = session.penalize(logits)
+            token_id = self._next_token(session, logits)
+            logprobs += self._logprobs(session, logits, [token_id])
+            session.token_ids.append(token_id)  # the cache now covers all but this newest token
+            tokens.append(token_id)
+            forward_ns += step_ns
+        return tokens, logprobs, forward_ns
 
     def _after_alternative(self, alternatives: list[Alternative], logits: torch.Tensor,
                            alternative_logits: torch.Tensor, verdict: Verdict) -> tuple[list[int], torch.Tensor]:
@@ -204,3 +226,11 @@ class TargetEngine:
         except ValueError as error:
             raise InvalidArgument("draft_distributions", str(error)) from error
         return torch.stack(rows)  # [k, V]
+
+
+def _check_decode_ahead(decode_ahead: int, draft_token_ids: Sequence[int],
+                        alternatives: Sequence[target_pb2.DraftAlternative]) -> None:
+    if not 0 <= decode_ahead <= MAX_DECODE_AHEAD:
+        raise InvalidArgument("decode_ahead", f"must be in [0, {MAX_DECODE_AHEAD}]")
+    if decode_ahead and (draft_token_ids or alternatives):
+        raise InvalidArgument("decode_ahead", "only on a plain decode step (no draft tokens, no alternatives)")

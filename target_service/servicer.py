@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
-from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.errors import InvalidArgument
 from specmesh.metrics import ServiceMetrics
@@ -13,6 +14,9 @@ from specmesh.server import answer_in_order
 from specmesh.telemetry import VERIFY_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 KIND = {True: target_pb2.NEXT_TOKEN_KIND_BONUS, False: target_pb2.NEXT_TOKEN_KIND_RECOVERED}
 
@@ -49,7 +53,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         result = await self.engine.verify(request.request_id, request.round, request.position,
                                           list(request.draft_token_ids), list(request.draft_distributions),
                                           from_draft_model=_from_draft_model(request.draft_source),
-                                          alternatives=list(request.alternatives))
+                                          alternatives=list(request.alternatives),
+                                          decode_ahead=request.decode_ahead)
         self.metrics.observe_forward("verify", result.forward_ns)
         annotate_current_span(forward_ns=result.forward_ns, accepted=result.verdict.accepted_count,
                               next_token="bonus" if result.verdict.bonus else "recovered")

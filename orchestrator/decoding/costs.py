@@ -114,14 +114,19 @@ class RoundCosts:
         return None if tables is None else tables[1].step_s(StepShape(1, tokens)) * self.draft_ratio.get(1.0)
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad, lookup: int = 0,
-                draft_forward_s: float | None = None, verify_forward_s: float | None = None) -> None:
+                draft_forward_s: float | None = None, verify_forward_s: float | None = None,
+                target_steps: int = 1) -> None:
         """One round's wall-clock waits for its draft tokens and its verification, and the batch it ran in;
-        with the forward time the calls reported, each wait is split into the forward and the call around it."""
+        with the forward time the calls reported, each wait is split into the forward and the call around it.
+        A Verify that decoded ahead (`target_steps` steps for one call) counts as a round of one step."""
+        round_s = verify_s
+        if target_steps > 1:
+            verify_s, verify_forward_s = _one_step(verify_s, verify_forward_s, target_steps)
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
         if drafted:
             self.undrafted_s = 0.0
         else:
-            self._fade(verify_s)  # the round's wall time, before the split below takes its forward part
+            self._fade(round_s)  # the round's whole wall time, before the split below takes its forward part
         if verify_forward_s is not None:
             verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
         if drafted and draft_forward_s is not None:
@@ -167,6 +172,15 @@ class RoundCosts:
         if nearest is not None:
             return seen[nearest] * (rows_beyond_one + 1) / (nearest + 1)
         return min(seen.values())
+
+
+def _one_step(verify_s: float, forward_s: float | None, steps: int) -> tuple[float, float | None]:
+    """(wait, forward) of a Verify of `steps` steps as one of a single step: the call's latency once,
+    one step's forward (without a reported forward, the wait's share)."""
+    if forward_s is None:
+        return verify_s / steps, None
+    forward_s = min(max(0.0, forward_s), verify_s)
+    return verify_s - forward_s + forward_s / steps, forward_s / steps
 
 
 def _bounded(ratio: float) -> float:

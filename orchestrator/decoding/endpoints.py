@@ -53,9 +53,11 @@ class TargetEndpoint(Protocol):
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution], timeout: float,
                      draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL,
-                     alternatives: Sequence[target_pb2.DraftAlternative] = ()) -> target_pb2.VerifyResponse:
+                     alternatives: Sequence[target_pb2.DraftAlternative] = (),
+                     decode_ahead: int = 0) -> target_pb2.VerifyResponse:
         """Accept a prefix of the draft tokens at `position`; the next token after it (and, where that
-        token is one of the alternatives, the one after that)."""
+        token is one of the alternatives, the one after that; with no drafts, up to `decode_ahead` more
+        tokens of the target alone)."""
 
     async def close(self, request_id: str) -> None:
         """Free the session; best effort, never raises."""

@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -29,6 +28,7 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.decoding.background import retrieve_outcome, spawn_background
+from orchestrator.decoding.decode_ahead import DecodeAhead
 from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.lookup import PromptLookup
 from orchestrator.decoding.proposals import DRAFT, LOOKUP, NONE, SUFFIX, FreeProposal
@@ -88,6 +88,9 @@ class SpeculativeGeneration:
         self._clock = RoundClock()
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
         self._alternatives: list[target_pb2.DraftAlternative] = []  # this round's, sent with its Verify
+        self._decoding_ahead = DecodeAhead(config.decode_ahead)  # target-only rounds: tokens a Verify decodes
+        self._target_steps = 1  # this round's Verify's target steps
+        self._offered = False  # whether this round had a free proposal on offer, taken or not
 
     @property
     def generated(self) -> int:
@@ -198,7 +201,7 @@ class SpeculativeGeneration:
         drafted = 0 if free else len(draft_ids)  # by the draft model
         self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s,
                                         draft_forward_s=self._clock.draft_busy_s,
-                                        verify_forward_s=self._clock.target_busy_s),
+                                        verify_forward_s=self._clock.target_busy_s, target_steps=self._target_steps),
                             drafted, accepted, free, list(proposal.probabilities) if proposal else [])
         batch = draft_ids[:accepted] + [verified.next_token_id] + list(verified.after_token_ids)
         if proposal is not None:
@@ -209,7 +212,8 @@ class SpeculativeGeneration:
         if free is not None:
             self.stats.count_free(free, accepted)
         self.stats.alternative_tokens += len(self._alternatives)
-        self.stats.alternative_accepted_tokens += bool(verified.after_token_ids)
+        # after_token_ids are an alternative's follower, or (target-only rounds) the tokens decoded ahead
+        self.stats.alternative_accepted_tokens += bool(self._alternatives and verified.after_token_ids)
         self.on_proposer(_proposer(k, free), len(draft_ids), accepted)
         return batch
 
@@ -225,6 +229,7 @@ class SpeculativeGeneration:
         """Tokens this round verifies in place of the draft model's, if the policy finds them worth more:
         prompt lookup's and the suffix index's. None without a policy (a fixed k, or seeded sampling,
         which must not depend on the load or on other requests) or with speculation off."""
+        self._offered = False
         if self.policy is None or not self.switch.enabled or self._k_max() <= 0:
             return None
         limit = min(MAX_DRAFT_TOKENS, self.tokens_left - 1)
@@ -237,6 +242,7 @@ class SpeculativeGeneration:
             suffix = self.history.propose(self.sequence, limit)  # its own tokens too: copies of a long match
             if suffix.tokens:
                 offers.append(FreeProposal(SUFFIX, suffix.tokens, suffix.match_length))
+        self._offered = bool(offers)
         chosen, count = self.policy.choose_proposal(k, offers)
         return chosen.first(count) if chosen is not None and count > 0 else None
 
@@ -254,13 +260,23 @@ class SpeculativeGeneration:
         """The target's verdict on the draft's proposal, or on a free proposal (ids only: one-hot q)."""
         started = time.monotonic()
         self._alternatives = self._choose_alternatives(proposal)
+        target_only = proposal is None and free is None
+        # The next token counts as one of the tokens the request may still make. While the draft's prefill
+        # runs, rounds are target-only only until it is done, and where the sequence repeats (a free proposal
+        # was on offer) the next round may well take one: decoding ahead would put off either.
+        decodes_ahead = target_only and not self._draft_prefilling() and not self._offered
+        ahead = self._decoding_ahead.tokens(self.tokens_left - 1) if decodes_ahead else 0
         verified = await self.target.verify(
             self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(
                 free.tokens if free else []),
             list(proposal.distributions) if proposal else [], timeout=self._timeout(self.config.target_timeout_s),
             draft_source=DRAFT_SOURCES[free.source] if free else target_pb2.DRAFT_SOURCE_DRAFT_MODEL,
-            alternatives=self._alternatives)
-        self._clock.target_call(time.monotonic() - started, verified.forward_ns / 1e9)
+            alternatives=self._alternatives, decode_ahead=ahead)
+        wall_s, forward_s = time.monotonic() - started, verified.forward_ns / 1e9
+        self._target_steps = 1 + len(verified.after_token_ids) if ahead else 1
+        if target_only:
+            self._decoding_ahead.observe(wall_s, forward_s, self._target_steps)
+        self._clock.target_call(wall_s, forward_s)
         return verified
 
     def _choose_alternatives(self, proposal: draft_pb2.ProposeResponse | None) -> list[target_pb2.DraftAlternative]:
@@ -280,6 +296,9 @@ class SpeculativeGeneration:
     def _choose_k(self) -> int:
         """Draft tokens for the next round; 0 means a target-only round."""
         return self._fixed_k() if self.policy is None else self._adaptive_k()
+
+    def _draft_prefilling(self) -> bool:
+        return self._draft_opening is not None and not self._draft_opening.done()
 
     def _draft_unavailable(self) -> bool:
         return self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round
@@ -301,7 +320,7 @@ class SpeculativeGeneration:
             if not self.policy.worth_opening(k, len(self.sequence), self.tokens_left):
                 return 0
             self._open_draft()
-        if k and self._draft_opening is not None and not self._draft_opening.done():
+        if k and self._draft_prefilling():
             return 0  # never wait for the draft's prefill
         return k
 
@@ -313,7 +332,7 @@ class SpeculativeGeneration:
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1
-        self.stats.target_forward_passes += 1
+        self.stats.target_forward_passes += self._target_steps
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.round_tokens += committed

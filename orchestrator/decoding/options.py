@@ -6,6 +6,7 @@ import argparse
 
 from orchestrator.decoding.request import ROUND_CALLS, LoopConfig
 from orchestrator.decoding.pipelined import PIPELINE_MODES
+from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.service import positive_int
 
 
@@ -33,6 +34,9 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--round-calls", choices=ROUND_CALLS, default=LoopConfig.round_calls,
                         help="stream: a session's rounds as messages on one bidirectional stream to each "
                              "service; unary: a Propose and a Verify call a round (more overhead a round)")
+    parser.add_argument("--decode-ahead", type=int, choices=range(MAX_DECODE_AHEAD + 1), default=LoopConfig.decode_ahead,
+                        metavar="N", help="target-only rounds: the most tokens a Verify decodes after its next, as "
+                                          "many as the measured call latency asks for; 0: one token a round")
     parser.add_argument("--extra-branches", type=int, default=None, metavar="N",
                         help="pipelined: also pre-draft N likely rejection outcomes (default: as many as "
                              "the measured draft and target costs leave time for)")
@@ -43,5 +47,5 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
                       adaptive_k=args.speculation_policy == "adaptive", pipeline=args.pipeline,
                       extra_branches=args.extra_branches, prompt_lookup=args.prompt_lookup == "on",
                       suffix_index=args.suffix_index == "on", suffix_index_bytes=args.suffix_index_bytes,
-                      round_calls=args.round_calls)
+                      round_calls=args.round_calls, decode_ahead=args.decode_ahead)
 

@@ -204,7 +204,7 @@ class PipelinedGeneration(SpeculativeGeneration):
             if self.draft is not None and self._worth_predrafting(proposal):
                 self._ahead = self._start_predraft(position, proposal, k)
         verified = await super()._verify_round(position, proposal, k, free)
-        self.costs.observe_verify(verified.forward_ns / 1e9)
+        self.costs.observe_verify(verified.forward_ns / 1e9 / self._target_steps)
         if self._ahead is not None:
             self._ahead.counted_s = self._ahead.busy_so_far()
             self._clock.draft_behind(self._ahead.counted_s)

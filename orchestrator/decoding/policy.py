@@ -211,7 +211,7 @@ class DraftLength:
         if drafted and probabilities:
             self.confidence.observe(probabilities[:drafted], accepted)
         self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered + alternatives,
-                           timing.draft_forward_s, timing.verify_forward_s)
+                           timing.draft_forward_s, timing.verify_forward_s, timing.target_steps)
         self.acceptance.observe(drafted, 0 if offered else accepted)
         if offered:
             self._acceptance_of(free).observe(offered, accepted)

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
+from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.sampling_params import SamplingParams
 
 ROUND_CALLS = ("unary", "stream")  # LoopConfig.round_calls
@@ -39,6 +40,9 @@ class LoopConfig:
     # How a session's rounds reach the draft and target: "stream", a message each on one bidirectional
     # stream per session and service, or "unary", a Propose and a Verify call each (dearer a round).
     round_calls: str = "stream"
+    # The most tokens a target-only round's Verify decodes after its next one, as many as the measured
+    # call latency asks for (orchestrator.decoding.decode_ahead); 0: one token a round.
+    decode_ahead: int = MAX_DECODE_AHEAD
 
 
 class SpeculationSwitch:
@@ -92,6 +96,7 @@ class RoundTiming:
     # The forward time the services reported for those waits; None: unknown (the waits count as forward time).
     draft_forward_s: float | None = None
     verify_forward_s: float | None = None
+    target_steps: int = 1  # the Verify's target steps: more than one where it decoded ahead
 
 
 @dataclass

@@ -6,10 +6,9 @@ import argparse
 import asyncio
 import functools
 import logging
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import grpc
-from opentelemetry.sdk.trace import TracerProvider
 
 from orchestrator.deployment.round_streams import RoundStream
 from specmesh.errors import SpecmeshError
@@ -18,6 +17,9 @@ from specmesh.security import (TLSConfig, add_api_key_arguments, add_client_tls_
                                bearer_metadata, client_tls_from_args)
 from specmesh.telemetry import PROPOSE_ROUNDS, VERIFY_ROUNDS
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
@@ -139,10 +141,12 @@ class TargetClient(_RoundsOnStreams):
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution], timeout: float,
                      draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL,
-                     alternatives: Sequence[target_pb2.DraftAlternative] = ()) -> target_pb2.VerifyResponse:
+                     alternatives: Sequence[target_pb2.DraftAlternative] = (),
+                     decode_ahead: int = 0) -> target_pb2.VerifyResponse:
         request = target_pb2.VerifyRequest(request_id=request_id, round=round_number, position=position,
                                            draft_token_ids=draft_token_ids, draft_distributions=distributions,
-                                           draft_source=draft_source, alternatives=alternatives)
+                                           draft_source=draft_source, alternatives=alternatives,
+                                           decode_ahead=decode_ahead)
         return await _call_target(functools.partial(self._round, self.stub.Verify, request_id), request, timeout)
 
     async def close(self, request_id: str) -> None:

@@ -188,10 +188,12 @@ class PooledTargetClient(PooledClient):
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
                      distributions: Sequence[common_pb2.TokenDistribution], timeout: float,
                      draft_source: int = target_pb2.DRAFT_SOURCE_DRAFT_MODEL,
-                     alternatives: Sequence[target_pb2.DraftAlternative] = ()) -> target_pb2.VerifyResponse:
+                     alternatives: Sequence[target_pb2.DraftAlternative] = (),
+                     decode_ahead: int = 0) -> target_pb2.VerifyResponse:
         placement = self.sessions[request_id]
         verified = await self._call(request_id, placement, timeout, lambda client, t: client.verify(
-            request_id, round_number, position, draft_token_ids, distributions, t, draft_source, alternatives))
+            request_id, round_number, position, draft_token_ids, distributions, t, draft_source, alternatives,
+            decode_ahead))
         del placement.sequence[position:]
         placement.sequence.extend([*draft_token_ids[:verified.accepted_count], verified.next_token_id,
                                    *verified.after_token_ids])

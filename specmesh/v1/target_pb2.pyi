@@ -57,7 +57,7 @@ class TargetOpenResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions", "draft_source", "alternatives", "trace_context")
+    __slots__ = ("request_id", "round", "position", "draft_token_ids", "draft_distributions", "draft_source", "alternatives", "trace_context", "decode_ahead")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class VerifyRequest(_message.Message):
     DRAFT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     position: int
@@ -81,7 +82,8 @@ class VerifyRequest(_message.Message):
     draft_source: DraftSource
     alternatives: _containers.RepeatedCompositeFieldContainer[DraftAlternative]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., draft_source: _Optional[_Union[DraftSource, str]] = ..., alternatives: _Optional[_Iterable[_Union[DraftAlternative, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    decode_ahead: int
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., draft_source: _Optional[_Union[DraftSource, str]] = ..., alternatives: _Optional[_Iterable[_Union[DraftAlternative, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_ahead: _Optional[int] = ...) -> None: ...
 
 class DraftAlternative(_message.Message):
     __slots__ = ("index", "token_id")

@@ -1,0 +1,152 @@
+"""Target-only rounds that decode ahead (VerifyRequest.decode_ahead): the same tokens, draws and logprobs as
+one step a call, the KV cache a fresh prefill's, stops at EOS; the rule that sizes them; served over a link."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from benchmarks.links import LinkSpec
+from engine_helpers import next_logits_cached, next_logits_fresh
+from harness import make_engine, start_model_server, start_stack
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.decode_ahead import AHEAD_SHARE, DecodeAhead
+from parity import target_greedy
+from specmesh.errors import InvalidArgument
+from specmesh.roles import MAX_DECODE_AHEAD
+from specmesh.sampling import SamplingParams
+from specmesh.v1 import target_pb2, target_pb2_grpc
+from target_service.engine import TargetEngine
+
+PROMPT_IDS = [5, 17, 42, 9, 88, 23]
+SAMPLINGS = {
+    "greedy": SamplingParams(0.0, logprobs=2),
+    "seeded": SamplingParams(1.0, seed=11, logprobs=2),
+    "penalized": SamplingParams(0.8, seed=3, repetition_penalty=1.3),
+}
+
+
+async def _decode(target: TargetEngine, sampling: SamplingParams, calls: list[int]) -> tuple[list[int], list]:
+    """Open a session, then one target-only Verify per entry of `calls`, each decoding that many ahead."""
+    opened = await target.open("r", PROMPT_IDS, sampling)
+    tokens, logprobs = [opened.token_id], [opened.logprob] if opened.logprob is not None else []
+    for round_number, ahead in enumerate(calls, start=1):
+        result = await target.verify("r", round_number, len(PROMPT_IDS) + len(tokens), [], [], decode_ahead=ahead)
+        tokens += [result.verdict.next_token_id, *result.after]
+        logprobs += result.logprobs
+        assert result.committed_length == len(PROMPT_IDS) + len(tokens)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLINGS))
+async def test_decoding_ahead_gives_the_tokens_of_one_step_a_call(tiny_llama_dir, device, name):
+    sampling = SAMPLINGS[name]
+    one_by_one = TargetEngine(make_engine(tiny_llama_dir, device))
+    ahead = TargetEngine(make_engine(tiny_llama_dir, device))
+    expected, expected_logprobs = await _decode(one_by_one, sampling, [0] * 20)
+    tokens, logprobs = await _decode(ahead, sampling, [4, 0, 7, 5])  # 5 + 1 + 8 + 6 = 20 tokens after the first
+    assert tokens == expected
+    assert [(p.token_id, round(p.logprob, 4)) for p in logprobs] == [
+        (p.token_id, round(p.logprob, 4)) for p in expected_logprobs]
+    assert len(logprobs) == (len(tokens) if sampling.logprobs is not None else 0)
+    session = ahead.engine.get("r")
+    assert session.token_ids == PROMPT_IDS + tokens
+    assert session.cached_length == len(session.token_ids) - 1  # all but the newest token, as after any round
+    assert torch.allclose(next_logits_cached(ahead.engine, "r"), next_logits_fresh(ahead.engine, session.token_ids),
+                          atol=1e-4)
+
+
+async def test_decoding_ahead_stops_after_an_eos_token(tiny_llama_dir, device):
+    expected, _ = await _decode(TargetEngine(make_engine(tiny_llama_dir, device)), SAMPLINGS["greedy"], [0] * 10)
+    target = TargetEngine(make_engine(tiny_llama_dir, device))
+    eos = expected[4]
+    target.engine.eos_token_ids = [eos]  # as if the model's EOS were the fifth token it makes
+    await target.open("r", PROMPT_IDS, SAMPLINGS["greedy"])
+    result = await target.verify("r", 1, len(PROMPT_IDS) + 1, [], [], decode_ahead=9)
+    committed = [result.verdict.next_token_id, *result.after]
+    assert committed == expected[1: expected.index(eos) + 1]
+
+
+@pytest.mark.parametrize("drafts, alternatives, ahead", [
+    ([7], [], 2), ([], [], MAX_DECODE_AHEAD + 1),
+], ids=["with-draft-tokens", "too-many"])
+async def test_decode_ahead_refused_where_it_does_not_apply(tiny_llama_dir, device, drafts, alternatives, ahead):
+    target = TargetEngine(make_engine(tiny_llama_dir, device))
+    await target.open("r", PROMPT_IDS, SAMPLINGS["greedy"])
+    with pytest.raises(InvalidArgument, match="decode_ahead"):
+        await target.verify("r", 1, len(PROMPT_IDS) + 1, drafts, [], alternatives=alternatives, decode_ahead=ahead)
+    result = await target.verify("r", 1, len(PROMPT_IDS) + 1, [], [], decode_ahead=1)  # the session is untouched
+    assert result.committed_length == len(PROMPT_IDS) + 3
+
+
+async def test_a_bad_decode_ahead_is_invalid_argument_over_grpc(tiny_llama_dir, device):
+    server, port = await start_model_server("target", make_engine(tiny_llama_dir, device))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            await stub.OpenSession(target_pb2.TargetOpenRequest(request_id="r", prompt_token_ids=PROMPT_IDS),
+                                   timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.Verify(target_pb2.VerifyRequest(request_id="r", round=1, position=len(PROMPT_IDS) + 1,
+                                                           decode_ahead=MAX_DECODE_AHEAD + 1), timeout=30)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "decode_ahead" in raised.value.details()
+            served = await stub.Verify(target_pb2.VerifyRequest(request_id="r", round=1, position=len(PROMPT_IDS) + 1,
+                                                                decode_ahead=3), timeout=30)
+            assert len(served.after_token_ids) == 3 and served.committed_length == len(PROMPT_IDS) + 5
+    finally:
+        await server.stop(None)
+
+
+def test_the_rule_asks_for_as_many_tokens_as_keep_the_call_a_tenth_of_the_steps():
+    rule = DecodeAhead()
+    assert rule.tokens(100) == 0  # nothing measured yet: one token a call
+    rule.observe(wall_s=0.010, forward_s=0.006, steps=1)  # a 4 ms call around a 6 ms step
+    per_call = rule.tokens(100) + 1
+    assert per_call == 7 and 0.004 / per_call <= AHEAD_SHARE * 0.006 < 0.004 / (per_call - 1)
+    assert rule.tokens(3) == 3  # no more than the request may still make
+    for _ in range(8):
+        rule.observe(wall_s=0.0062, forward_s=0.006, steps=1)
+    assert rule.tokens(100) == 0  # a cheap call (beside the target): tokens stream one by one
+    rule.observe(wall_s=0.0, forward_s=0.0, steps=1)  # nothing reported: ignored
+    assert rule.tokens(100) == 0
+    capped = DecodeAhead(most=2)
+    capped.observe(wall_s=0.030, forward_s=0.006, steps=1)
+    assert capped.tokens(100) == 2
+    assert DecodeAhead(most=0).tokens(100) == 0
+
+
+def test_a_round_that_decoded_ahead_is_priced_as_one_step():
+    costs = RoundCosts()
+    costs.observe(0, 0.0, 0.050, BatchLoad(), verify_forward_s=0.040, target_steps=5)
+    assert costs.target_latency.value == pytest.approx(0.010)  # the call's latency, once
+    assert costs.wall_by_k[0].value == pytest.approx(0.018)  # its latency and one step of 8 ms
+    assert costs.undrafted_s == pytest.approx(0.050)  # the time spent target-only is the whole round's
+
+
+async def test_served_target_only_over_a_link_decodes_ahead_with_the_targets_own_output(tiny_llama_dir, device):
+    stack = await start_stack(tiny_llama_dir, None, device=device, link=LinkSpec(rtt_ms=10.0))
+    try:
+        for prompt, max_tokens in (("The quick brown fox", 24), ("def add(a, b):", 9)):
+            tokens, _, last = await stack.generate(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+            assert tuple(tokens) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens)
+            # a 10 ms round trip around a step of a few ms: the rule asks for tokens ahead (one pass: the prefill)
+            assert last.stats.target_forward_passes > last.stats.rounds + 1
+    finally:
+        await stack.stop()
+
+
+async def test_served_seeded_sampling_is_the_same_with_and_without_decoding_ahead(tiny_llama_dir, device):
+    outputs = []
+    for options, link in (({"decode_ahead": 0}, None), ({}, LinkSpec(rtt_ms=10.0))):
+        stack = await start_stack(tiny_llama_dir, None, device=device, loop_options=options, link=link)
+        try:
+            tokens, _, last = await stack.generate(prompt="The quick brown fox", max_tokens=24, temperature=1.0,
+                                                   seed=5)
+            outputs.append((tokens, last.stats.target_forward_passes > last.stats.rounds + 1))
+        finally:
+            await stack.stop()
+    (one_by_one, ahead_then), (decoded_ahead, ahead_now) = outputs
+    assert not ahead_then and ahead_now
+    assert decoded_ahead == one_by_one
