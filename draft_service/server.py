@@ -6,9 +6,10 @@ sent by the orchestrator); gRPC health and reflection stay open for probes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from grpc_health.v1.health import aio as health_aio
-from opentelemetry.sdk.trace import TracerProvider
 
 from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
@@ -18,6 +19,9 @@ from specmesh.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
 from specmesh.server import start_server
 from specmesh.service import ReplicaConfig
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 

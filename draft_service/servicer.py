@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
-from opentelemetry.sdk.trace import TracerProvider
 
 from draft_service.engine import CommitSpec, DraftEngine
 from specmesh.metrics import ServiceMetrics
@@ -12,6 +13,9 @@ from specmesh.security import caller_of
 from specmesh.server import answer_in_order
 from specmesh.telemetry import PROPOSE_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 
 def commit_from_pb(commit: draft_pb2.Commit) -> CommitSpec:

@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import logging
 import signal
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import grpc
 from google.protobuf import any_pb2
@@ -29,7 +29,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
-from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.connections import ConnectionLimits, grpc_server_options
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, STOP_MARGIN_S, Drain, DrainInterceptor, drain_of
@@ -38,6 +37,9 @@ from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.request_decoding import UndecodableRequest, tolerant_deserializer
 from specmesh.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
 from specmesh.telemetry import server_interceptors, server_message_span
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024  # the services' cap; the orchestrator's clients get a tighter one

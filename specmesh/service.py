@@ -11,13 +11,12 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
 import torch
 
 from grpc_health.v1.health import aio as health_aio
-from opentelemetry.sdk.trace import TracerProvider
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.heap import freeze_start_up_heap
 from specmesh.engine import EngineConfig, ModelEngine
@@ -33,6 +32,9 @@ from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_toke
 from specmesh.server import serve_until_signal, stop_server
 from specmesh.step_log import StepLog
 from specmesh.telemetry import make_tracer_provider
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 CALIBRATION_LOCK = "specmesh-calibration.lock"  # in the temporary directory: see calibration_turn

@@ -20,24 +20,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from google.protobuf.message import Message
 from opentelemetry import propagate, trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+if TYPE_CHECKING:  # the SDK and the gRPC instrumentation load where tracing is on only: start time
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger(__name__)
 # A session's rounds on one stream get spans per message instead of one per stream (client_message_span).
 VERIFY_ROUNDS = "/specmesh.v1.TargetService/VerifyRounds"
 PROPOSE_ROUNDS = "/specmesh.v1.DraftService/ProposeRounds"
-UNTRACED = filters.negate(filters.any_of(filters.service_name("grpc.health.v1.Health"),
-                                         filters.service_prefix("grpc.reflection"),
-                                         *(filters.method_name(method.rsplit("/", 1)[1])
-                                           for method in (VERIFY_ROUNDS, PROPOSE_ROUNDS))))
 # request field -> client span attribute, for whichever request has the field
 _FIELDS = {"request_id": "specmesh.request_id", "round": "specmesh.round", "position": "specmesh.position",
            "num_tokens": "specmesh.num_tokens"}
@@ -45,8 +40,18 @@ _COUNTED = {"prompt_token_ids": "specmesh.prompt_tokens", "draft_token_ids": "sp
             "draft_distributions": "specmesh.draft_distributions"}
 
 
+def untraced():
+    """The gRPC instrumentation's filter: health, reflection and round streams get no span per call."""
+    from opentelemetry.instrumentation.grpc import filters  # only where tracing is on: start time
+    return filters.negate(filters.any_of(filters.service_name("grpc.health.v1.Health"),
+                                         filters.service_prefix("grpc.reflection"),
+                                         *(filters.method_name(method.rsplit("/", 1)[1])
+                                           for method in (VERIFY_ROUNDS, PROPOSE_ROUNDS))))
+
+
 def _span_exporter(name: str) -> SpanExporter | None:
     if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter  # only where tracing is on: start time
         return ConsoleSpanExporter()
     if name != "otlp":
         return None
@@ -70,10 +75,19 @@ def default_exporter_name() -> str:
 def make_tracer_provider(service_name: str, exporter: str | SpanExporter | None = None,
                          sample_ratio: float | None = None) -> TracerProvider | None:
     """A provider exporting this process's spans, or None when tracing is off."""
-    span_exporter = exporter if isinstance(exporter, SpanExporter) else _span_exporter(
-        exporter or default_exporter_name())
+    if exporter is None or isinstance(exporter, str):  # a name: the SDK loads only if it names an exporter
+        span_exporter = _span_exporter(exporter or default_exporter_name())
+    else:
+        from opentelemetry.sdk.trace.export import SpanExporter
+        span_exporter = exporter if isinstance(exporter, SpanExporter) else _span_exporter(
+            exporter or default_exporter_name())
     if span_exporter is None:
         return None
+    # Only where tracing is on: the SDK costs a replica's start a few hundred ms.
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
     sampler = ParentBased(TraceIdRatioBased(sample_ratio)) if sample_ratio is not None else None
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}), sampler=sampler)
     provider.add_span_processor(BatchSpanProcessor(span_exporter))
@@ -86,15 +100,19 @@ def tracer(provider: TracerProvider | None) -> trace.Tracer:
 
 
 def server_interceptors(provider: TracerProvider | None) -> list:
-    return [aio_server_interceptor(tracer_provider=provider, filter_=UNTRACED)] if provider else []
+    if not provider:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor  # only where tracing is on: start time
+    return [aio_server_interceptor(tracer_provider=provider, filter_=untraced())]
 
 
 def client_interceptors(provider: TracerProvider | None) -> list:
     if provider is None:
         return []
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors  # only where tracing is on: start time
     # No response hook: for unary calls the instrumentation hands it the status details,
     # not the response; the orchestrator's round spans carry what the responses say.
-    return aio_client_interceptors(tracer_provider=provider, filter_=UNTRACED, request_hook=_describe_request)
+    return aio_client_interceptors(tracer_provider=provider, filter_=untraced(), request_hook=_describe_request)
 
 
 def _describe_request(span: trace.Span, message: Message) -> None:

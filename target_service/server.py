@@ -6,9 +6,10 @@ sent by the orchestrator); gRPC health and reflection stay open for probes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from grpc_health.v1.health import aio as health_aio
-from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.engine import ModelEngine
 from specmesh.metrics import ServiceMetrics
@@ -19,6 +20,9 @@ from specmesh.v1 import target_pb2, target_pb2_grpc
 from target_service.disagreements import DisagreementLog
 from target_service.engine import TargetEngine
 from target_service.servicer import TargetServicer
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 

@@ -18,8 +18,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.distill.args import NO_GAIN_EXIT
-
 KILL_GRACE_S = 10.0  # after SIGTERM at the deadline, before SIGKILL
 
 
@@ -61,6 +59,7 @@ def result_of(job: DistillJob, code: int | None, timeout_s: float) -> CycleResul
     """What a finished (None: killed at its deadline) run came to."""
     if code is None:
         return CycleResult("timed_out", None, f"no verdict within {timeout_s:.0f} s (log: {job.log})")
+    from orchestrator.distill.args import NO_GAIN_EXIT  # start time: every replica imports this module
     report = _read_report(job.report)
     if code == 0 and report is not None and report.get("improved"):
         return CycleResult("improved", report)

@@ -7,9 +7,10 @@ role's `create_replica_server`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from grpc_health.v1.health import aio as health_aio
-from opentelemetry.sdk.trace import TracerProvider
 
 from draft_service.server import create_replica_server as create_draft_replica_server
 from specmesh.engine import ModelEngine
@@ -17,6 +18,9 @@ from specmesh.metrics import ServiceMetrics
 from specmesh.roles import DRAFT, role
 from specmesh.service import ReplicaConfig
 from target_service.server import create_replica_server as create_target_replica_server
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 
 async def create_model_server(config: ReplicaConfig, engine: ModelEngine, *,

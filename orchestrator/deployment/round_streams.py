@@ -10,14 +10,16 @@ session's next round opens a new one (on another replica, after a failover).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from google.protobuf.message import Message
-from opentelemetry.sdk.trace import TracerProvider
 
 from specmesh.server import INTERNAL_DETAILS_PREFIX
 from specmesh.telemetry import client_message_span
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
 
 
 class RoundStream:
