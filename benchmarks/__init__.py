@@ -1,2 +1,2 @@
 """Benchmarks a user or operator runs (`python -m benchmarks.NAME` from the repository root), and the
-emulation and link tools they share with the tests."""
+emulation, link and tiny-model tools they share with the tests."""

@@ -10,15 +10,15 @@ too. Prints, per round, max |Δlogit| overall and per session, and whether every
 then one summary line for the README. The engine is warmed up and calibrated as a service's is,
 so batched steps get the same row padding they get when serving.
 
-Done when: in fp32, max |Δlogit| stays at reordered-sum noise (below 1e-4, the bound
+It passes when: in fp32, max |Δlogit| stays at reordered-sum noise (below 1e-4, the bound
 tests/test_batching.py asserts) and every argmax agrees, in every round.
 
-By default the model is a tiny random-weight Llama built on the fly (tests/tiny_models.py);
+By default the model is a tiny random-weight Llama built on the fly (benchmarks/tiny_models.py);
 --model takes a real one:
 
-    python benchmarks/batched_logits.py
-    python benchmarks/batched_logits.py --model qwen2.5-coder-1.5b --sessions 8 --rounds 3
-    python benchmarks/batched_logits.py --model qwen2.5-coder-0.5b --prompt-tokens 16 1024 --k 7
+    python -m benchmarks.batched_logits
+    python -m benchmarks.batched_logits --model qwen2.5-coder-1.5b --sessions 8 --rounds 3
+    python -m benchmarks.batched_logits --model qwen2.5-coder-0.5b --prompt-tokens 16 1024 --k 7
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,19 +33,17 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from specmesh.batching import Part  # noqa: E402
-from specmesh.engine import EngineConfig, ModelEngine, Session  # noqa: E402
-from specmesh.precision import DTYPE_CHOICES, load_model_in  # noqa: E402
-from specmesh.sampling import SamplingParams  # noqa: E402
+from specmesh.batching import Part
+from specmesh.engine import EngineConfig, ModelEngine, Session
+from specmesh.precision import DTYPE_CHOICES, load_model_in
+from specmesh.sampling import SamplingParams
 
 PREFILL_EVERY = 4  # every 4th session prefills its prompt inside the first batched step
 NOISE_BOUND = 1e-4  # fp32 reordered sums (tests/test_batching.py's MAX_ABS_LOGIT_DELTA)
 
 
 def tiny_model(root: Path) -> str:
-    from tiny_models import TINY_CORPUS, build_tiny_model, build_tokenizer
+    from benchmarks.tiny_models import TINY_CORPUS, build_tiny_model, build_tokenizer
     tokenizer = build_tokenizer(root / "tokenizer", corpus=TINY_CORPUS)
     return str(build_tiny_model(root / "model", "llama", tokenizer, seed=1, max_positions=4096))
 
@@ -142,7 +139,7 @@ def run(engine: ModelEngine, args: argparse.Namespace, rng: random.Random) -> di
           f"{args.rounds} rounds ({compared_rows} logit rows, |logit| up to {scale:.1f}): max |Δlogit| "
           f"{worst:.1e}, argmax {'agrees on every row' if all_agree else 'DIFFERS on some rows'}")
     met = worst < NOISE_BOUND and all_agree
-    print(f"done-when (max |Δlogit| < {NOISE_BOUND:.0e} and every argmax agrees): {'met' if met else 'NOT met'}")
+    print(f"check (max |Δlogit| < {NOISE_BOUND:.0e} and every argmax agrees): {'met' if met else 'NOT met'}")
     return summary
 
 

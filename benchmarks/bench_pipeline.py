@@ -9,9 +9,9 @@ forward-time histograms), E = (1 - alpha^(k+1)) / (1 - alpha) tokens per round,
 the analytic sequential bound E / (c_verify + k * c_draft) in tokens/s, each
 run's ratio to it, the pre-draft hit rate and where the rounds' time went.
 
-    python benchmarks/bench_pipeline.py                       # the embedded Qwen2.5-Coder pair, cores 0 and 1
-    python benchmarks/bench_pipeline.py --target DIR --draft DIR --max-tokens 32 --k 3
-    python benchmarks/bench_pipeline.py --device cuda --target-cpus 0-7 --draft-device cpu --draft-cpus 8-15
+    python -m benchmarks.bench_pipeline                       # the embedded Qwen2.5-Coder pair, cores 0 and 1
+    python -m benchmarks.bench_pipeline --target DIR --draft DIR --max-tokens 32 --k 3
+    python -m benchmarks.bench_pipeline --device cuda --target-cpus 0-7 --draft-device cpu --draft-cpus 8-15
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench_core import PROMPTS
 from orchestrator.deployment.launch import ProcessGroup, run_orchestrator, run_service
 from orchestrator.frontend.options import FrontendOptions
 from specmesh.roles import START_TIMEOUT_S
@@ -37,6 +36,15 @@ from orchestrator.decoding.timing import PARTS
 from specmesh.precision import DTYPE_CHOICES
 from specmesh.service import ReplicaConfig, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
+
+PROMPTS = [
+    "def quicksort(arr):",
+    "# Python function that checks whether a string is a palindrome\ndef is_palindrome(s):",
+    "class LinkedList:\n    def __init__(self):",
+    "Write a short explanation of what a hash map is and when to use one.",
+    "import json\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and return it as a dict.\"\"\"",
+    "SELECT name, COUNT(*) FROM orders",
+]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

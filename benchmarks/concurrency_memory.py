@@ -8,20 +8,20 @@ random prompt lengths and max_tokens (seeded), and records a stretch after they 
 Prints per process the baseline, peak and after-load RSS; requests completed and failed
 (RESOURCE_EXHAUSTED counted apart from other errors); wall time and output tokens per second.
 
-Done when: every request is answered (completed, or refused RESOURCE_EXHAUSTED: a budget doing its
-job) and the peak RSS of each service is what its KV budget allows; the after-load RSS shows
+It passes when: every request is answered (completed, or refused RESOURCE_EXHAUSTED: a budget doing
+its job) and the peak RSS of each service is what its KV budget allows; the after-load RSS shows
 whether the sessions' memory was given back.
 
 --target-option and --draft-option set fields of each service's ServiceOptions (specmesh.service),
 e.g. `--target-option max_sessions=32`; `--kv-cache-memory SIZE` sets both services' KV budget
 (the services' own flag, e.g. 1GiB or 0.2).
 
-By default the stack is tiny random-weight models built on the fly (tests/tiny_models.py, with a
+By default the stack is tiny random-weight models built on the fly (benchmarks/tiny_models.py, with a
 4096-token context); --target and --draft take real ones:
 
-    python benchmarks/concurrency_memory.py
-    python benchmarks/concurrency_memory.py --requests 128 --prompt-tokens 16 2048 --max-tokens 16 512
-    python benchmarks/concurrency_memory.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    python -m benchmarks.concurrency_memory
+    python -m benchmarks.concurrency_memory --requests 128 --prompt-tokens 16 2048 --max-tokens 16 512
+    python -m benchmarks.concurrency_memory --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import ast
 import asyncio
 import dataclasses
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -40,22 +39,20 @@ from pathlib import Path
 import grpc
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from orchestrator.decoding.request import LoopConfig  # noqa: E402
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
-from orchestrator.frontend.options import FrontendOptions  # noqa: E402
-from specmesh.kv_budget import parse_kv_cache_memory  # noqa: E402
-from specmesh.models import load_tokenizer  # noqa: E402
-from specmesh.service import ServiceOptions  # noqa: E402
-from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from orchestrator.decoding.request import LoopConfig
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.frontend.options import FrontendOptions
+from specmesh.kv_budget import parse_kv_cache_memory
+from specmesh.models import load_tokenizer
+from specmesh.service import ServiceOptions
+from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 SAMPLE_INTERVAL_S = 0.05
 MIB = 1024 * 1024
 
 
 def tiny_pair(root: Path) -> tuple[str, str]:
-    from tiny_models import TINY_CORPUS, build_tiny_model, build_tokenizer, perturb_model
+    from benchmarks.tiny_models import TINY_CORPUS, build_tiny_model, build_tokenizer, perturb_model
     tokenizer = build_tokenizer(root / "tokenizer", corpus=TINY_CORPUS)
     target = build_tiny_model(root / "target", "llama", tokenizer, seed=1, max_positions=4096)
     return str(target), str(perturb_model(target, root / "draft", seed=101))

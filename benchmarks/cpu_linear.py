@@ -5,8 +5,8 @@ cache (a decode step is T = 1, a verification of k draft tokens T = k + 1), and 
 logit change between the kernels over a 100-token prompt, and whether greedy decoding of
 each prompt gives the same tokens on both.
 
-    python benchmarks/cpu_linear.py                          # the embedded target
-    python benchmarks/cpu_linear.py --model qwen2.5-coder-0.5b --rows 1 2 4 8
+    python -m benchmarks.cpu_linear                          # the embedded target
+    python -m benchmarks.cpu_linear --model qwen2.5-coder-0.5b --rows 1 2 4 8
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each asks for one small Python function, "Write a Python function `NAME(PARAM)` 
 SUBJECT.", from every pairing of 12 operations with 20 subjects, so no two prompts are the same
 and the held-out prompts are new pairings. Deterministic; rerun to regenerate:
 
-    python benchmarks/distill_workload.py
+    python -m benchmarks.distill_workload
 """
 
 from __future__ import annotations

@@ -7,29 +7,24 @@ position is the draft's argmax equal to the target's token; acceptance replays t
 rounds exactly (orchestrator.distill.acceptance). A distilled draft that gained on the positions it
 was trained on and lost past them shows here, where an average over a short horizon would not.
 
-    python benchmarks/draft_agreement.py --target qwen2.5-coder-1.5b \\
+    python -m benchmarks.draft_agreement --target qwen2.5-coder-1.5b \\
         --drafts qwen2.5-coder-0.5b ./draft-distilled --prompts served.jsonl --last 20 --max-new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from benchmarks.stack_checks import print_header
+from orchestrator.distill import teacher
+from orchestrator.distill.acceptance import measure_acceptance
+from orchestrator.distill.examples import load_examples
+from specmesh.models import eos_token_ids, load_tokenizer
+from specmesh.precision import DTYPE_CHOICES, load_model_in
 
-from stack_checks import print_header  # noqa: E402
-from orchestrator.distill import teacher  # noqa: E402
-from orchestrator.distill.acceptance import measure_acceptance  # noqa: E402
-from orchestrator.distill.examples import load_examples  # noqa: E402
-from specmesh.models import eos_token_ids, load_tokenizer  # noqa: E402
-from specmesh.precision import DTYPE_CHOICES, load_model_in  # noqa: E402
-
-SCRIPT = "benchmarks/draft_agreement.py"
+MODULE = "benchmarks.draft_agreement"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,7 +53,7 @@ def no_progress(items, label: str):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    print_header(SCRIPT, argv)
+    print_header(MODULE, argv)
     tokenizer = load_tokenizer(args.target)
     examples = load_examples(args.prompts, tokenizer, max_prompt_tokens=256)[-(args.last or 0):]
     prompts = [e.prompt_token_ids for e in examples]

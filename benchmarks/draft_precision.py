@@ -9,9 +9,9 @@ With --head-tokens N ..., also each precision with its output head cut to the fi
 ids (byte-level BPE numbers its tokens by merge order, so the low ids are the common ones): the
 head's share of a step, and how often the target's token falls outside those N.
 
-    python benchmarks/draft_precision.py                       # the embedded pair
-    python benchmarks/draft_precision.py --dtypes bfloat16 int8 --tokens 64
-    python benchmarks/draft_precision.py --dtypes int8 --head-tokens 65536 32768
+    python -m benchmarks.draft_precision                       # the embedded pair
+    python -m benchmarks.draft_precision --dtypes bfloat16 int8 --tokens 64
+    python -m benchmarks.draft_precision --dtypes int8 --head-tokens 65536 32768
 """
 
 from __future__ import annotations

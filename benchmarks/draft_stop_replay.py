@@ -21,28 +21,24 @@ here in this process (a draft step, and a target step by rows):
 Prints tokens per second of the rounds (prefill aside), draft tokens and committed tokens a round,
 per prompt kind and overall. Equal costs for every rule: what differs is only how long each drafts.
 
-    python benchmarks/draft_stop_replay.py --num-prompts 12 --max-tokens 64
+    python -m benchmarks.draft_stop_replay --num-prompts 12 --max-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from forward_cost import CONTEXT, forward_ms  # noqa: E402
-from prompt_lookup_replay import greedy, prompt_ids  # noqa: E402
-from stack_checks import print_header  # noqa: E402
-from orchestrator.bench.prompts import KINDS, prompt_pool, select_prompts  # noqa: E402
-from specmesh.hf_compat import cache_kwargs  # noqa: E402
-from specmesh.models import eos_token_ids  # noqa: E402
-from specmesh.precision import load_model_in  # noqa: E402
+from benchmarks.forward_cost import CONTEXT, forward_ms
+from benchmarks.prompt_lookup_replay import greedy, prompt_ids
+from benchmarks.stack_checks import print_header
+from orchestrator.bench.prompts import KINDS, prompt_pool, select_prompts
+from specmesh.hf_compat import cache_kwargs
+from specmesh.models import eos_token_ids
+from specmesh.precision import load_model_in
 
 TIMED_STEPS = 5  # forwards timed per row count (their median)
 
@@ -156,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple]]:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=7, help="the most draft tokens a round (the default k_max)")
     args = parser.parse_args(argv)
-    print_header(__file__, sys.argv[1:] if argv is None else argv)
+    print_header("benchmarks.draft_stop_replay", sys.argv[1:] if argv is None else argv)
     target, tokenizer = load_model_in(args.target, "cpu", args.target_dtype, "auto")
     draft, _ = load_model_in(args.draft, "cpu", args.draft_dtype, "auto")
     context = tokenizer.encode(CONTEXT)

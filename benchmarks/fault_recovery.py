@@ -2,8 +2,8 @@
 
 Usage (tiny models are enough: recovery is process start-up and model load, not decoding):
 
-    python benchmarks/fault_recovery.py --backend local --target DIR --draft DIR
-    python benchmarks/fault_recovery.py --backend ray --target DIR --draft DIR
+    python -m benchmarks.fault_recovery --backend local --target DIR --draft DIR
+    python -m benchmarks.fault_recovery --backend ray --target DIR --draft DIR
 
 Per role and trial: start a greedy request, kill the role's only replica after the
 second round (SIGKILL of the child process in local mode; `ray.kill` of the actor,

@@ -4,7 +4,7 @@ Speculative decoding pays off when verifying k+1 tokens costs little more than
 one: this prints that curve for a model on this machine, which is how the row
 padding in specmesh.engine and the default k were chosen.
 
-    python benchmarks/forward_cost.py qwen2.5-coder-1.5b --dtype float32 --rows 1 2 3 4 5 6 7 8
+    python -m benchmarks.forward_cost qwen2.5-coder-1.5b --dtype float32 --rows 1 2 3 4 5 6 7 8
 """
 
 from __future__ import annotations

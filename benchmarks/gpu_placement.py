@@ -5,7 +5,7 @@ The services are separate processes, so a draft on the target's GPU time-shares 
 target and of the draft, each alone in its process, then both at once in two processes, then both at
 once under CUDA MPS where its control daemon starts, and the draft alone on the CPU:
 
-    python benchmarks/gpu_placement.py --target DIR --draft DIR --trust-remote-code
+    python -m benchmarks.gpu_placement --target DIR --draft DIR --trust-remote-code
 
 Prints and returns median ms a step per placement (benchmarks/gpu_speculation.py runs it on its pair).
 """
@@ -18,14 +18,9 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from queue import Empty
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 CONTEXT_TOKENS = 128  # cached tokens behind each timed step
 WARM_STEPS = 5

@@ -102,8 +102,8 @@ H100_8B = Profile(
         "gpt-fast README (pytorch-labs/gpt-fast): Llama-2-7B bf16 104.9 tok/s at batch 1 on one A100-80GB "
         "(9.5 ms/step, 1397 GB/s effective of ~1700 GB/s peak): a compiled step runs at ~80% of bandwidth",
         "H100 SXM5 datasheet: HBM3 3.35 TB/s, 989 TFLOP/s dense bf16; a 7-8B bf16 step reads ~15 GB: "
-        "4.5 ms bound, 6-7 ms served (specmesh brief)",
-        "a 0.5B draft with CUDA graphs is launch bound near 1 ms (specmesh brief); its weights read in "
+        "4.5 ms bound, 6-7 ms served (an estimate)",
+        "a 0.5B draft with CUDA graphs is launch bound near 1 ms (an estimate); its weights read in "
         "~0.3 ms (1 GB at 3.35 TB/s)",
         "per-session KV read: Llama-3-8B 128 KiB/token, Qwen2.5-0.5B 12 KiB/token (model configs), "
         f"{CONTEXT_TOKENS} tokens of context at 3.35 TB/s",
@@ -126,9 +126,9 @@ H100X8_70B = Profile(
     sources=(
         "gpt-fast README (pytorch-labs/gpt-fast), tensor parallelism: Llama-2-70B bf16 62.50 tok/s on "
         "8xA100-80GB at batch 1 (16 ms/step, 1135 GB/s effective per GPU)",
-        "vLLM RFC #42109: a 1-8B draft adds 10-30% to a TP2 70B step (specmesh brief): a 1B draft at the "
+        "vLLM RFC #42109: a 1-8B draft adds 10-30% to a TP2 70B step: a 1B draft at the "
         "low end, 2-2.5 ms against 20 ms",
-        "SGLang decoupled drafter PR #22520: 70B TP8 + 1B draft 1.81-1.91x at batch 1-16 (specmesh brief); "
+        "SGLang decoupled drafter PR #22520: 70B TP8 + 1B draft 1.81-1.91x at batch 1-16; "
         "the sequential bound at t=20 ms, d=2.5 ms is 1.85x (k=4) at alpha 0.7 (alpha assumed, not in the PR notes)",
         "per-session KV read: Llama-3-70B 320 KiB/token split over 8 GPUs, Llama-3.2-1B 32 KiB/token "
         f"(model configs), {CONTEXT_TOKENS} tokens of context at 3.35 TB/s",

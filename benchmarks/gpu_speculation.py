@@ -1,7 +1,7 @@
 """Speculation on a GPU, in one go: the set-acceptance pair at real sizes, target-only and speculative
 serving at set acceptance rates, and transformers' assisted generation on the same pair.
 
-    python benchmarks/gpu_speculation.py --out docs/results/gpu-h200.json
+    python -m benchmarks.gpu_speculation --out docs/results/gpu-h200.json
 
 Steps: check the device and measure its copy bandwidth (so each step time can be stated against the
 time to read the target's weights once); build the pair on the device (benchmarks/set_acceptance_pair.py:
@@ -18,7 +18,8 @@ against it, all greedy:
 - with the first alpha, the --concurrency values left (target-only's batching; on runs beside it).
 
 Writes the JSON (--out), a plot beside it, the bench results under --work, and prints a table with the
-GPU issue's done-when bars. Every output is compared across modes prompt by prompt (bench's greedy check).
+targets the run is held to (gpu_summary.bars). Every output is compared across modes prompt by prompt
+(bench's greedy check).
 `--small --device cpu --dtype float32` runs the same at test size (the test suite does).
 """
 
@@ -36,16 +37,13 @@ from pathlib import Path
 import torch
 import yaml
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
+from benchmarks.gpu_placement import lines as placement_lines, measure as measure_placement
+from benchmarks.gpu_summary import alpha_key, outputs_identical, plot, speculation, table, target_only
+from benchmarks.serve_process import start_serve
+from benchmarks.set_acceptance_pair import build_pair
 
-from gpu_placement import lines as placement_lines, measure as measure_placement  # noqa: E402
-from gpu_summary import alpha_key, outputs_identical, plot, speculation, table, target_only  # noqa: E402
-from serve_process import start_serve  # noqa: E402
-from set_acceptance_pair import build_pair  # noqa: E402
-
-SCRIPT = "benchmarks/gpu_speculation.py"
+ROOT = Path(__file__).resolve().parents[1]
+MODULE = "benchmarks.gpu_speculation"
 COPY_BYTES = 1 << 30  # per copy: large enough that launch costs vanish next to it
 COPY_REPEATS = 10
 
@@ -174,7 +172,7 @@ def step_times(args: argparse.Namespace, target: Path) -> dict | None:
     if args.step_shapes == "none":
         return None
     out = args.work / "steps.json"
-    command = [sys.executable, str(HERE / "gpu_steps.py"), "--model", str(target), "--device", args.device,
+    command = [sys.executable, "-m", "benchmarks.gpu_steps", "--model", str(target), "--device", args.device,
                "--dtype", args.dtype, "--trust-remote-code", "--json", str(out)]
     if args.step_shapes:
         command += ["--shapes", args.step_shapes, "--steps", "3", "--kv-bytes", str(2**26)]
@@ -188,7 +186,7 @@ def step_times(args: argparse.Namespace, target: Path) -> dict | None:
 
 def start_server(args: argparse.Namespace, target: Path, draft: Path, work: Path):
     """`specmesh serve` for one alpha; where it fails to start with graph steps, once more (and for the rest of
-    the run) with them off, so that a lent GPU's time still measures speculation."""
+    the run) with them off, so that the run still measures speculation on that GPU."""
     try:
         return start_serve(serve_flags(args, target, draft, work), work / "serve.log", args.start_timeout, metrics=True)
     except SystemExit as failure:
@@ -241,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
     print(f"machine: {platform.platform()}, {device_name(args.device)}, torch {torch.__version__}", flush=True)
-    print(f"command: python {SCRIPT} " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
+    print(f"command: python -m {MODULE} " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
     check_environment(args)
     bandwidth = copy_bandwidth_gb_s(args.device, COPY_BYTES >> 4 if args.small else COPY_BYTES)
     pair = build_pair(args.work / "pair", args.alphas, args.device, args.dtype, args.small)

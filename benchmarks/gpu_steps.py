@@ -1,6 +1,6 @@
 """What one engine step costs with graph steps on and off: the measurement behind `graph-steps: auto`.
 
-    python benchmarks/gpu_steps.py --model DIR --trust-remote-code --json steps.json
+    python -m benchmarks.gpu_steps --model DIR --trust-remote-code --json steps.json
 
 Loads the model once, then for each mode (specmesh.graph_steps "on": static steps over preallocated
 KV, replayed as CUDA graphs on CUDA; "off": the eager ragged step over growing caches) opens
@@ -15,20 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from specmesh.batching import Part  # noqa: E402
-from specmesh.engine import EngineConfig, ModelEngine  # noqa: E402
-from specmesh.kv_budget import KVCacheMemory  # noqa: E402
-from specmesh.precision import load_model_in  # noqa: E402
-from specmesh.sampling import SamplingParams  # noqa: E402
+from specmesh.batching import Part
+from specmesh.engine import EngineConfig, ModelEngine
+from specmesh.kv_budget import KVCacheMemory
+from specmesh.precision import load_model_in
+from specmesh.sampling import SamplingParams
 
 CONTEXT_TOKENS = 128
 SHAPES = [(1, 1), (1, 5), (1, 8), (16, 1), (16, 5), (64, 1)]  # (sessions, rows)

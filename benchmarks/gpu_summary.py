@@ -1,5 +1,5 @@
 """The GPU speculation run's figures (benchmarks/gpu_speculation.py) from its `specmesh bench` results:
-the committed JSON, the done-when bars of the GPU issue, a table and a plot."""
+the committed JSON, the targets the run is held to, a table and a plot."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def outputs_identical(results: list[dict]) -> bool | None:
 
 
 def bars(summary: dict) -> list[tuple[str, float | None, float, bool]]:
-    """The GPU issue's done-when checks: (what, measured, bar, met); a missing figure is unmet."""
+    """The targets the GPU run is held to: (what, measured, bar, met); a missing figure is unmet."""
     target = summary["target_only"]
     policy = summary["default_policy"]
     assisted = summary["hf_assisted"]
@@ -141,7 +141,7 @@ def table(summary: dict) -> str:
     if steps:
         lines += ["", "engine step, median ms (sessions x rows: graph steps off / on):"]
         lines += [f"  {shape}: {off:.2f} / {steps['ms']['on'][shape]:.2f}" for shape, off in steps["ms"]["off"].items()]
-    lines += ["", f"{'done when':<60}{'measured':>10}{'bar':>8}  met"]
+    lines += ["", f"{'target':<60}{'measured':>10}{'bar':>8}  met"]
     for what, value, bar, met in bars(summary):
         lines.append(f"{what:<60}{'-' if value is None else f'{value:.2f}':>10}{bar:>8.2f}  {'yes' if met else 'NO'}")
     return "\n".join(lines)

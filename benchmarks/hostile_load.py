@@ -2,7 +2,7 @@
 
 Usage (tiny models are enough: what is measured is the front door, not decoding):
 
-    python benchmarks/hostile_load.py --target DIR [--idle 20000] [--flood 10000] [--floods 3]
+    python -m benchmarks.hostile_load --target DIR [--idle 20000] [--flood 10000] [--floods 3]
 
 It starts `specmesh serve --api-key` (target only, `--config` for extra settings) with its output
 in a log file, then from this process runs authenticated requests throughout (one gRPC Generate
@@ -35,12 +35,11 @@ from pathlib import Path
 import grpc
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from serve_process import ServeProcess, start_serve  # noqa: E402
-from specmesh.connections import raise_file_limit  # noqa: E402
-from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from benchmarks.serve_process import ServeProcess, start_serve
+from specmesh.connections import raise_file_limit
+from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
+ROOT = Path(__file__).resolve().parents[1]  # the attackers run as `python -m benchmarks.hostile_load` from it
 API_KEY = "hostile-load-key"
 REQUEST = generation_pb2.GenerateRequest(prompt="def add(a, b):", max_tokens=8, temperature=0.0)
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
@@ -171,8 +170,9 @@ async def flood(port: int, calls: int) -> dict:
 async def measure_while(probe: Probe, *attacks: list[str]) -> dict:
     """Run this script as the attackers (`--attack ...`, one process each) while the probe runs; their
     reports, summed."""
-    children = [await asyncio.create_subprocess_exec(sys.executable, __file__, "--attack", *attack_args,
-                                                     stdout=asyncio.subprocess.PIPE) for attack_args in attacks]
+    children = [await asyncio.create_subprocess_exec(sys.executable, "-m", "benchmarks.hostile_load", "--attack",
+                                                     *attack_args, stdout=asyncio.subprocess.PIPE, cwd=ROOT)
+                for attack_args in attacks]
     done = asyncio.Event()
     prober = asyncio.ensure_future(probe.run_until(done))
     outputs = await asyncio.gather(*(child.communicate() for child in children))
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     limit = raise_file_limit()
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; "
           f"RLIMIT_NOFILE {resource.getrlimit(resource.RLIMIT_NOFILE)} (raised to {limit})")
-    print("command: python benchmarks/hostile_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    print("command: python -m benchmarks.hostile_load " + " ".join(argv if argv is not None else sys.argv[1:]),
           flush=True)
     with tempfile.TemporaryDirectory() as scratch:
         log_path = Path(scratch) / "serve.log"

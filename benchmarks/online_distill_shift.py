@@ -20,8 +20,8 @@ target-only output of its prompt (the same prompt sent with speculation off, aft
 prompts sent again after its rollout (benchmarks/shift_pairs.py). The machine and the exact command
 come first.
 
-    python benchmarks/online_distill_shift.py --duration 1800 --concurrency 4
-    python benchmarks/online_distill_shift.py --target DIR --draft DIR --prompts FILE --until-cycles 2 \\
+    python -m benchmarks.online_distill_shift --duration 1800 --concurrency 4
+    python -m benchmarks.online_distill_shift --target DIR --draft DIR --prompts FILE --until-cycles 2 \\
         --distill-tokens 5000 --distill-args '--max-new-tokens 32' --check-greedy --result-dir shift
 """
 
@@ -42,19 +42,17 @@ from pathlib import Path
 import grpc
 import yaml
 
+from benchmarks.bench_pipeline import scrape
+from benchmarks.serve_process import ServeProcess, serve_command, start_serve
+from benchmarks.shift_pairs import Served, paired, paired_line, to_replay
+from benchmarks.shift_timeline import add_intervals, rate, sample_row, summarise, summary_lines, write_files
+from benchmarks.stack_checks import print_header
+from orchestrator.bench.clients import GrpcClient, RequestParams
+from orchestrator.bench.prompts import BenchPrompt, load_jsonl
+from specmesh.models import load_tokenizer
+
+MODULE = "benchmarks.online_distill_shift"
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from bench_pipeline import scrape  # noqa: E402
-from serve_process import ServeProcess, serve_command, start_serve  # noqa: E402
-from shift_pairs import Served, paired, paired_line, to_replay  # noqa: E402
-from shift_timeline import add_intervals, rate, sample_row, summarise, summary_lines, write_files  # noqa: E402
-from stack_checks import print_header  # noqa: E402
-from orchestrator.bench.clients import GrpcClient, RequestParams  # noqa: E402
-from orchestrator.bench.prompts import BenchPrompt, load_jsonl  # noqa: E402
-from specmesh.models import load_tokenizer  # noqa: E402
-
-SCRIPT = "benchmarks/online_distill_shift.py"
 DEFAULT_DURATION_S = 1800.0
 
 
@@ -300,7 +298,7 @@ def greedy_line(greedy: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    print_header(SCRIPT, argv)
+    print_header(MODULE, argv)
     directory = Path(args.result_dir).resolve()  # serve runs from the repository, not from here
     directory.mkdir(parents=True, exist_ok=True)
     serve = start(args, write_serve_config(args, directory), directory / "serve.log")
@@ -310,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
         serve.stop()
     summary = {**summarise(add_intervals(rows)), "errors": dict(load.errors), "greedy_check": greedy,
                "paired": paired(load.served) if args.paired else None}
-    command = f"python {SCRIPT} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = f"python -m {MODULE} " + shlex.join(sys.argv[1:] if argv is None else argv)
     paths = write_files(rows, {"command": command, "settings": vars(args), "summary": summary}, directory)
     extra = ([paired_line(summary["paired"])] if args.paired else []) + ([greedy_line(greedy)] if greedy else [])
     for line in summary_lines(summary) + extra:

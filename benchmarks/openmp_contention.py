@@ -11,9 +11,9 @@ steps, then one target step of `--target-rows` rows, for `--seconds`; prints the
 and each side's median share of it. What a spin costs there is only its tail: the side that
 just finished spins while the other starts.
 
-    python benchmarks/openmp_contention.py
-    python benchmarks/openmp_contention.py --spin-counts 300000 5000 2000 500 0 300000/2000 --seconds 20
-    python benchmarks/openmp_contention.py --alternate 4 --target-rows 5 --spin-counts 300000/2000 300000/20000 300000
+    python -m benchmarks.openmp_contention
+    python -m benchmarks.openmp_contention --spin-counts 300000 5000 2000 500 0 300000/2000 --seconds 20
+    python -m benchmarks.openmp_contention --alternate 4 --target-rows 5 --spin-counts 300000/2000 300000/20000 300000
 """
 
 from __future__ import annotations

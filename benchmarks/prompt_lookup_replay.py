@@ -8,7 +8,7 @@ Prints, per prompt kind, the rounds against the tokens (tokens per round is what
 alone would save, with verification rows free), the proposals and their acceptance by
 position: the figures behind the policy's LOOKUP_PRIOR.
 
-    python benchmarks/prompt_lookup_replay.py --model qwen2.5-coder-1.5b --num-prompts 16 --max-tokens 32
+    python -m benchmarks.prompt_lookup_replay --model qwen2.5-coder-1.5b --num-prompts 16 --max-tokens 32
 """
 
 from __future__ import annotations

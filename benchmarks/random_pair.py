@@ -1,12 +1,12 @@
 """A random-weight model pair of the embedded pair's shapes, for benchmarking where the real pair cannot go.
 
 The embedded Qwen2.5-Coder pair is gigabytes of GGUF parts from PyPI; a machine without a package
-index (a lent GPU machine) cannot fetch it. This builds, offline and in seconds, a target of
+index (an isolated GPU host) cannot fetch it. This builds, offline and in seconds, a target of
 Qwen2.5-1.5B's shape and a draft of Qwen2.5-0.5B's shape with random weights, one byte-level BPE
 tokenizer for both (trained on the test corpora and this repository's text; the models' vocabulary
-is its size), with the test suite's own builders (tests/tiny_models.py):
+is its size), with the builders the test suite uses (benchmarks/tiny_models.py):
 
-    python benchmarks/random_pair.py /tmp/pair
+    python -m benchmarks.random_pair /tmp/pair
     specmesh bench --target /tmp/pair/target --draft /tmp/pair/draft --device cuda \\
         --target-dtype bfloat16 --draft-dtype bfloat16 --ab --max-concurrency 1 2 4 8 16 \\
         --num-prompts 16 --max-tokens 32 --temperature 0
@@ -22,14 +22,12 @@ output projection costs less than the real models'.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # tiny_models is a plain module there (as tests/conftest.py imports it)
+from benchmarks.tiny_models import OTHER_CORPUS, TINY_CORPUS, build_tiny_model, build_tokenizer
 
-from tiny_models import OTHER_CORPUS, TINY_CORPUS, build_tiny_model, build_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {  # Qwen2.5-1.5B and Qwen2.5-0.5B: head dims 128 and 64
     "target": dict(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960),

@@ -1,7 +1,7 @@
 """What a round's calls cost beyond the forwards: unary calls against messages on a session's round stream.
 
-    python benchmarks/round_calls.py --model /tmp/sap/target --role target --trust-remote-code
-    python benchmarks/round_calls.py --model /tmp/gpu/pair/target --trust-remote-code --device cuda --dtype bfloat16
+    python -m benchmarks.round_calls --model /tmp/sap/target --role target --trust-remote-code
+    python -m benchmarks.round_calls --model /tmp/gpu/pair/target --trust-remote-code --device cuda --dtype bfloat16
 
 Starts one model service (`python -m target_service` or `draft_service`), then, with the orchestrator's
 own client (orchestrator.deployment.clients), runs blocks of rounds on fresh sessions, unary and
@@ -21,14 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
-
-from orchestrator.bench.report import machine_info  # noqa: E402
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel  # noqa: E402
-from specmesh.sampling import SamplingParams  # noqa: E402
+from orchestrator.bench.report import machine_info
+from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from specmesh.sampling import SamplingParams
 
 PROMPT = list(range(10, 40))
 READY_TIMEOUT_S = 300.0
@@ -105,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     args = parse_args(argv)
     info = machine_info()
     print(f"machine: {info['platform']}, {info['cpu']}, {info['cpu_count']} cores, torch {info['torch']}")
-    print(f"command: python benchmarks/round_calls.py {shlex.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"command: python -m benchmarks.round_calls {shlex.join(argv if argv is not None else sys.argv[1:])}")
     port = free_port()
     flags = ["--model", args.model, "--port", str(port), "--device", args.device, "--dtype", args.dtype]
     process = subprocess.Popen([sys.executable, "-m", f"{args.role}_service", *flags,

@@ -6,7 +6,7 @@ with random weights and one byte-level BPE tokenizer, whose forwards run the ful
 their greedy token by rule (modeling_set_acceptance.py, copied into each model directory): the target
 walks a hash of (token, position); each draft proposes the target's token with probability alpha.
 
-    python benchmarks/set_acceptance_pair.py /tmp/pair --device cuda --alpha 0.6 0.8
+    python -m benchmarks.set_acceptance_pair /tmp/pair --device cuda --alpha 0.6 0.8
     specmesh bench --trust-remote-code --target /tmp/pair/target --draft /tmp/pair/draft-0.8 \\
         --device cuda --target-dtype bfloat16 --draft-dtype bfloat16 --ab --temperature 0
 
@@ -21,7 +21,7 @@ models on the test corpora: the real compute must stay small, well under the emu
 forwards sleep out the GPU's step time and leave the CPU to the services, and several replicas fit on
 two cores.
 
-    python benchmarks/set_acceptance_pair.py /tmp/pair-h100 --profile h100-8b --alpha 0.8
+    python -m benchmarks.set_acceptance_pair /tmp/pair-h100 --profile h100-8b --alpha 0.8
 """
 
 from __future__ import annotations
@@ -29,20 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))  # tiny_models, as random_pair.py imports it
+from benchmarks.gpu_profiles import PROFILES, scaled, to_config
+from benchmarks.modeling_set_acceptance import SetAcceptanceConfig, SetAcceptanceForCausalLM
+from benchmarks.random_pair import MAX_POSITIONS, SMALL_SHAPES, corpus
+from benchmarks.tiny_models import build_tokenizer
 
-from gpu_profiles import PROFILES, scaled, to_config  # noqa: E402  (as a sibling, the way this file imports the others)
-from modeling_set_acceptance import SetAcceptanceConfig, SetAcceptanceForCausalLM  # noqa: E402
-from random_pair import MAX_POSITIONS, SMALL_SHAPES, corpus  # noqa: E402
-from tiny_models import build_tokenizer  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 SHAPES = {  # Qwen2.5-7B and Qwen2.5-0.5B
     "target": dict(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944),

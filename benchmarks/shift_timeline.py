@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
-from bench_pipeline import total  # noqa: E402
+from benchmarks.bench_pipeline import total  # noqa: E402
 
 GAUGES = {"drafted": "specmesh_draft_model_draft_tokens_total",
           "accepted": "specmesh_draft_model_accepted_tokens_total",

@@ -14,15 +14,15 @@ then stops the draft and target with SIGTERM), and prints each process's exit co
 logged "drained and stopped". The stack's log passes through to stderr. The machine and the command
 come first.
 
-Done when, with each kernel: every process's RSS after all streams is within 10 % of its RSS after
-the first --checkpoint (the issue's soak: 5,000 streams against the first 500); every process's open
-sessions are 0 within 10 s of the last stream (the issue's 20,000 cancelled streams, in waves of 200:
---cancel-fraction 1 --concurrency 200); every process drains and exits 0 on the SIGTERM.
+It passes when, with each kernel: every process's RSS after all streams is within 10 % of its RSS
+after the first --checkpoint (the recorded soak: 5,000 streams against the first 500); every process's
+open sessions are 0 within 10 s of the last stream (the recorded run of 20,000 cancelled streams, in
+waves of 200: --cancel-fraction 1 --concurrency 200); every process drains and exits 0 on the SIGTERM.
 
-    python benchmarks/soak_rss.py
-    python benchmarks/soak_rss.py --streams 5000 --checkpoint 500 --cancel-fraction 0 --kernels onednn torch
-    python benchmarks/soak_rss.py --streams 20000 --checkpoint 2000 --cancel-fraction 1 --concurrency 200
-    python benchmarks/soak_rss.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --streams 1200
+    python -m benchmarks.soak_rss
+    python -m benchmarks.soak_rss --streams 5000 --checkpoint 500 --cancel-fraction 0 --kernels onednn torch
+    python -m benchmarks.soak_rss --streams 20000 --checkpoint 2000 --cancel-fraction 1 --concurrency 200
+    python -m benchmarks.soak_rss --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --streams 1200
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -38,16 +37,14 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from concurrency_memory import MIB, mixed_requests, service_processes, tiny_pair  # noqa: E402
-from stack_checks import StackLog, print_header, stop_stack, wait_closed  # noqa: E402
-from orchestrator.decoding.request import LoopConfig  # noqa: E402
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
-from orchestrator.frontend.options import FrontendOptions  # noqa: E402
-from specmesh.models import load_tokenizer  # noqa: E402
-from specmesh.service import ServiceOptions  # noqa: E402
-from specmesh.v1 import generation_pb2_grpc  # noqa: E402
+from benchmarks.concurrency_memory import MIB, mixed_requests, service_processes, tiny_pair
+from benchmarks.stack_checks import StackLog, print_header, stop_stack, wait_closed
+from orchestrator.decoding.request import LoopConfig
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.frontend.options import FrontendOptions
+from specmesh.models import load_tokenizer
+from specmesh.service import ServiceOptions
+from specmesh.v1 import generation_pb2_grpc
 
 GROWTH_LIMIT = 0.10
 EARLY_CANCEL_S = 0.2  # a stream cancelled before its first response is cancelled within this
@@ -147,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--kernels", nargs="+", default=["torch", "onednn"], choices=["torch", "onednn"])
     parser.add_argument("--streams", type=int, default=2000)
     parser.add_argument("--checkpoint", type=int, default=500, help="RSS is compared against after this many")
-    parser.add_argument("--concurrency", type=int, default=16, help="streams at a time (the issue's waves: 200)")
+    parser.add_argument("--concurrency", type=int, default=16, help="streams at a time (the recorded cancelled run: 200)")
     parser.add_argument("--cancel-fraction", type=float, default=0.3, help="share cancelled (1: every stream)")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(4, 600), metavar=("MIN", "MAX"))
     parser.add_argument("--max-tokens", type=int, nargs=2, default=(4, 64), metavar=("MIN", "MAX"))
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                         help="how long after the last stream every process's open sessions must be 0")
     args = parser.parse_args(argv)
     args.requests = args.streams  # what mixed_requests reads
-    print_header("benchmarks/soak_rss.py", argv)
+    print_header("benchmarks.soak_rss", argv)
     results = {}
     with tempfile.TemporaryDirectory() as root:
         target, draft = (args.target, args.draft) if args.target else tiny_pair(Path(root))

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from bench_pipeline import scrape, total
+from benchmarks.bench_pipeline import scrape, total
 from orchestrator.bench.report import machine_info
 from orchestrator.deployment.supervisor import STOP_GRACE_S
 from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S
@@ -32,13 +32,13 @@ LOGGED_BY = re.compile(r"^\S+ \S+ (orchestrator|draft|target)\b")  # "date time,
 REPLICA_EXIT = re.compile(r"(draft|target) replica \S+ stopped: exit code (-?\d+)")
 
 
-def print_header(script: str, argv: list[str] | None) -> None:
-    """The machine and the exact command, first in the output."""
+def print_header(module: str, argv: list[str] | None) -> None:
+    """The machine and the exact command (`python -m module ...`), first in the output."""
     info = machine_info()
     gpu = f", GPU {info['cuda']}" if info["cuda"] else ""
     print(f"machine: {info['platform']}, {info['cpu']}, {info['cpu_count']} cores, python {info['python']}, "
           f"torch {info['torch']} ({info['torch_threads']} threads){gpu}")
-    print(f"command: python {script} " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
+    print(f"command: python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
 
 
 class StackLog:

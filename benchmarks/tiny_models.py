@@ -1,4 +1,4 @@
-"""Tiny, real (random-weight) transformer models for specmesh tests.
+"""Tiny, real (random-weight) transformer models for specmesh's tests and benchmarks.
 
 Everything here is built locally: a byte-level BPE tokenizer trained on a
 small embedded corpus, and Llama / Qwen2 causal LMs with ~0.1M parameters.

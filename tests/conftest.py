@@ -1,6 +1,6 @@
 """Shared pytest fixtures: tiny real transformer models built once per session.
 
-All models use random weights (see ``tests/tiny_models.py``) and are written
+All models use random weights (see ``benchmarks/tiny_models.py``) and are written
 to a session temp dir together with a locally trained byte-level BPE
 tokenizer, so no network or hub access is needed.  Building everything takes
 a couple of seconds on CPU.
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-# Make ``import tiny_models`` work regardless of pytest's import mode.
+# Make the suite's helper modules (own_warnings, harness, ...) importable in any pytest import mode.
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import own_warnings  # noqa: E402
-from tiny_models import (  # noqa: E402
+from benchmarks.tiny_models import (  # noqa: E402
     OTHER_CORPUS,
     TINY_CORPUS,
     build_tiny_model,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import DynamicCache
 
 from draft_service.engine import CommitSpec, DraftEngine
 from specmesh.engine import ModelEngine, Session
@@ -42,3 +43,11 @@ async def commit_alone(draft: DraftEngine, request_id: str, round_number: int, c
     session, _ = draft._arrive(request_id, round_number)
     await draft.engine.run(draft._apply_commit, session, commit, session=session)
     return len(session.token_ids)
+
+
+def session_over(engine, token_ids: list[int], cached: int) -> Session:
+    """A session whose cache covers token_ids[:cached]."""
+    session = Session(f"s{len(token_ids)}-{cached}", list(token_ids), DynamicCache(), SamplingParams(), torch.Generator())
+    if cached:
+        engine.forward(session, token_ids[:cached])
+    return session

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import grpc
 import httpx
 import pytest
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from harness import Stack, load, start_stack
+from benchmarks.tiny_models import TINY_PROMPTS
+from harness import WORK_TIMEOUT_S, Stack, load, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
@@ -91,6 +92,26 @@ def bad_request_fields(error: grpc.aio.AioRpcError) -> list[str] | None:
             detail.Unpack(bad_request)
             return [violation.field for violation in bad_request.field_violations]
     return None
+
+
+def bad_request_field(error: grpc.aio.AioRpcError) -> str:
+    """The field named by the google.rpc.BadRequest detail of a rich error status."""
+    for key, value in error.trailing_metadata() or ():
+        if key == rpc_status.GRPC_DETAILS_METADATA_KEY:
+            bad_request = error_details_pb2.BadRequest()
+            status_pb2.Status.FromString(value).details[0].Unpack(bad_request)
+            return bad_request.field_violations[0].field
+    raise AssertionError("no google.rpc.BadRequest in the error")
+
+
+async def generate_with(channel: grpc.aio.Channel, metadata=(), max_tokens: int = 16) -> list[int]:
+    """The first tiny prompt's greedy tokens through the Generation service behind `channel`."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[0], max_tokens=max_tokens, temperature=0.0)
+    token_ids = []
+    async for response in stub.Generate(request, timeout=WORK_TIMEOUT_S, metadata=metadata):
+        token_ids.extend(response.token_ids)
+    return token_ids
 
 
 @pytest.fixture(scope="module", name="door")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import yaml
+from prometheus_client import CollectorRegistry
 
 from benchmarks.links import DelayLine, LinkSpec
 from orchestrator.deployment.clients import open_channel
@@ -283,3 +284,13 @@ async def start_stack(target_dir, draft_dir=None, *, device: str = "cpu", k: int
 
 def draft_stub(stack: Stack) -> draft_pb2_grpc.DraftServiceStub:
     return draft_pb2_grpc.DraftServiceStub(stack.internal_channel(stack.draft_port))
+
+
+def metric(registry: CollectorRegistry, name: str, **labels) -> float:
+    """Sum of a sample over every label set that matches `labels`."""
+    total = 0.0
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

@@ -19,6 +19,8 @@ from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next
 from harness import GRAPH_STEPS, make_engine, start_stack
 from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.request import RoundTiming
+from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
+from policy_costs import speculation
 from specmesh.batching import Part
 from specmesh.errors import InvalidArgument
 from specmesh.ragged import tree_ancestry
@@ -26,9 +28,7 @@ from specmesh.sampling import SamplingParams
 from specmesh.v1 import target_pb2
 from target_service.alternatives import Alternative, taken_alternative, tree_parents
 from target_service.engine import TargetEngine
-from test_draft_length_policy import speculation
-from test_greedy_parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 GREEDY = SamplingParams(0.0)
 
@@ -162,8 +162,10 @@ FLAT_TARGET = {rows: 0.01 for rows in (1, 2, 4, 8, 16, 32, 64)}  # extra rows fr
 async def test_served_greedy_output_is_the_targets_own_with_alternatives_committed(request, device, target_name,
                                                                                  draft_name):
     target_dir = str(request.getfixturevalue(target_name))
+    # Target-only rounds of one token, priced as before decoding ahead: the draft and its target are the same
+    # tiny size, and target-only rounds that decode ahead would win over drafting, the subject here.
     stack = await start_stack(target_dir, request.getfixturevalue(draft_name), k=4, device=device, adaptive_k=True,
-                              calibrate=True, target_step_costs=FLAT_TARGET)
+                              calibrate=True, target_step_costs=FLAT_TARGET, loop_options={"decode_ahead": 0})
     results = await greedy_outputs_then_stop(stack)  # all at once: trees meet other sessions' rows in steps
     for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
         assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt

@@ -20,69 +20,28 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
 
 import grpc
 import pytest
-from grpc_health.v1.health import aio as health_aio
 
-from harness import WORK_TIMEOUT_S, eventually, load, make_engine, serve_config
+from attached import (ACQUIRE_TIMEOUT_S, Orchestrator, Service, TOKEN, pools_of, serve_args, start_service, stop_all,
+                      token_file_in)
+from harness import WORK_TIMEOUT_S, eventually, load, serve_config
 from orchestrator.decoding.options import loop_config
 from orchestrator.deployment.attached import AttachedUnavailable, parse_endpoints
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.options import PoolsOptions
-from orchestrator.deployment.pool import ReplicaPool
-from orchestrator.deployment.replicas import create_model_server
 from orchestrator.deployment.serving import Pools, servicer_over_pools
 from orchestrator.frontend.cli import build_parser, main, metrics_ports_of, pools_description, serve_pools_options
 from orchestrator.frontend.config_file import ConfigError
-from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
-from specmesh.drain import drain_of
-from specmesh.engine import ModelEngine
+from parity import target_greedy
+from pools import MAX_TOKENS, PROMPT, generation, placed
+from serve_cli import ROOT, specmesh, start_serve
 from specmesh.security import Security
 from specmesh.server import stop_server
-from specmesh.service import ReplicaConfig, ServiceOptions
-from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from test_cli import ROOT, specmesh, start_serve
-from test_greedy_parity import target_greedy
-from test_pool_failover import MAX_TOKENS, PROMPT, generation, placed
-from tiny_models import TINY_PROMPTS
-
-TOKEN = "attached-t0ken"
-ACQUIRE_TIMEOUT_S = 2.0  # no routable target: how long a request waits before UNAVAILABLE
+from specmesh.v1 import admin_pb2
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 # ---- attached services, and `specmesh serve`'s orchestrator over them
-
-
-@dataclass
-class Service:
-    """A model service started elsewhere (here: in this process), as `python -m target_service` starts one."""
-
-    engine: ModelEngine
-    server: grpc.aio.Server
-    port: int
-    health: health_aio.HealthServicer
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def stop(self) -> None:
-        await self.server.stop(None)  # a second stop (of one stopped already) does nothing
-
-
-async def start_service(role: str, model_dir, token: str | None = TOKEN) -> Service:
-    engine = make_engine(model_dir, role_name=role)
-    options = ServiceOptions(model=str(model_dir), internal_token=token)
-    server, port, health = await create_model_server(ReplicaConfig(role, options), engine)
-    drain_of(server).hold_sessions(lambda: len(engine.sessions))  # as specmesh.service.start_model_service does
-    return Service(engine, server, port, health)
-
-
-def serve_args(directory, **settings) -> argparse.Namespace:
-    """`specmesh serve --config FILE` as parsed, the file holding `settings` (keys as dests)."""
-    return build_parser().parse_args(["serve", *serve_config(directory, **settings)])
 
 
 def attaching(directory, targets: list[Service], drafts: list[Service], token_file=None,
@@ -96,60 +55,8 @@ def attaching(directory, targets: list[Service], drafts: list[Service], token_fi
     return serve_args(directory, **config)
 
 
-def pools_of(args: argparse.Namespace) -> PoolsOptions:
-    """The pools `specmesh serve` runs for `args`, checked every 0.1 s (tests wait on what checks find)."""
-    pools, _ = serve_pools_options(args, Security(), metrics_ports_of(-1))
-    return replace(pools, check_interval_s=0.1, acquire_timeout_s=ACQUIRE_TIMEOUT_S)
-
-
-def token_file_in(directory, token: str = TOKEN):
-    path = directory / "internal-token"
-    path.write_text(token + "\n")
-    return path
-
-
-class Orchestrator:
-    """The Generation and Admin servers over attached pools, built as `specmesh serve` builds them."""
-
-    def __init__(self, servicer, server: grpc.aio.Server, port: int):
-        self.servicer, self.server = servicer, server
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        self.admin = admin_pb2_grpc.AdminStub(self.channel)
-
-    @classmethod
-    async def start(cls, tokenizer_dir, args: argparse.Namespace) -> "Orchestrator":
-        _, tokenizer = load(str(tokenizer_dir), "cpu")
-        options = OrchestratorOptions("", None, loop_config(args), pools=pools_of(args), internal_token="own-token")
-        servicer = await create_servicer(tokenizer, options)
-        server, port, health = await serve_grpc(servicer)
-        servicer.pools.attach_health(health, (SERVICE_NAME,))
-        return cls(servicer, server, port)
-
-    def pool(self, role: str) -> ReplicaPool:
-        return self.servicer.pools.pools[role]
-
-    async def generate(self, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-        stub = generation_pb2_grpc.GenerationStub(self.channel)
-        request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
-        return [t async for response in stub.Generate(request, timeout=WORK_TIMEOUT_S) for t in response.token_ids]
-
-    async def replicas(self) -> dict[str, admin_pb2.ReplicaState]:
-        listed = await self.admin.ListReplicas(admin_pb2.ListReplicasRequest(), timeout=WORK_TIMEOUT_S)
-        return {replica.name: replica for pool in listed.pools for replica in pool.replicas}
-
-    async def stop(self) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-        await self.servicer.pools.stop()
-
-
 def expected(model_dir, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> list[int]:
     return list(target_greedy(str(model_dir), "cpu", prompt, max_tokens))
-
-
-async def stop_all(*services: Service) -> None:
-    for service in services:
-        await service.stop()
 
 
 @contextlib.asynccontextmanager
@@ -171,6 +78,7 @@ async def two_targets_and_a_draft(directory, target_dir, draft_dir):
 # ---- the settings
 
 
+@pytest.mark.unit
 def test_a_config_file_attaches_services_in_place_of_replicas(tmp_path):
     args = serve_args(tmp_path, target_endpoints=["10.0.0.1:50061", "10.0.0.2:50061"],
                       draft_endpoints="10.0.0.3:50062", internal_token_file=str(token_file_in(tmp_path)))
@@ -183,6 +91,7 @@ def test_a_config_file_attaches_services_in_place_of_replicas(tmp_path):
     assert set(built.pools) == {"target", "draft"} and not built.controllers
 
 
+@pytest.mark.unit
 def test_one_role_attached_and_the_other_started_here(tmp_path, caplog):
     args = serve_args(tmp_path, target_endpoints=["[::1]:50061"])
     with caplog.at_level(logging.WARNING):
@@ -196,6 +105,7 @@ def test_one_role_attached_and_the_other_started_here(tmp_path, caplog):
     assert ray.backend == "ray" and ray.target is not None and ray.draft is None  # only the target is a Ray actor
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value, problem", [
     ("host-without-port", "is not host:port"),
     (["h:0"], "from 1 to 65535"),
@@ -216,10 +126,12 @@ def test_a_malformed_endpoint_is_an_error_naming_the_key(tmp_path, capsys, key, 
     assert capsys.readouterr().err.count("\n") == 1
 
 
+@pytest.mark.unit
 def test_parse_endpoints_keeps_the_order_and_normalises_ports():
     assert parse_endpoints(" a:50061, [::1]:0050062 ") == ("a:50061", "[::1]:50062")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("settings, named", [
     (dict(target_endpoints=["h:1"], target_replicas=2), "target-replicas sizes the target replicas serve starts"),
     (dict(draft_endpoints=["h:1"], draft_max_replicas=3), "draft-max-replicas"),

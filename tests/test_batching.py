@@ -11,25 +11,15 @@ import time
 import grpc
 import pytest
 import torch
-from transformers import DynamicCache
 
-from engine_helpers import next_logits_fresh
+from engine_helpers import next_logits_fresh, session_over
 from harness import eventually, load, make_engine, start_stack
+from parity import target_greedy
 from specmesh.batching import Part
-from specmesh.engine import Session
 from specmesh.sampling import SamplingParams
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_ABS_LOGIT_DELTA = 1e-4  # fp32: batched kernels reorder sums, nothing more (measured 6.2e-6: docs/design/continuous-batching.md)
-
-
-def session_over(engine, token_ids: list[int], cached: int) -> Session:
-    """A session whose cache covers token_ids[:cached]."""
-    session = Session(f"s{len(token_ids)}-{cached}", list(token_ids), DynamicCache(), SamplingParams(), torch.Generator())
-    if cached:
-        engine.forward(session, token_ids[:cached])
-    return session
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])

@@ -126,6 +126,7 @@ async def test_bench_draft_length_sweep(tmp_path, capsys, tiny_llama_dir, tiny_l
     assert (tmp_path / "tokens_by_k.png").stat().st_size > 1000
 
 
+@pytest.mark.unit
 def test_sweep_standing_ties_and_failed_modes():
     """A tie goes to the smaller k; a fixed k whose requests all failed (no throughput) is never the best;
     with no fixed k measured the standing line prints dashes instead of failing."""
@@ -139,6 +140,7 @@ def test_sweep_standing_ties_and_failed_modes():
     assert nothing["best_fixed_k"] is None and standing_line(nothing).endswith("- of the best fixed k (-, - tok/s)")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("k", ["0", "40", "x"])
 def test_sweep_k_outside_the_draft_limit_is_rejected(capsys, k):
     with pytest.raises(SystemExit) as exit_info:
@@ -260,7 +262,7 @@ async def test_bench_against_running_http_server(tmp_path, capsys, tiny_llama_di
 
 async def test_bench_concurrency_sweep_on_and_off_in_one_run(tmp_path, capsys, tiny_llama_dir,
                                                              tiny_llama_perturbed_dir):
-    """The issue's sweep, shrunk: concurrency 1 and 2, speculation on and off, against a gRPC server; a
+    """The concurrency sweep, shrunk: concurrency 1 and 2, speculation on and off, against a gRPC server; a
     table row per concurrency and mode, and the throughput and ITL plots."""
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3)  # fixed k: "on" drafts
     try:
@@ -288,6 +290,7 @@ async def test_bench_concurrency_sweep_on_and_off_in_one_run(tmp_path, capsys, t
             assert overall["itl_ms"]["p99"] <= overall["e2e_ms"]["p99"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("line, field", [
     ('{"kind": "code"}', "prompt"),
     ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "prompt"),
@@ -307,6 +310,7 @@ def test_bad_jsonl_line_names_line_and_field(tmp_path, line, field):
         load_jsonl(path)
 
 
+@pytest.mark.unit
 def test_bad_json_and_bench_exit_code(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("{not json\n")
@@ -315,6 +319,7 @@ def test_bad_json_and_bench_exit_code(tmp_path):
     assert specmesh_main(["bench", "--prompt-file", str(path)]) == 2
 
 
+@pytest.mark.unit
 def test_prompt_selection_interleaves_kinds_and_is_seeded():
     pool = [p for kind in BUILTIN.values() for p in kind]
     chosen = select_prompts(pool, 10, seed=3)
@@ -322,6 +327,7 @@ def test_prompt_selection_interleaves_kinds_and_is_seeded():
     assert chosen != select_prompts(pool, 10, seed=4)
 
 
+@pytest.mark.unit
 def test_percentiles_and_arrivals():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
     assert percentile(list(map(float, range(101))), 95) == 95.0
@@ -342,6 +348,7 @@ class RecordingClient:
         record.ok, record.output_tokens = True, 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("concurrency, rate, interleaved", [(1, math.inf, True), (2, math.inf, False),
                                                            (1, 5.0, False)])
 async def test_modes_take_turns_prompt_by_prompt_when_requests_run_one_at_a_time(concurrency, rate, interleaved):
@@ -378,6 +385,7 @@ class RoundCountingPeer(RecordingClient):
         return self.parts.get(mode, RoundParts())
 
 
+@pytest.mark.unit
 async def test_the_peer_takes_turns_with_the_served_modes_and_its_rounds_are_counted_by_mode():
     """The run's client sends a peer mode's requests to the peer, in turn with the served modes prompt by
     prompt; each mode gets the rounds of its own requests, and served modes without /metrics get none."""
@@ -395,6 +403,7 @@ async def test_the_peer_takes_turns_with_the_served_modes_and_its_rounds_are_cou
     assert request_speculation("peer k=2", None) == (True, 2) and request_speculation("peer-off", 3) == (False, None)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("concurrency", [1, 3])
 async def test_repeated_passes_reverse_the_modes_order_every_other_pass(concurrency):
     """--repeats 3: on, off, then off, on, then on, off again (by prompt at concurrency 1, by whole list
@@ -416,6 +425,7 @@ async def test_repeated_passes_reverse_the_modes_order_every_other_pass(concurre
         assert [r.start_s for r in records] == sorted(r.start_s for r in records)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("repeats, passes", [(2, 8), (1, 7)])
 async def test_min_seconds_adds_passes_two_at_a_time_up_to_the_cap(repeats, passes):
     """A configuration that never reaches --min-seconds runs pairs of passes after its --repeats (ABBA
@@ -431,6 +441,7 @@ async def test_min_seconds_adds_passes_two_at_a_time_up_to_the_cap(repeats, pass
         assert len(seconds) == passes and sorted({r.repeat for r in records}) == list(range(passes))
 
 
+@pytest.mark.unit
 def test_min_seconds_stops_adding_passes_once_every_mode_ran_that_long():
     load = LoadSettings(max_tokens=4, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
                         repeats=2, min_seconds=60.0)
@@ -461,6 +472,7 @@ class ConcurrencyClient(RecordingClient):
         self.in_flight -= 1
 
 
+@pytest.mark.unit
 async def test_a_warm_up_before_a_higher_concurrency_fills_every_slot_in_both_modes():
     client = ConcurrencyClient()
     load = LoadSettings(max_tokens=32, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,

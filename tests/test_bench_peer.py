@@ -13,6 +13,8 @@ from orchestrator.bench.report import (PEER_NOTE, concurrency_table, configurati
 from orchestrator.bench.sweep import best_k
 from orchestrator.frontend.cli import build_parser
 
+pytestmark = pytest.mark.unit
+
 # mode -> output tokens of one 1-second request per kind: the peer's k=2 is best overall (60 tokens in 2 s)
 # while k=1 is best on chat, so the by-kind table must still show k=2's chat figure
 TOKENS = {"on": {"code": 40, "chat": 40}, "off": {"code": 20, "chat": 20}, "peer-off": {"code": 10, "chat": 10},

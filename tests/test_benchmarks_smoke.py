@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from test_distill import word_prompts
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # a dataclass of the script looks its module up there
-    spec.loader.exec_module(module)
-    return module
+from workloads import load_script, word_prompts
 
 
 def test_batched_logits_compares_every_kept_row_of_every_round(tiny_llama_dir, capsys):
@@ -28,7 +15,7 @@ def test_batched_logits_compares_every_kept_row_of_every_round(tiny_llama_dir, c
                                    "--prompt-tokens", "4", "40", "--no-calibrate"])
     assert summary["rows"] >= 4 * 2  # at least one logit row per session per round
     assert summary["argmax_agrees"] and summary["max_abs_delta"] < batched_logits.NOISE_BOUND
-    assert "done-when (max |Δlogit| < 1e-04 and every argmax agrees): met" in capsys.readouterr().out
+    assert "check (max |Δlogit| < 1e-04 and every argmax agrees): met" in capsys.readouterr().out
 
 
 def test_draft_precision_prices_and_scores_every_precision(tiny_llama_dir, tiny_llama_perturbed_dir, capsys):

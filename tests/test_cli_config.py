@@ -28,6 +28,8 @@ from specmesh.kv_budget import parse_kv_cache_memory
 from specmesh.security import Security
 from specmesh.service import add_service_arguments, parse_cpu_list, positive_int
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 # One value a setting of each type may take in a file, and what it parses to. A setting whose type
 # is not here fails test_a_config_file_sets_every_setting until it gets a sample.

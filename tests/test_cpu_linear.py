@@ -16,6 +16,7 @@ from specmesh.precision import load_model_in, quantize_int8_weights
 pytestmark = pytest.mark.skipif(not onednn_usable("cpu"), reason="this torch has no oneDNN")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednn_linear_computes_what_torch_linear_does(bias):
     torch.manual_seed(0)
@@ -33,6 +34,7 @@ def test_onednn_linear_computes_what_torch_linear_does(bias):
         assert torch.allclose(onednn(strided), linear(strided), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.unit
 def test_onednn_linear_runs_few_row_counts_whatever_it_is_fed(monkeypatch):
     """oneDNN builds and caches a primitive per row count: a layer fed every count from 1 to 300 (what
     ragged steps feed) runs only a bounded few, and still computes what torch's layer does."""
@@ -79,6 +81,7 @@ def _logits(model, ids):
         return model(torch.tensor([ids])).logits[0]  # [positions, vocab]
 
 
+@pytest.mark.unit
 def test_onednn_model_keeps_logits_and_greedy_output(tiny_qwen2_dir):
     reference, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
     model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
@@ -94,6 +97,7 @@ def test_onednn_model_keeps_logits_and_greedy_output(tiny_qwen2_dir):
     assert got.tolist() == want.tolist()
 
 
+@pytest.mark.unit
 def test_torch_kernel_leaves_the_model_alone(tiny_qwen2_dir):
     model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
     before = [type(m) for m in model.modules()]
@@ -101,6 +105,7 @@ def test_torch_kernel_leaves_the_model_alone(tiny_qwen2_dir):
     assert [type(m) for m in model.modules()] == before
 
 
+@pytest.mark.unit
 def test_only_float32_linear_layers_change(tiny_qwen2_dir):
     """int8 layers (and other dtypes) keep their own kernels: there is nothing for oneDNN to take."""
     model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
@@ -109,6 +114,7 @@ def test_only_float32_linear_layers_change(tiny_qwen2_dir):
     assert not any(isinstance(m, OneDnnLinear) for m in model.modules())
 
 
+@pytest.mark.unit
 def test_auto_times_both_kernels_and_keeps_a_working_model(tiny_qwen2_dir, caplog):
     model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
     reference, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
@@ -122,6 +128,7 @@ def test_auto_times_both_kernels_and_keeps_a_working_model(tiny_qwen2_dir, caplo
     assert (_logits(model, ids) - _logits(reference, ids)).abs().max().item() < 1e-4
 
 
+@pytest.mark.unit
 def test_bad_kernel_names_and_devices_are_refused(tiny_qwen2_dir):
     model, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
     with pytest.raises(ValueError, match="one of auto, onednn, torch"):
@@ -131,6 +138,7 @@ def test_bad_kernel_names_and_devices_are_refused(tiny_qwen2_dir):
     assert choose_cpu_linear(model, "auto", "cuda") == "torch"  # auto off the CPU: nothing to choose
 
 
+@pytest.mark.unit
 def test_a_service_loads_its_model_on_the_kernel_its_options_name(tiny_qwen2_dir):
     from specmesh.service import ServiceOptions, load_engine
 

@@ -18,12 +18,13 @@ import yaml
 from orchestrator.frontend.cli import build_parser
 from specmesh.drain import STOP_MARGIN_S, stop_bound_s
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deploy" / "kuberay"
 KUBERNETES_VERSION = "1.30"
 CRD_SCHEMA = Path(__file__).resolve().parent / "schemas" / "kuberay-raycluster-v1.yaml"
-# `specmesh serve` flags of the Ray pools work (issue 3, parts 1-4). Until that lands they are
-# the only flags the parser may not know; once it does, they are parsed (and type-checked) too.
+
 
 def load_documents() -> dict[tuple[str, str], dict]:
     """(kind, name) -> document, over every manifest in deploy/kuberay."""

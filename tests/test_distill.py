@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 
 import pytest
 import torch
 from harness import load, start_stack
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 from orchestrator.distill import defaults, teacher
 from orchestrator.distill.acceptance import replay_rounds
@@ -21,20 +19,14 @@ from orchestrator.distill.early_stopping import EarlyStopping
 from orchestrator.distill.examples import DistillInputError, Example, check_token_ids, load_examples, split_examples
 from orchestrator.distill.training import bucket_divergence
 from orchestrator.frontend import cli
+from parity import target_greedy
 from specmesh.models import eos_token_ids, load_model, vocab_fingerprint
 from target_service.disagreements import DisagreementLog, context_hash
-
-WORDS = ("the quick brown fox jumps over lazy dog a journey of thousand miles begins with single step "
-         "rain in spain stays mainly plain cat sat on mat model target draft tokens").split()
+from workloads import word_prompts
 
 
 def no_progress(items, label):
     return items
-
-
-def word_prompts(count: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))).capitalize() for _ in range(count)]
 
 
 def replayed_rounds(target_dir, draft_dir, device, prompts, k, max_tokens):

@@ -1,4 +1,5 @@
-"""The default draft-length rule on injected costs and acceptance (no timing, no servers).
+"""The default draft-length rule: on injected costs and acceptance (no timing, no servers), then on real
+services, where it never changes the output and follows the draft's cost.
 
 Costs are injected as the step-cost reports the services send; acceptance as simulated
 rounds drawn at known per-token rates. The rule must pick the analytic optimum, choose
@@ -8,39 +9,36 @@ requests of a batch one k, and not oscillate.
 
 from __future__ import annotations
 
+import asyncio
 import random
-from types import SimpleNamespace
+import threading
+import time
 
+import grpc
 import pytest
+import torch
 
+from benchmarks.tiny_models import TINY_PROMPTS
+from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
-from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.request import RoundTiming
+from orchestrator.decoding.costs import BatchLoad
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
-from specmesh.step_costs import StepCosts
+from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, target_greedy, total_variation
+from policy_costs import cpu_target, gpu_target, speculation, table
+from specmesh.sampling import SamplingParams
+from specmesh.step_costs import MEASURED_ROWS
 from specmesh.step_model import StepModel, StepShape
+from specmesh.v1 import generation_pb2
 
 K_MAX = 8
-SIZES = tuple(range(1, 9)) + (12, 16, 24, 32, 48, 64)
 
-
-def table(cost_of_rows, model: StepModel | None = None) -> StepCosts:
-    return StepCosts({rows: cost_of_rows(rows) for rows in SIZES}, model)
-
-
-def cpu_target(rows: int) -> float:
-    """A CPU's fp32 step: 1-3 rows one weight pass, 4-8 rows about 1.6, then compute-bound."""
-    return 0.25 if rows <= 3 else 0.40 if rows <= 8 else 0.40 * rows / 8
-
-
-def gpu_target(rows: int) -> float:
-    """A GPU's memory-bound step: flat up to large batches."""
-    return 0.012 + 0.00005 * rows
-
-
-def speculation(target_costs, draft_costs, target_model: StepModel | None = None) -> Speculation:
-    reports = SimpleNamespace(target=table(target_costs, target_model), draft=table(draft_costs))
-    return Speculation(costs=RoundCosts(reports))
+# Target-only rounds of one token (none decoded ahead: orchestrator.decoding.decode_ahead), where a test tells
+# drafting rounds from target-only ones by their sizes, or needs the policy to draft: the tiny draft is its
+# target's size, and beside target-only rounds that decode ahead drafting rarely pays.
+ONE_TOKEN_TARGET_ONLY_ROUNDS = {"decode_ahead": 0}
 
 
 def true_round_s(shared: Speculation, k: int, batch: BatchLoad) -> float:
@@ -74,6 +72,7 @@ def analytic_rates(acceptance: float, target_costs, draft_costs) -> list[float]:
     return [rate(k) for k in range(K_MAX + 1)]
 
 
+@pytest.mark.unit
 def test_expected_tokens_by_position():
     assert expected_tokens([], 0) == 1.0
     assert expected_tokens([1.0] * 5, 5) == 6.0
@@ -81,6 +80,7 @@ def test_expected_tokens_by_position():
     assert expected_tokens([0.9, 0.5, 0.0], 3) == pytest.approx(1 + 0.9 + 0.45)
 
 
+@pytest.mark.unit
 def test_per_position_rates_are_learned_from_rounds():
     """Position 1 always accepted, position 2 half the time, position 3 never."""
     counts = PositionCounts(decay=1.0)
@@ -92,6 +92,7 @@ def test_per_position_rates_are_learned_from_rounds():
     assert rates[0] > 0.98 and rates[1] == pytest.approx(0.5, abs=0.06) and rates[2] < 0.02
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("acceptance, target_costs, draft_costs", [
     (0.9, cpu_target, lambda rows: 0.03),   # a cheap draft, high acceptance: a long draft pays
     (0.6, cpu_target, lambda rows: 0.03),   # middling acceptance: a short one
@@ -110,6 +111,7 @@ def test_picks_the_analytic_optimum(acceptance, target_costs, draft_costs):
     assert min(rates[k] for k in settled) >= 0.85 * max(rates), chosen
 
 
+@pytest.mark.unit
 def test_k_is_zero_when_nothing_pays():
     """A useless draft: k = 0 within the first rounds; a draft dearer than the target: k = 0 at once."""
     policy = speculation(cpu_target, lambda rows: 0.03).for_request("creative")
@@ -118,6 +120,7 @@ def test_k_is_zero_when_nothing_pays():
     assert speculation(cpu_target, lambda rows: 2.0).for_request("").choose(K_MAX) == 0
 
 
+@pytest.mark.unit
 def test_drafts_again_once_old_evidence_has_faded():
     """Evidence decays at k = 0 too: a class turned off by rejections is tried again, and when its
     drafts are accepted now, it drafts from then on (no probe machinery)."""
@@ -130,6 +133,7 @@ def test_drafts_again_once_old_evidence_has_faded():
     assert first < 300 and all(k >= 3 for k in on[first + 20:]), (first, on)
 
 
+@pytest.mark.unit
 def test_a_new_request_starts_from_its_classs_history():
     shared = speculation(cpu_target, lambda rows: 0.03)
     rng = random.Random(4)
@@ -148,6 +152,7 @@ def test_a_new_request_starts_from_its_classs_history():
     assert not shared.for_request("creative").wants_draft(K_MAX, catch_up=1, tokens_left=400)
 
 
+@pytest.mark.unit
 def test_class_memory_is_bounded():
     memory = AcceptanceMemory(max_classes=4)
     for index in range(10):
@@ -155,6 +160,7 @@ def test_class_memory_is_bounded():
     assert list(memory.classes) == [f"class-{index}" for index in range(6, 10)]
 
 
+@pytest.mark.unit
 def test_the_requests_of_a_batch_draft_one_k_which_shrinks_with_load():
     """Rows cost 30 ms each and every session adds 10 ms to a draft step: as requests join, the
     batch's extra rows and draft steps cost more than their tokens bring, down to k = 0 at 16."""
@@ -162,18 +168,19 @@ def test_the_requests_of_a_batch_draft_one_k_which_shrinks_with_load():
     shared.costs.reports.draft.model = StepModel((1.0, 0.01, 0.0))
     rng = random.Random(5)
     requests, by_load = [], {}
-    for load in (1, 2, 4, 16):
-        while len(requests) < load:
+    for count in (1, 2, 4, 16):
+        while len(requests) < count:
             requests.append(shared.for_request("code"))
             requests[-1].arrive()
-        for _ in range(30 if load == 1 else 5):  # every request runs its rounds under this load
+        for _ in range(30 if count == 1 else 5):  # every request runs its rounds under this load
             chosen = [simulate(policy, 1, 0.9, rng)[0] for policy in requests]
-        assert len(set(chosen)) == 1, (load, chosen)
-        by_load[load] = chosen[0]
+        assert len(set(chosen)) == 1, (count, chosen)
+        by_load[count] = chosen[0]
     assert list(by_load.values()) == sorted(by_load.values(), reverse=True), by_load
     assert by_load[1] >= 3 and by_load[16] == 0, by_load
 
 
+@pytest.mark.unit
 def test_the_chosen_k_is_the_batchs_analytic_optimum():
     """Four requests with known acceptance: the k chosen maximises the batch's tokens per second."""
     shared = speculation(gpu_target, lambda rows: 0.003, StepModel((1.0, 0.002, 0.0)))
@@ -188,6 +195,7 @@ def test_the_chosen_k_is_the_batchs_analytic_optimum():
     assert rates[chosen] >= (1 - MARGIN) * max(rates), (chosen, rates)
 
 
+@pytest.mark.unit
 def test_cached_context_makes_rows_dearer():
     """Attention over a long context, as the target's model prices it, shortens the draft."""
     model = StepModel((1.0, 0.0, 0.05))  # 50 ms per thousand query-key pairs over cached context
@@ -198,6 +206,7 @@ def test_cached_context_makes_rows_dearer():
     assert k_short > k_long, (k_short, k_long)
 
 
+@pytest.mark.unit
 def test_does_not_oscillate_near_break_even():
     """Measured costs jitter by 10% around the reports: k changes rarely."""
     policy = speculation(cpu_target, lambda rows: 0.03).for_request("")
@@ -213,6 +222,7 @@ def test_does_not_oscillate_near_break_even():
     assert switches <= 12, (switches, chosen)
 
 
+@pytest.mark.unit
 def test_the_drafts_prefill_must_pay_for_itself():
     """Late in a request the draft's prefill of a long sequence costs more than its last tokens save."""
     shared = speculation(cpu_target, lambda rows: 0.03 if rows <= 8 else 0.03 * rows / 8)
@@ -221,6 +231,7 @@ def test_the_drafts_prefill_must_pay_for_itself():
     assert not policy.worth_opening(policy.choose(K_MAX), catch_up=3000, tokens_left=3)
 
 
+@pytest.mark.unit
 def test_without_reported_costs_it_learns_them_from_rounds():
     """A service that reports no step costs: the wall clock of rounds by draft length stands in."""
     policy = Speculation().for_request("")
@@ -232,6 +243,7 @@ def test_without_reported_costs_it_learns_them_from_rounds():
     assert chosen[-30:].count(0) >= 27, chosen
 
 
+@pytest.mark.unit
 def test_one_rejected_round_does_not_set_the_deployments_prior():
     """A warm-up's single rejected round must not turn the next class's first rounds off (the prior
     counts for a few rounds), while rejections of the request's own still turn it off at once."""
@@ -276,6 +288,7 @@ def link_rates(acceptance: float, draft_latency_s: float, target_latency_s: floa
     return [rate(k) for k in range(K_MAX + 1)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("draft_latency_s", [0.0, 0.005, 0.080])
 def test_a_links_round_trip_is_priced_once_a_round(draft_latency_s):
     """A draft across a network: its round trip is paid once per drafting round whatever k, so the rule
@@ -292,6 +305,7 @@ def test_a_links_round_trip_is_priced_once_a_round(draft_latency_s):
     assert policy.shared.costs.target_latency.value == pytest.approx(0.001)
 
 
+@pytest.mark.unit
 def test_the_latency_shifts_the_best_k_longer():
     """The same acceptance and steps: a few milliseconds of round trip make the chosen draft longer."""
     usual = {}
@@ -300,3 +314,172 @@ def test_the_latency_shifts_the_best_k_longer():
                                random.Random(4), latency, 0.001)
         usual[latency] = sorted(chosen[-100:])[50]  # the median of the settled rounds
     assert usual[0.005] > usual[0.0] > 0, usual
+
+
+# ---- on real services: the output stays the target's own, and k follows the draft's cost
+
+
+async def test_useless_draft_serves_target_only_with_identical_output(tiny_llama_dir, tiny_llama_unrelated_dir,
+                                                                      device):
+    """Set tables price the unrelated draft at a tenth of its target, so drafting pays until the draft's
+    acceptance shows it useless. (The two tiny models are the same size: calibrated beside another test's
+    load, their relative price, and so how long drafting was tried, was the host's timing.)"""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_unrelated_dir, k=4, device=device, adaptive_k=True,
+                              calibrate=True, target_step_costs={rows: 0.01 for rows in MEASURED_ROWS},
+                              draft_step_costs={rows: 0.001 for rows in MEASURED_ROWS},
+                              loop_options=ONE_TOKEN_TARGET_ONLY_ROUNDS)
+    try:
+        token_ids, _, last = await stack.generate(prompt=TINY_PROMPTS[0], max_tokens=64, temperature=0.0)
+    finally:
+        await stack.stop()
+    assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, TINY_PROMPTS[0], 64)
+    # Mostly rounds without the draft model: target-only, or verifying prompt lookup's tokens (the tiny
+    # model's greedy output repeats itself, and lookup finds it).
+    assert last.stats.rounds > 20 and last.stats.draft_tokens < last.stats.rounds / 4
+
+
+async def test_busy_draft_turns_speculation_off_then_back_on(tiny_llama_deep_dir, tiny_llama_dir, device):
+    """Another tenant occupies the draft's worker: k drops to 0; once it leaves, probes bring k back.
+    The draft agrees with its target on every token and costs a quarter of its step (tiny_llama_deep_dir):
+    drafting pays clearly once the draft is free. (With the model as its own draft the two cost the same,
+    and whether drafting paid was the host's timing: k drifted back to 0 in a CI run, and in one local run of six.)
+    (Prompt lookup off: its tokens would make target-only rounds commit several tokens too.)"""
+    stack = await start_stack(tiny_llama_deep_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True,
+                              loop_options={"prompt_lookup": False, **ONE_TOKEN_TARGET_ONLY_ROUNDS})
+    busy = True
+
+    async def noisy_neighbour():
+        while busy:
+            await stack.draft_engine.run(time.sleep, 0.2)
+
+    neighbour = asyncio.ensure_future(noisy_neighbour())
+    token_ids, rounds, switched_at, max_tokens = [], [], None, 220
+    try:
+        request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[1], max_tokens=max_tokens, temperature=0.0)
+        async for response in stack.stub.Generate(request, timeout=120):
+            token_ids.extend(response.token_ids)
+            rounds.append(len(response.token_ids))  # identical draft: a round with k drafts commits k + 1
+            if switched_at is None and rounds[-6:] == [1] * 6:  # target-only for 6 rounds: the tenant leaves
+                busy, switched_at = False, len(rounds)
+    finally:
+        busy = False
+        await neighbour
+        await stack.stop()
+    assert tuple(token_ids) == target_greedy(str(tiny_llama_deep_dir), device, TINY_PROMPTS[1], max_tokens)
+    assert switched_at is not None, rounds
+    # Drafting again at the end, judged on the last rounds that had room for a full draft: in the last
+    # few tokens k is capped by what is left, and a draft of one token may rightly not pay.
+    left_before = [max_tokens - sum(rounds[:i]) for i in range(len(rounds))]
+    roomy = [r for r, left in zip(rounds, left_before) if left > 5]
+    assert max(rounds[switched_at:]) > 1 and max(roomy[-3:]) > 1, rounds
+
+
+async def test_greedy_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """Served as in production: calibrated services, so rounds are priced from their step costs. The
+    tiny draft is its target's size, so drafting could never pay; its table says it is ten times cheaper."""
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=5, device=device, adaptive_k=True,
+                              calibrate=True, draft_cost_scale=0.1, loop_options=ONE_TOKEN_TARGET_ONLY_ROUNDS)
+    try:
+        results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=48, temperature=0.0)
+                                         for p in TINY_PROMPTS))
+    finally:
+        await stack.stop()
+    for prompt, (token_ids, _, _) in zip(TINY_PROMPTS, results):
+        assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, 48), prompt
+    assert sum(last.stats.draft_tokens for _, _, last in results) > 0  # the policy did draft
+
+
+async def test_sampling_parity_with_adaptive_k(tiny_llama_dir, tiny_llama_perturbed_dir, device):
+    """Unseeded requests (seeded ones keep a fixed k) whose k the policy picks from shared, changing costs."""
+    params = SamplingParams(1.0)
+    exact = exact_second_token_marginal(str(tiny_llama_dir), device, params)
+    stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device, adaptive_k=True)
+    limit = asyncio.Semaphore(24)
+
+    async def second_token() -> int | None:
+        async with limit:
+            token_ids, _, _ = await stack.generate(prompt=PROMPT, max_tokens=3, temperature=1.0)
+        return token_ids[1] if len(token_ids) > 1 else None
+    try:
+        tokens = [t for t in await asyncio.gather(*(second_token() for _ in range(1000))) if t is not None]
+    finally:
+        await stack.stop()
+    counts = torch.bincount(torch.tensor(tokens), minlength=exact.numel()).float()
+    assert total_variation(counts, exact) < 2 * expected_sampling_tv(exact, len(tokens))
+
+
+async def test_first_tokens_never_wait_for_the_drafts_prefill(tiny_llama_deep_dir, tiny_llama_dir, device):
+    """The draft's worker is held: its session cannot open. Tokens stream target-only meanwhile; once the
+    draft is free, rounds draft again, and the output is the target's own. (A cheaper draft that agrees
+    on every token, and prompt lookup off, as above.)"""
+    stack = await start_stack(tiny_llama_deep_dir, tiny_llama_dir, k=4, device=device, adaptive_k=True,
+                              loop_options={"prompt_lookup": False, **ONE_TOKEN_TARGET_ONLY_ROUNDS})
+    holding, gate = threading.Event(), threading.Event()
+
+    def hold_the_draft() -> None:
+        holding.set()
+        gate.wait(60)
+
+    held = asyncio.ensure_future(stack.draft_engine.run(hold_the_draft))
+    max_tokens, token_ids, rounds = 64, [], []
+    try:
+        assert await asyncio.to_thread(holding.wait, WORK_TIMEOUT_S)
+        request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[2], max_tokens=max_tokens, temperature=0.0)
+        responses = stack.stub.Generate(request, timeout=WORK_TIMEOUT_S)
+        while len(rounds) < 6:  # the old loop waited for the draft's session from round 1 on
+            response = await asyncio.wait_for(responses.read(), WORK_TIMEOUT_S)
+            token_ids.extend(response.token_ids)
+            rounds.append(len(response.token_ids))
+        gate.set()
+        while (response := await responses.read()) is not grpc.aio.EOF:
+            token_ids.extend(response.token_ids)
+            rounds.append(len(response.token_ids))
+    finally:
+        gate.set()
+        await held
+        await stack.stop()
+    assert rounds[:6] == [1] * 6  # target-only while the draft could not open
+    assert max(rounds[6:]) > 1, rounds  # then drafted: the identical draft's rounds commit several tokens
+    assert tuple(token_ids) == target_greedy(str(tiny_llama_deep_dir), device, TINY_PROMPTS[2], max_tokens)
+
+
+async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_that_drafts(tiny_llama_dir, device):
+    """Two requests share the policy, each on its own draft replica. One replica dies after its first
+    drafting round: that request decodes target-only from then on, the other keeps drafting, and both
+    outputs stay the target's own."""
+    target_server, target_port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
+    drafts = [await start_model_server("draft", make_engine(tiny_llama_dir, device, "draft")) for _ in range(2)]
+    _, tokenizer = load(str(tiny_llama_dir), device)
+    shared = Speculation()  # no reported costs: every request drafts until rounds are timed
+    target = TargetClient(open_channel(f"127.0.0.1:{target_port}"))
+    prompts, max_tokens = TINY_PROMPTS[:2], 40
+    generations = [
+        SpeculativeGeneration(
+            GenerationRequest(request_id=f"r{index}", prompt_token_ids=tokenizer.encode(prompt), max_tokens=max_tokens,
+                              sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=3),
+            target, DraftClient(open_channel(f"127.0.0.1:{port}")), {tokenizer.eos_token_id},
+            LoopConfig(num_speculative_tokens=3, **ONE_TOKEN_TARGET_ONLY_ROUNDS), policy=shared.for_request(""))
+        for index, (prompt, (_, port)) in enumerate(zip(prompts, drafts))]
+    lost = generations[1]
+
+    async def run(generation: SpeculativeGeneration) -> list[int]:
+        tokens = []
+        async for batch in generation.tokens():
+            tokens.extend(batch)
+            if generation is not lost:
+                continue
+            if generation.stats.draft_tokens and drafts[1][0] is not None:
+                await drafts[1][0].stop(None)  # its draft replica dies after its first drafting round
+                drafts[1] = (None, None)
+        return tokens
+
+    try:
+        outputs = await asyncio.wait_for(asyncio.gather(*(run(g) for g in generations)), WORK_TIMEOUT_S)
+    finally:
+        for server, _ in drafts + [(target_server, target_port)]:
+            if server is not None:
+                await server.stop(None)
+    for prompt, tokens in zip(prompts, outputs):
+        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens), prompt
+    assert lost.stats.draft_fallback and not generations[0].stats.draft_fallback
+    assert generations[0].stats.draft_tokens > lost.stats.draft_tokens > 0

@@ -25,14 +25,14 @@ from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, s
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
+from parity import target_greedy
+from serve_cli import start_serve
 from specmesh.drain import drain_of
 from specmesh.server import stop_server
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from target_service.server import SERVICE_NAME as TARGET_SERVICE_NAME
 from target_service.server import create_server as create_target_server
-from test_cli import start_serve
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 PROMPT, MAX_TOKENS = TINY_PROMPTS[0], 48
 LONG = 200  # the target's greedy output for PROMPT has no EOS this early: a stream that runs for a while

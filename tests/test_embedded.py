@@ -22,6 +22,8 @@ from specmesh.embedded import (EMBEDDED_MODELS, EmbeddedModel, EmbeddedPartsMiss
 from specmesh.models import (context_window, eos_token_ids, load_model, load_tokenizer,
                              resolve_spec, vocab_fingerprint)
 
+pytestmark = pytest.mark.unit
+
 PARTS = [b"alpha-", b"beta-", b"gamma"]
 JOINED_SHA = hashlib.sha256(b"".join(PARTS)).hexdigest()
 

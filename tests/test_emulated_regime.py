@@ -51,6 +51,7 @@ def greedy(model, ids: list[int], pad_token_id: int) -> list[int]:
                               pad_token_id=pad_token_id)[0].tolist()
 
 
+@pytest.mark.unit
 def test_a_table_is_flat_before_its_first_point_linear_between_and_extended_past_its_last():
     assert SLOPED.ms(1) == SLOPED.ms(4) == 2.0
     assert SLOPED.ms(6) == pytest.approx(3.0)
@@ -60,6 +61,7 @@ def test_a_table_is_flat_before_its_first_point_linear_between_and_extended_past
     assert StepTable(((1, 3.0),)).ms(500, sessions=1) == 3.0
 
 
+@pytest.mark.unit
 def test_a_table_round_trips_through_a_config_and_refuses_nonsense():
     for table in [SLOPED, FLAT_TAIL, *(t for p in PROFILES.values() for t in (p.target, p.draft))]:
         assert from_config(to_config(table)) == table
@@ -68,6 +70,7 @@ def test_a_table_round_trips_through_a_config_and_refuses_nonsense():
             StepTable(points)
 
 
+@pytest.mark.unit
 def test_the_modeling_files_interpolation_agrees_with_the_step_tables():
     tables = [SLOPED, FLAT_TAIL, StepTable(((1, 3.0),), 0.25),
               *(t for p in PROFILES.values() for t in (p.target, p.draft))]
@@ -78,6 +81,7 @@ def test_the_modeling_files_interpolation_agrees_with_the_step_tables():
                 assert emulated_step_ms(config, rows, sessions) == pytest.approx(table.ms(rows, sessions), abs=1e-9)
 
 
+@pytest.mark.unit
 def test_the_8b_drafts_step_stays_at_least_015_of_the_targets_at_every_row_count():
     profile = PROFILES[PROFILE]
     for rows in range(1, 4097):
@@ -85,6 +89,7 @@ def test_the_8b_drafts_step_stays_at_least_015_of_the_targets_at_every_row_count
     assert all(profile.sources for profile in PROFILES.values())
 
 
+@pytest.mark.unit
 def test_a_forwards_sessions_are_its_cached_segments_or_else_its_batch():
     ids = torch.zeros(3, 2, dtype=torch.long)  # [batch, seq]
     assert step_shape(ids, None, None) == (6, 3)
@@ -93,6 +98,7 @@ def test_a_forwards_sessions_are_its_cached_segments_or_else_its_batch():
     assert step_shape(torch.zeros(1, 8, dtype=torch.long), None, segments) == (8, 2)  # padding rows count, not as a session
 
 
+@pytest.mark.unit
 def test_a_profiled_forward_takes_at_least_the_profiles_step_and_counts_it(pair):
     profile = PROFILES[PROFILE]
     for name, table in (("target", profile.target), ("draft-0.8", profile.draft)):
@@ -103,6 +109,7 @@ def test_a_profiled_forward_takes_at_least_the_profiles_step_and_counts_it(pair)
         assert model.emulated_steps == before + 1
 
 
+@pytest.mark.unit
 def test_padding_never_changes_the_targets_tokens(pair):
     tokenizer = AutoTokenizer.from_pretrained(str(pair["target"]))
     padded, unpadded = hf(pair["target"]), hf(pair["target"], step_profile=None)
@@ -112,6 +119,7 @@ def test_padding_never_changes_the_targets_tokens(pair):
     assert padded.emulated_steps >= MAX_TOKENS and unpadded.emulated_steps == 0
 
 
+@pytest.mark.unit
 def test_a_forward_slower_than_its_profile_is_counted_as_an_overrun_and_warned_once(pair, caplog):
     model = hf(pair["target"], step_profile={"points": [[1, 1e-6]], "per_session_ms": 0.0})  # 1 ns: always overrun
     with caplog.at_level(logging.WARNING):
@@ -135,11 +143,13 @@ async def test_the_profiled_pair_served_gives_the_targets_greedy_output(pair):
     assert stack.target_engine.model.emulated_steps > 0 and stack.draft_engine.model.emulated_steps > 0
 
 
+@pytest.mark.unit
 def test_expected_tokens_per_round():
     assert E(0.8, 4) == pytest.approx(3.3616)
     assert E(1.0, 4) == 5.0 and E(0.0, 7) == 1.0
 
 
+@pytest.mark.unit
 def test_the_bounds_reproduce_the_worked_example():
     """regime-bound.md: t(r <= 16) = 6 ms, d = 1 ms, alpha 0.8, no links."""
     t = lambda rows: 0.006  # noqa: E731
@@ -152,6 +162,7 @@ def test_the_bounds_reproduce_the_worked_example():
     assert pipelined_bound(0.8, t, 0.001, 0.0, 0.0, hit=0.0) == sequential_bound(0.8, t, 0.001, 0.0, 0.0)
 
 
+@pytest.mark.unit
 def test_links_lower_the_bounds_and_the_profiles_give_the_cited_speedups():
     t = lambda rows: 0.006  # noqa: E731
     assert sequential_bound(0.8, t, 0.001, 0.002, 0.002)[0] < sequential_bound(0.8, t, 0.001, 0.0, 0.0)[0]
@@ -163,6 +174,7 @@ def test_links_lower_the_bounds_and_the_profiles_give_the_cited_speedups():
         assert round(speedup, 2) == expected, name
 
 
+@pytest.mark.unit
 def test_a_scaled_profile_stretches_every_time_and_leaves_the_bound_as_it_was():
     """gpu_profiles.scaled: a host too slow for the profile's shortest step runs the same GPU slower; step
     times and link delays stretched alike, the speedup bound (a ratio) does not move."""
@@ -179,6 +191,7 @@ def test_a_scaled_profile_stretches_every_time_and_leaves_the_bound_as_it_was():
         scaled(profile.target, 0.0)
 
 
+@pytest.mark.unit
 def test_target_only_is_in_the_bound_with_what_its_placement_costs():
     """k = 0 is the round trip-free choice beside the target (1x) and one target round trip a token beside
     the draft: a link so slow that no draft pays leaves the bound at target-only through the placement."""

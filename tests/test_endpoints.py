@@ -16,6 +16,8 @@ from orchestrator.decoding.endpoints import BranchStream, DraftEndpoint, TargetE
 from orchestrator.deployment.clients import DraftClient, TargetClient
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient, _NoBranches
 
+pytestmark = pytest.mark.unit
+
 
 def protocol_methods(protocol: type) -> list[str]:
     return sorted(name for name, member in vars(protocol).items()

@@ -18,7 +18,7 @@ from orchestrator.frontend.cli import build_parser
 from orchestrator.frontend.config_file import ConfigError
 from orchestrator.frontend.request_limits import request_size_limit
 from specmesh.v1 import generation_pb2
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 BIG_PROMPT_BYTES = 20 * 1024 * 1024
 API_KEY = "front-door-key"

@@ -19,14 +19,14 @@ from transformers import DynamicCache
 
 from engine_helpers import feed_uncached, next_logits_fresh
 from harness import GRAPH_STEPS, eventually, make_engine, start_stack
+from parity import MAX_TOKENS, target_greedy
 from specmesh.batching import Part
 from specmesh.errors import CapacityExhausted, InvalidArgument
 from specmesh.graph_steps import MAX_ROWS, slot_shape
 from specmesh.kv_budget import KVCacheMemory
 from specmesh.sampling import SamplingParams
 from specmesh.slot_cache import SlotCache
-from test_greedy_parity import MAX_TOKENS, target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 def graph_engine(model_dir, device, role_name="target", **config):

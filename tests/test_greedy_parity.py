@@ -2,50 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import math
 
 import pytest
-import torch
 
-from harness import load, start_stack
-from tiny_models import TINY_PROMPTS
+from harness import start_stack
+from benchmarks.tiny_models import TINY_PROMPTS
+from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
 
-MAX_TOKENS = 32
 CASES = [  # (target fixture, draft fixture, how the draft relates to the target)
     ("tiny_llama_dir", "tiny_llama_dir", "identical"),
     ("tiny_llama_dir", "tiny_llama_perturbed_dir", "partial"),
     ("tiny_llama_dir", "tiny_llama_unrelated_dir", "unrelated"),
     ("tiny_qwen2_dir", "tiny_qwen2_draft_dir", "partial"),
 ]
-
-
-@functools.lru_cache(maxsize=64)
-def target_greedy(model_dir: str, device: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
-    """The target's own greedy generate, cut after the first EOS as specmesh does."""
-    model, tokenizer = load(model_dir, device)
-    prompt_ids = tokenizer.encode(prompt)
-    with torch.inference_mode():
-        output = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    generated = output[0, len(prompt_ids):].tolist()
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
-    for index, token_id in enumerate(generated):
-        if token_id in eos:
-            return tuple(generated[: index + 1])
-    return tuple(generated)
-
-
-async def greedy_outputs_then_stop(stack) -> list:
-    """Every tiny prompt's greedy generation, all at once (sessions interleave on both services); then the
-    stack stops, whatever happened."""
-    try:
-        return await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
-                                      for p in TINY_PROMPTS))
-    finally:
-        await stack.stop()
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

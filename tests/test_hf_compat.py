@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 
+import pytest
 import torch
 from transformers import DynamicCache
 
 from harness import load
 from specmesh.hf_compat import NEW_CACHE_KEYWORD, OLD_CACHE_KEYWORD, cache_keyword, cache_kwargs
+
+pytestmark = pytest.mark.unit
 
 
 class Renamed(torch.nn.Module):

@@ -14,7 +14,7 @@ from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
 from specmesh.metrics import OrchestratorMetrics
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 @pytest.fixture

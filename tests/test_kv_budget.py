@@ -16,6 +16,8 @@ from engine_helpers import feed_uncached
 from front_door import assert_openai_error, open_front_door
 from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.failover import PooledTargetClient
+from parity import target_greedy
+from pools import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT, Replicas, generation, placed
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token,
                                 parse_kv_cache_memory)
@@ -24,10 +26,7 @@ from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.sampling import SamplingParams
 from specmesh.service import add_service_arguments
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
-from test_greedy_parity import target_greedy
-from test_pool_failover import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT
-from test_pool_failover import Replicas, generation, placed
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens
 
@@ -62,6 +61,7 @@ def close_call(stub, request_id: str):
     return stub.CloseSession(common_pb2.CloseSessionRequest(request_id=request_id), timeout=10)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text, wanted", [
     ("2GiB", KVCacheMemory(bytes=2 * 2**30)), ("512MiB", KVCacheMemory(bytes=512 * 2**20)),
     ("1.5 GB", KVCacheMemory(bytes=1_500_000_000)), ("1500000000", KVCacheMemory(bytes=1_500_000_000)),
@@ -71,6 +71,7 @@ def test_kv_cache_memory_parses_bytes_and_fractions(text, wanted):
     assert parse_kv_cache_memory(text) == wanted
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["", "lots", "-1", "0", "0GiB", "2.5", "3 parsecs", "0.5.1", "nan"])
 def test_a_bad_kv_cache_memory_is_a_clear_flag_error(text, capsys):
     parser = argparse.ArgumentParser()
@@ -80,6 +81,7 @@ def test_a_bad_kv_cache_memory_is_a_clear_flag_error(text, capsys):
     assert "--kv-cache-memory" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_bytes_per_token_is_what_the_cache_holds(request, model_fixture, device):
     """The formula against a real cache: n tokens fed hold n x bytes-per-token of keys and values."""
@@ -91,6 +93,7 @@ def test_bytes_per_token_is_what_the_cache_holds(request, model_fixture, device)
     assert engine.kv.capacity == 1000
 
 
+@pytest.mark.unit
 def test_a_fraction_is_of_the_devices_free_memory(tiny_llama_dir, device):
     """0.5: half the free memory of the model's device (CUDA), or half the RAM available (CPU)."""
     model, tokenizer = load(str(tiny_llama_dir), device)
@@ -100,6 +103,7 @@ def test_a_fraction_is_of_the_devices_free_memory(tiny_llama_dir, device):
     assert 0.4 * free <= engine.kv.capacity * engine.kv.bytes_per_token <= 0.6 * free
 
 
+@pytest.mark.unit
 def test_a_budget_that_holds_no_token_stops_the_service_from_starting(tiny_llama_dir, device):
     with pytest.raises(ValueError, match="holds no token"):
         budget_engine(tiny_llama_dir, device, tokens=0)
@@ -200,6 +204,7 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing(target):
     await open_call(stub, "all", max_new_tokens=90)  # the whole budget is free again
 
 
+@pytest.mark.unit
 async def test_a_waiter_cancelled_just_as_it_is_granted_gives_its_reservation_back():
     budget = KVBudget(capacity_tokens=10)
     await budget.reserve("a", 10)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 RUNTIME = Path(__file__).resolve().parent.parent / "specmesh"
 ABOVE_THE_RUNTIME = ("draft_service", "target_service", "orchestrator")
 

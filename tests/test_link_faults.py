@@ -2,7 +2,7 @@
 
 Real draft and target services over the tiny models, each reached through an emulated link
 (`benchmarks.links.DelayLine`, 1 ms rtt), attached by the links' addresses to an orchestrator built
-as `specmesh serve` builds one (tests/test_attached_endpoints.py): every call, round stream, PreDraft
+as `specmesh serve` builds one (tests/attached.py): every call, round stream, PreDraft
 stream and health check crosses a link. The request a fault hits is driven through the loop over the
 orchestrator's own pooled clients: its token stream is an async generator, so the fault lands
 between two exact rounds (as in tests/test_pool_failover.py). Requests after a fault go through the
@@ -28,6 +28,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from attached import Orchestrator, Service, serve_args, start_service, stop_all, token_file_in
 from benchmarks.links import DelayLine, LinkSpec
 from harness import WORK_TIMEOUT_S, eventually, load
 from orchestrator.decoding.loop import SpeculativeGeneration
@@ -36,11 +37,10 @@ from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.deployment.failover import PooledTargetClient
 from orchestrator.deployment.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool,
                                           fixed_replicas)
+from parity import target_greedy
+from pools import placed
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2
-from test_attached_endpoints import Orchestrator, Service, serve_args, start_service, stop_all, token_file_in
-from test_greedy_parity import target_greedy
-from test_pool_failover import placed
 
 PROMPT = "The quick brown fox"  # the tiny target runs it 40 tokens without an EOS
 MAX_TOKENS = 40

@@ -19,68 +19,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import eventually, load
-from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.request import GenerationRequest, LoopConfig
-from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.serving import Pools, PoolsOptions, pool_health_name, same_gpu, servicer_over_pools
+from orchestrator.deployment.serving import pool_health_name, same_gpu
 from orchestrator.deployment.options import RestartPolicy
 from orchestrator.frontend.server import serve_grpc
+from parity import target_greedy
+from pools import LocalDeployment, MAX_TOKENS, PROMPT, RESTART_WAIT_S
 from specmesh import openmp
-from specmesh.metrics import OrchestratorMetrics
 from specmesh.roles import DRAFT
-from specmesh.sampling import SamplingParams
-from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
-from test_greedy_parity import target_greedy
-
-PROMPT = "The quick brown fox"
-MAX_TOKENS = 48
-RESTART_WAIT_S = 120.0  # a restarted child imports torch and loads its model: seconds, more on a busy machine
-
-
-class LocalDeployment:
-    """Pools of local child processes and the Generation servicer over them, as `specmesh serve` builds them."""
-
-    def __init__(self, pools: Pools, servicer, metrics: OrchestratorMetrics):
-        self.pools, self.servicer, self.metrics = pools, servicer, metrics
-
-    @classmethod
-    async def start(cls, target_dir, draft_dir, policy: RestartPolicy) -> "LocalDeployment":
-        spec = lambda role, model: PoolSpec(ReplicaConfig(role, ServiceOptions(model=str(model))))  # noqa: E731
-        options = PoolsOptions(backend="local", target=spec("target", target_dir),
-                               draft=spec("draft", draft_dir), check_interval_s=0.1,
-                               acquire_timeout_s=RESTART_WAIT_S, restart_policy=policy)
-        pools, metrics = Pools.from_options(options), OrchestratorMetrics()
-        _, tokenizer = load(str(target_dir), "cpu")
-        servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2),
-                                             metrics=metrics)
-        return cls(pools, servicer, metrics)
-
-    def replica(self, role: str):
-        (replica,) = self.pools.controllers[role].replicas.values()
-        return replica
-
-    def kill(self, role: str) -> str:
-        """SIGKILL the role's (only) replica; returns the address it served on."""
-        replica = self.replica(role)
-        address = replica.address.result()
-        os.kill(replica.process.pid, signal.SIGKILL)
-        return address
-
-    async def wait_serving_elsewhere(self, role: str, old_address: str) -> None:
-        """Until the pool routes to the role's replica again, at a new address (a new incarnation)."""
-        pool = self.pools.pools[role]
-        await eventually(lambda: any(r.address != old_address for r in pool.routable()), timeout_s=RESTART_WAIT_S)
-
-    def generation(self, tokenizer, k: int = 2) -> SpeculativeGeneration:
-        backends = self.servicer.backends
-        request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(PROMPT), max_tokens=MAX_TOKENS,
-                                    sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=k)
-        return SpeculativeGeneration(request, backends.target, backends.draft, backends.eos_token_ids,
-                                     LoopConfig(num_speculative_tokens=k))
-
-    def restarts(self, role: str) -> float:
-        return self.metrics.registry.get_sample_value("specmesh_replica_restarts_total", {"role": role}) or 0.0
 
 
 @pytest.fixture(scope="module")

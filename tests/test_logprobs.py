@@ -8,7 +8,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from harness import load, start_stack
 from specmesh.v1 import generation_pb2
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 20
 TOP = 5

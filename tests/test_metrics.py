@@ -6,22 +6,11 @@ import asyncio
 import json
 
 import torch
-from prometheus_client import CollectorRegistry
 
-from harness import load, start_stack
+from harness import load, metric, start_stack
 from specmesh.metrics import OrchestratorMetrics
 from target_service.disagreements import Disagreement, DisagreementLog
-from tiny_models import TINY_PROMPTS
-
-
-def metric(registry: CollectorRegistry, name: str, **labels) -> float:
-    """Sum of a sample over every label set that matches `labels`."""
-    total = 0.0
-    for family in registry.collect():
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 async def test_counters_agree_with_request_stats(tiny_llama_dir, tiny_llama_perturbed_dir, device):

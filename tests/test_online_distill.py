@@ -32,12 +32,12 @@ from orchestrator.deployment.options import RestartPolicy
 from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
 from orchestrator.distill.examples import load_examples
+from parity import target_greedy
+from pools import RESTART_WAIT_S
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import generation_pb2
-from test_distill import word_prompts
-from test_greedy_parity import target_greedy
-from test_local_pools import RESTART_WAIT_S
+from workloads import word_prompts
 
 CYCLE_WAIT_S = 600.0  # a distill child and a new draft replica start on a shared 2-core machine
 K = 4
@@ -50,6 +50,7 @@ FAST_DISTILL = ("--lora-rank", "16", "--learning-rate", "1e-2", "--steps", "40",
 
 # ---- the evidence store
 
+@pytest.mark.unit
 def test_evidence_is_bounded_on_disk_and_drops_the_oldest_first(tmp_path):
     store = EvidenceStore(tmp_path, max_bytes=800, sample=1.0)
     for n in range(200):
@@ -64,6 +65,7 @@ def test_evidence_is_bounded_on_disk_and_drops_the_oldest_first(tmp_path):
     assert not EvidenceStore(tmp_path / "none", 800, sample=0.0).add([1, 2])
 
 
+@pytest.mark.unit
 def test_logged_rejection_contexts_join_the_evidence_once(tmp_path):
     log_path = tmp_path / "disagreements.jsonl"
     seen = {"context_hash": "a", "context_token_ids": [5, 6, 7]}
@@ -74,6 +76,7 @@ def test_logged_rejection_contexts_join_the_evidence_once(tmp_path):
     assert store.add_disagreements(log_path) == 0  # read from where it stopped; the half line waits
 
 
+@pytest.mark.unit
 def test_evidence_keeps_each_served_completions_length_beside_its_prompt(tmp_path):
     store = EvidenceStore(tmp_path / "evidence", max_bytes=10_000, sample=1.0)
     for n in range(1, 11):
@@ -133,6 +136,7 @@ def count(metrics: OrchestratorMetrics, name: str, **labels) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("improved, code", [(False, 3), (False, 0), (True, 2)])
 async def test_a_candidate_that_does_not_beat_the_draft_is_never_rolled_out(tmp_path, caplog, improved, code):
     """distill's NO GAIN (exit 3), a report that says no gain whatever the status, and a crash after a report."""
@@ -151,6 +155,7 @@ async def test_a_candidate_that_does_not_beat_the_draft_is_never_rolled_out(tmp_
         assert "tokens per round 1.500 -> 1.300" in caplog.text
 
 
+@pytest.mark.unit
 async def test_the_running_gauge_reads_1_while_a_cycle_runs_and_0_after(tmp_path):
     running = []
 
@@ -164,6 +169,7 @@ async def test_the_running_gauge_reads_1_while_a_cycle_runs_and_0_after(tmp_path
     assert running == [1.0] and metrics.registry.get_sample_value("specmesh_online_distill_cycle_running") == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags, expected", [
     ((), ("--max-new-tokens", "5")),  # as long as what was served
     (("--steps", "9"), ("--steps", "9", "--max-new-tokens", "5")),
@@ -191,6 +197,7 @@ def inject_rounds(metrics: OrchestratorMetrics, model: str, rounds: int, drafted
     metrics.draft_model_accepted_tokens.labels(draft_model=model).inc(accepted)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("accepted, rolled_back", [(300, False), (100, True)])
 async def test_a_rollout_whose_live_acceptance_falls_is_rolled_back(tmp_path, accepted, rolled_back):
     distiller, pools, metrics = await stand_in_distiller(tmp_path, candidate(True, 0), rollback_window=50)

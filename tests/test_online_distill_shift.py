@@ -7,8 +7,7 @@ from __future__ import annotations
 import csv
 import json
 
-from test_benchmarks_smoke import load_script
-from test_distill import word_prompts
+from workloads import load_script, word_prompts
 
 # Few, cheap steps: the test needs a cycle to finish, whatever its verdict.
 QUICK_DISTILL = ("--lora-rank 16 --learning-rate 1e-2 --steps 4 --batch-size 32 --max-new-tokens 8 "
@@ -37,7 +36,7 @@ def test_the_shift_benchmark_times_a_cycle_under_load(tiny_llama_dir, tiny_llama
         assert len(list(csv.DictReader(handle))) == len(timeline)
     assert (result_dir / "timeline.png").stat().st_size > 0
     out = capsys.readouterr().out
-    assert out.startswith("machine: ") and "command: python benchmarks/online_distill_shift.py --target" in out
+    assert out.startswith("machine: ") and "command: python -m benchmarks.online_distill_shift --target" in out
     assert "acceptance before the first rollout: " in out and "after the last rollout: " in out
     assert "greedy check: " in out and ": ok" in out
     assert "paired acceptance" in out and ("paired" in summary)

@@ -10,7 +10,7 @@ from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.frontend.server import create_servicer
 from specmesh.v1 import generation_pb2
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 PROMPT = TINY_PROMPTS[0]
 MESSAGES = [{"role": "user", "content": "write a function"}]

@@ -12,6 +12,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specmesh.hf_compat import NEW_CACHE_KEYWORD
 
+pytestmark = pytest.mark.unit
+
 
 def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,

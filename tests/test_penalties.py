@@ -14,8 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import (LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
-                          SequenceBiasLogitsProcessor)
 
 from draft_service.server import create_server as create_draft_server
 from harness import load, make_engine, start_stack
@@ -23,37 +21,13 @@ from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.deployment.clients import DraftClient, open_channel
 from orchestrator.deployment.failover import PooledTargetClient
-from test_pool_failover import Replicas
+from parity import reference_processors
+from pools import Replicas
 from specmesh.penalties import penalize_logits
 from specmesh.sampling import SamplingParams
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 24
-
-
-class OpenAIPenalties(LogitsProcessor):
-    """Reference for OpenAI's presence/frequency penalties: counts over the generated tokens only."""
-
-    def __init__(self, prompt_length: int, presence: float, frequency: float):
-        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        counts = torch.zeros_like(scores)  # [1, V]
-        for token_id in input_ids[0, self.prompt_length:].tolist():
-            counts[0, token_id] += 1
-        return scores - self.frequency * counts - self.presence * (counts > 0)
-
-
-def reference_processors(fields: dict, prompt_length: int) -> LogitsProcessorList:
-    processors = []
-    if "repetition_penalty" in fields:
-        processors.append(RepetitionPenaltyLogitsProcessor(fields["repetition_penalty"]))
-    if "presence_penalty" in fields or "frequency_penalty" in fields:
-        processors.append(OpenAIPenalties(prompt_length, fields.get("presence_penalty", 0.0),
-                                          fields.get("frequency_penalty", 0.0)))
-    if "logit_bias" in fields:
-        processors.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in fields["logit_bias"].items()]))
-    return LogitsProcessorList(processors)
 
 
 def target_greedy_with(model_dir: str, device: str, prompt: str, fields: dict) -> list[int]:

@@ -14,15 +14,13 @@ import pytest
 import torch
 
 from draft_service.engine import DraftEngine
-from harness import WORK_TIMEOUT_S, draft_stub, load, start_stack
+from harness import WORK_TIMEOUT_S, draft_stub, load, metric, start_stack
+from parity import expected_sampling_tv, target_greedy, total_variation
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.sampling import SamplingParams, logits_to_probs
 from specmesh.v1 import draft_pb2
-from test_greedy_parity import target_greedy
-from test_metrics import metric
-from test_sampling_parity import expected_sampling_tv, total_variation
 from orchestrator.decoding.timing import PARTS
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 32
 GREEDY_CASES = [  # (draft fixture, k, extra branches: None = from measured costs)

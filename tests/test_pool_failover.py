@@ -6,68 +6,23 @@ between two rounds at an exact point and check what the next round does.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import grpc
 import pytest
 import torch
 
-from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server
-from orchestrator.deployment.clients import DraftClient, TargetClient, UpstreamError
+from harness import WORK_TIMEOUT_S, load
+from orchestrator.deployment.clients import UpstreamError
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.deployment.ray_cli import replica_device
 from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
-from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
+from parity import target_greedy
+from pools import MAX_TOKENS, PROMPT, Replicas, generation, placed
 from specmesh import models
-from specmesh.sampling import SamplingParams
-from test_greedy_parity import target_greedy
 
-PROMPT = "The quick brown fox"
 ALTERNATIVES_PROMPT = "def fibonacci(n):"  # where the draft's second choice is sometimes the target's token
-MAX_TOKENS = 48
-
-
-class Replicas:
-    """n real gRPC servers of one role over engines of the same model, and a pool over them."""
-
-    def __init__(self, role: str, servers: dict[str, grpc.aio.Server], addresses: dict[str, str],
-                 round_streams: bool = False):
-        self.role, self.servers, self.addresses = role, servers, addresses
-        client = functools.partial(TargetClient if role == "target" else DraftClient, round_streams=round_streams)
-        self.pool = ReplicaPool(role, fixed_replicas(addresses), client, check_interval_s=0.1)
-
-    @classmethod
-    async def start(cls, role: str, model_dir, count: int, round_streams: bool = False) -> "Replicas":
-        servers, addresses = {}, {}
-        for index in range(count):
-            server, port = await start_model_server(role, make_engine(model_dir, role_name=role))
-            servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
-        replicas = cls(role, servers, addresses, round_streams)
-        await replicas.pool.wait_serving(count, timeout=WORK_TIMEOUT_S)
-        return replicas
-
-    async def stop(self, name: str) -> None:
-        await self.servers.pop(name).stop(None)
-
-    async def restart(self, name: str, model_dir) -> None:
-        """The replica back at its old address, empty (as a restarted process comes back)."""
-        port = int(self.addresses[name].rsplit(":", 1)[1])
-        self.servers[name], _ = await start_model_server(self.role, make_engine(model_dir, role_name=self.role),
-                                                         port=port)
-
-    async def stop_all(self) -> None:
-        for name in list(self.servers):
-            await self.stop(name)
-
-
-def generation(tokenizer, target, draft, k: int = 2, loop=SpeculativeGeneration, policy=None,
-               prompt: str = PROMPT) -> SpeculativeGeneration:
-    request = GenerationRequest(request_id="r", prompt_token_ids=tokenizer.encode(prompt), max_tokens=MAX_TOKENS,
-                                sampling=SamplingParams(temperature=0.0), stop=[], num_speculative_tokens=k)
-    return loop(request, target, draft, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=k), policy=policy)
 
 
 class EveryAlternative:
@@ -84,10 +39,6 @@ class EveryAlternative:
     def alternatives(self, probabilities, alternative_probabilities): return list(range(len(alternative_probabilities)))
     def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
     def close(self): pass
-
-
-def placed(client, generation_: SpeculativeGeneration) -> str:
-    return client.sessions[generation_.session_id].replica.name
 
 
 @pytest.mark.parametrize("alternatives, round_streams", [(False, False), (True, False), (False, True)],

@@ -223,6 +223,7 @@ def info(**fields) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(model="m", **fields)
 
 
+@pytest.mark.unit
 def test_replica_load_from_a_report():
     assert replica_load(None, 2) == Load(2.0, True)  # no report yet: what was routed there
     load = replica_load(info(open_sessions=3, waiting_sessions=1, queued_rows=16, kv_cache_usage=0.5), 2)
@@ -241,6 +242,7 @@ def full(score: float) -> Load:
     return Load(score, False, 1.0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("desired, loads, expected", [
     (2, [room(5), room(4)], 3),  # mean 4.5 > 4: up
     (2, [room(4.5), room(3.75)], 3),  # 4.125 > 4: fractional work counts
@@ -257,6 +259,7 @@ def test_autoscale_steps_towards_the_load_per_replica_target(desired, loads, exp
     assert autoscale(desired, 1, 4, loads, load_per_replica=4.0) == expected
 
 
+@pytest.mark.unit
 def test_the_autoscaling_target_has_one_name():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -10,15 +10,15 @@ import grpc
 import pytest
 import torch
 
+from engine_helpers import session_over
 from harness import make_engine, start_model_server, start_stack
 from orchestrator.bench.peer import PeerPair
+from parity import target_greedy
 from specmesh.batching import Part
 from specmesh.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, loaded_as, native_bf16,
                                 one_row_step_s, quantize_int8_weights, resolve_precision)
 from specmesh.v1 import common_pb2, target_pb2_grpc
-from test_batching import session_over
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 def bf16_linear(inputs: int, outputs: int, bias: bool = True) -> torch.nn.Linear:

@@ -16,6 +16,8 @@ from specmesh.sampling import SamplingParams
 from specmesh.service import parse_cpu_list
 from specmesh.v1 import common_pb2, draft_pb2
 
+pytestmark = pytest.mark.unit
+
 
 class BranchStream:
     """Stands in for the PreDraft call: yields the given branches, then ends."""

@@ -15,6 +15,8 @@ from orchestrator.decoding.policy import MARGIN, Speculation
 from specmesh.step_costs import MEASURED_ROWS, StepCosts
 from specmesh.step_model import StepModel, StepShape
 
+pytestmark = pytest.mark.unit
+
 
 def test_proposes_what_followed_the_longest_recurring_suffix():
     # ... 5 6 7 occurred followed by 8 9; 6 7 alone later, followed by 1.

@@ -19,27 +19,26 @@ import torch
 
 from front_door import bad_request_fields
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
-from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats
+from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.clients import TargetClient, open_channel
-from test_greedy_parity import target_greedy
-from test_sampling_parity import exact_two_tokens, expected_sampling_tv, total_variation
+from parity import assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.sampling import SamplingParams
 from specmesh.step_costs import MEASURED_ROWS
 from specmesh.v1 import target_pb2, target_pb2_grpc
-from tiny_models import TINY_PROMPTS
-
-SAMPLES = 1000
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 @pytest.mark.parametrize("pipeline", ["off", "on"])
 async def test_greedy_output_is_the_targets_own_with_lookup_under_load(tiny_llama_dir, tiny_llama_unrelated_dir,
                                                                       device, pipeline):
     metrics = OrchestratorMetrics()
+    # Lookup is consulted every round: target-only rounds of one token (none decoded ahead, which would
+    # pass over the tiny target's repeats in stretches of up to 32 tokens).
     stack = await start_stack(tiny_llama_dir, tiny_llama_unrelated_dir, k=4, device=device, adaptive_k=True,
                               calibrate=True, draft_cost_scale=1000.0, pipeline=pipeline, metrics=metrics,
-                              target_step_costs={rows: 0.01 for rows in MEASURED_ROWS})
+                              target_step_costs={rows: 0.01 for rows in MEASURED_ROWS},
+                              loop_options={"decode_ahead": 0})
     try:
         results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=64, temperature=0.0)
                                          for p in TINY_PROMPTS))
@@ -99,46 +98,6 @@ async def test_sampled_output_follows_the_target_with_lookup(tiny_llama_dir, dev
     outcomes = await sample_first_two(tiny_llama_dir, device, prompt_ids, params, tokenizer.eos_token_id,
                                       VerifyAllLookups(), LoopConfig(num_speculative_tokens=2))
     assert_second_tokens_follow(outcomes, first, second, follows, "lookup")
-
-
-async def sample_first_two(model_dir, device, prompt_ids: list[int], params: SamplingParams, eos: int, policy,
-                           config: LoopConfig, history=None) -> list[tuple[list[int], LoopStats]]:
-    """SAMPLES generations' first two tokens and stats, through the loop with `policy` over a real target."""
-    server, port = await start_model_server("target", make_engine(model_dir, device, "target"))
-    target = TargetClient(open_channel(f"127.0.0.1:{port}"))
-    limit = asyncio.Semaphore(24)
-
-    async def first_two(index: int) -> tuple[list[int], LoopStats]:
-        generation = SpeculativeGeneration(
-            GenerationRequest(request_id=f"r{index}", prompt_token_ids=prompt_ids, max_tokens=3, sampling=params,
-                              stop=[], num_speculative_tokens=2),
-            target, None, {eos}, config, policy=policy, history=history)
-        async with limit:
-            tokens = [t async for batch in generation.tokens() for t in batch]
-        return tokens[:2], generation.stats
-    try:
-        return [(t, s) for t, s in await asyncio.gather(*(first_two(i) for i in range(SAMPLES))) if len(t) == 2]
-    finally:
-        await server.stop(None)
-
-
-def assert_second_tokens_follow(outcomes, first: torch.Tensor, second: torch.Tensor, follows: dict[int, int],
-                                proposer: str) -> None:
-    """The second token follows the target's exact marginal, where `proposer` (lookup or suffix: its stats'
-    field prefix) proposed `follows[first token]` for most first tokens."""
-    proposed, accepted = (sum(getattr(s, f"{proposer}_{f}") for _, s in outcomes) for f in ("tokens", "accepted_tokens"))
-    # The proposer decided most second tokens, both ways (accepted and rejected): the test exercised it.
-    assert proposed > SAMPLES / 2 and SAMPLES / 10 < accepted < proposed - SAMPLES / 10, (proposed, accepted)
-    n = len(outcomes)
-    # The second token's marginal, within the noise of n exact draws ...
-    marginal = first @ second  # [V]
-    counts = torch.bincount(torch.tensor([t[1] for t, _ in outcomes]), minlength=marginal.numel()).float()
-    assert total_variation(counts, marginal) < 2 * expected_sampling_tv(marginal, n)
-    # ... and, sharper, how often it is the token proposed after the first: a rejection that
-    # resampled from p with the rejected token left in would add (1 - p) p to it.
-    exact_hit = float(sum(first[v] * second[v, w] for v, w in follows.items()))
-    hit = sum(t[1] == follows.get(t[0]) for t, _ in outcomes) / n
-    assert abs(hit - exact_hit) < 4 * (exact_hit * (1 - exact_hit) / n) ** 0.5, (hit, exact_hit)
 
 
 async def test_an_unknown_draft_source_is_refused_naming_the_field(tiny_llama_dir, device):

@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 from harness import WORK_TIMEOUT_S, load  # noqa: E402
 from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.deployment.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
+from parity import target_greedy  # noqa: E402
 from specmesh.service import ReplicaConfig  # noqa: E402
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
 from orchestrator.frontend.server import serve_grpc  # noqa: E402
@@ -37,8 +38,7 @@ from orchestrator.deployment.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
 from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402
-from test_greedy_parity import target_greedy  # noqa: E402
-from tiny_models import TINY_PROMPTS  # noqa: E402
+from benchmarks.tiny_models import TINY_PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time on a test machine
 

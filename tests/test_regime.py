@@ -1,4 +1,4 @@
-"""The regime benchmark's small sweep (benchmarks/regime.py --small), run as a user runs it: the emulated pair
+"""The regime benchmark's small sweep (`python -m benchmarks.regime --small`), run as a user runs it: the emulated pair
 served by `specmesh serve` attached to its services, directly and over a delay line, every cell's figures
 reported, greedy outputs identical to target-only. Speed is the benchmark's to report, not asserted here."""
 

@@ -15,6 +15,7 @@ def one_hot_logits(argmaxes: list[int], vocab: int = 6) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("target_argmax, draft, accepted, next_token, bonus", [
     ([3, 1, 4], [3, 1], 2, 4, True),  # all accepted: bonus from the last row
     ([3, 1, 4], [3, 2], 1, 1, False),  # rejected at 1: recovered = target argmax there
@@ -27,6 +28,7 @@ def test_greedy_exact(target_argmax, draft, accepted, next_token, bonus):
     assert (verdict.accepted_count, verdict.next_token_id, verdict.bonus) == (accepted, next_token, bonus)
 
 
+@pytest.mark.unit
 def test_certain_target_always_accepts_point_masses():
     target = torch.zeros(3, 5)  # [k+1, V]
     target[0, 2] = target[1, 4] = target[2, 0] = 1.0
@@ -35,6 +37,7 @@ def test_certain_target_always_accepts_point_masses():
         assert (verdict.accepted_count, verdict.next_token_id, verdict.bonus) == (2, 0, True)
 
 
+@pytest.mark.unit
 def test_impossible_draft_token_is_never_accepted_nor_recovered():
     target = torch.full((2, 4), 0.25)
     target[0] = torch.tensor([0.5, 0.5, 0.0, 0.0])  # the draft proposes token 2, p = 0
@@ -43,6 +46,7 @@ def test_impossible_draft_token_is_never_accepted_nor_recovered():
         assert verdict.accepted_count == 0 and verdict.next_token_id in (0, 1)
 
 
+@pytest.mark.unit
 def test_zero_draft_probability_is_never_accepted():
     target = torch.full((2, 4), 0.25)
     draft_probs = torch.tensor([[0.0, 0.5, 0.5, 0.0]])  # q(token 0) = 0: guarded, not divided by
@@ -61,18 +65,21 @@ def test_sampled_token_frequencies_follow_the_distribution_and_skip_zeros():
     assert torch.all((counts / draws - probs).abs() <= 5 * (0.25 / draws) ** 0.5)
 
 
+@pytest.mark.unit
 def test_a_token_with_all_the_mass_is_drawn_whatever_the_seed():
     probs = torch.zeros(151_936)
     probs[-1] = 1e-30  # alone, however small, and last: the draw's upper edge
     assert {sample_token(probs, make_generator(seed)) for seed in range(50)} == {151_935}
 
 
+@pytest.mark.unit
 def test_seeded_draws_are_reproducible():
     probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(2)), -1)
     runs = [[sample_token(probs, make_generator(seed)) for seed in range(40)] for _ in range(2)]
     assert runs[0] == runs[1] and len(set(runs[0])) > 10
 
 
+@pytest.mark.unit
 def test_seeded_verification_is_reproducible():
     target = torch.softmax(torch.randn(5, 10, generator=torch.Generator().manual_seed(0)), -1)
     draft = torch.softmax(torch.randn(4, 10, generator=torch.Generator().manual_seed(1)), -1)

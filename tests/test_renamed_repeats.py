@@ -8,32 +8,36 @@ nearly all of it, and the output is the target's greedy output token for token.
 
 from __future__ import annotations
 
+import pytest
+
 from harness import load, make_engine, start_model_server
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.renamed_repeats import MAX_NAME_TOKENS, rename, renaming
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.decoding.suffix_index import TOKEN_BYTES, SuffixIndex
 from orchestrator.deployment.clients import TargetClient, open_channel
+from parity import VerifyAllSuffixes, target_greedy
 from specmesh.sampling import SamplingParams
-from test_greedy_parity import target_greedy
-from test_suffix_drafting import VerifyAllSuffixes
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 12, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
 
 
+@pytest.mark.unit
 def test_a_renamed_prompt_gives_its_substitutions():
     renamed = [99 if t == 12 else t for t in PROMPT]  # one name, used twice
     renamed[5:6] = [97, 98]  # another, now two tokens long
     assert renaming(PROMPT, renamed) == {(12,): (99,), (15,): (97, 98)}
 
 
+@pytest.mark.unit
 def test_adjacent_names_of_one_token_each_are_renamed_apart():
     earlier = PROMPT[:5] + [60, 61, 62] + PROMPT[5:]
     assert renaming(earlier, PROMPT[:5] + [70, 61, 72] + PROMPT[5:]) == {(60,): (70,), (62,): (72,)}
     assert renaming(earlier, PROMPT[:5] + [70, 71] + PROMPT[5:]) == {(60, 61, 62): (70, 71)}
 
 
+@pytest.mark.unit
 def test_prompts_that_are_not_renamed_give_none():
     assert renaming(PROMPT, list(PROMPT)) is None  # the same prompt: the index's own matches cover it
     assert renaming(PROMPT, PROMPT[:10] + [40, 41] + PROMPT[10:]) is None  # an insertion: another prompt
@@ -46,11 +50,13 @@ def test_prompts_that_are_not_renamed_give_none():
     assert renaming(PROMPT, list(range(100, 120))) is None  # nothing in common
 
 
+@pytest.mark.unit
 def test_rename_replaces_longest_first_and_never_inside_a_replacement():
     substitutions = {(1,): (7,), (1, 2): (8, 8), (7,): (1,)}
     assert rename([1, 2, 3, 1, 4, 7], substitutions) == [8, 8, 3, 7, 4, 1]
 
 
+@pytest.mark.unit
 def test_a_renamed_re_ask_is_proposed_the_earlier_output_renamed_while_it_runs():
     index = SuffixIndex()
     output = [30, 12, 31, 32, 12, 33, 15, 34, 35, 36]
@@ -73,6 +79,7 @@ def test_a_renamed_re_ask_is_proposed_the_earlier_output_renamed_while_it_runs()
     assert len(index) == 3
 
 
+@pytest.mark.unit
 def test_an_exact_re_ask_gets_no_twin_and_is_proposed_its_own_earlier_answer():
     index = SuffixIndex()
     output = [30, 12, 31, 32, 12, 33, 15, 34, 35, 36]
@@ -84,6 +91,7 @@ def test_an_exact_re_ask_gets_no_twin_and_is_proposed_its_own_earlier_answer():
     assert index.propose(PROMPT, 20).tokens == output
 
 
+@pytest.mark.unit
 def test_twins_stay_inside_the_memory_bound():
     index = SuffixIndex(max_bytes=60 * TOKEN_BYTES)
     output = list(range(40, 70))

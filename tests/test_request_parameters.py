@@ -10,13 +10,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from front_door import bad_request_field
 from harness import load, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.server import create_servicer
 from specmesh.v1 import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
-from test_service_behaviour import bad_request_field
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 BAD_REQUESTS = [  # (request fields, the field the error must name)
     ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from orchestrator.deployment.options import RestartPolicy, doubling
 from orchestrator.deployment.supervisor import LocalReplica
 from specmesh.service import ReplicaConfig, ServiceOptions
+
+pytestmark = pytest.mark.unit
 
 POLICY = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=4.0, max_restarts=3, window_s=60.0,
                        crash_loop_backoff_s=10.0, max_crash_loop_backoff_s=40.0)

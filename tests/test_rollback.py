@@ -13,6 +13,8 @@ from harness import GRAPH_STEPS, make_engine
 from specmesh.sampling import SamplingParams
 from target_service.engine import TargetEngine
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("row_multiple, kv", [(1, {}), (4, {}), (1, GRAPH_STEPS)],
                          ids=["unpadded", "rows-padded-to-4", "graph-steps-over-kv-slots"])

@@ -27,11 +27,11 @@ from orchestrator.deployment.pool import PoolSpec
 from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
 from orchestrator.frontend import cli
 from orchestrator.frontend.server import serve_grpc
+from parity import target_greedy
+from pools import LocalDeployment, MAX_TOKENS, PROMPT, RESTART_WAIT_S
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from test_greedy_parity import target_greedy
-from test_local_pools import MAX_TOKENS, PROMPT, RESTART_WAIT_S, LocalDeployment
 
 DRAFT_REPLICAS = 2
 ROLLOUT_TIMEOUT_S = 600.0  # four child processes start (import torch, load) on a shared 2-core machine

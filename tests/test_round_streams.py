@@ -23,6 +23,7 @@ from orchestrator.decoding.request import LoopConfig
 from orchestrator.deployment.backends import OrchestratorOptions, connect_backends
 from orchestrator.deployment.clients import TargetClient, UpstreamError, open_channel
 from orchestrator.deployment.round_streams import _broken_as_unavailable
+from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
 from specmesh.drain import drain_of
 from specmesh.server import INTERNAL_DETAILS_PREFIX
 from specmesh.sampling import SamplingParams
@@ -30,8 +31,7 @@ from specmesh.security import token_interceptors
 from specmesh.telemetry import VERIFY_ROUNDS
 from specmesh.v1 import target_pb2
 from target_service.server import create_server
-from test_greedy_parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_IDS = list(range(10, 30))

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from benchmarks.links import LinkSpec
-from harness import load, start_stack
-from specmesh.sampling import SamplingParams, logits_to_probs
+from harness import start_stack
+from parity import PROMPT, SAMPLES, exact_second_token_marginal, expected_sampling_tv, total_variation
+from specmesh.sampling import SamplingParams
 
-PROMPT = "def add(a, b):"
-SAMPLES = 1000
 GIGABIT = LinkSpec(rtt_ms=2.0, bandwidth_bps=1e9)
 CASES = [  # (sampling, the draft proposes point masses, the link between the orchestrator and each service)
     (SamplingParams(1.0), False, None),  # dense fp16 distributions on the wire
@@ -27,26 +26,6 @@ CASES = [  # (sampling, the draft proposes point masses, the link between the or
     (SamplingParams(1.0), True, None),  # ids only
     (SamplingParams(1.0), False, GIGABIT),  # over 1 Gbit/s links with a 2 ms round trip (benchmarks/links.py)
 ]
-
-
-def exact_two_tokens(model, prompt_ids: list[int], params: SamplingParams, eos: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """p(first token) [V], never EOS (a generation that ends at its first token has no second), and
-    p(second | first) [V, V]."""
-    with torch.inference_mode():
-        first = logits_to_probs(model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1:].cpu(),
-                                params)[0]  # [V]
-        vocab = first.numel()
-        batch = torch.cat([torch.tensor(prompt_ids).repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
-        second = logits_to_probs(model(batch.to(model.device)).logits[:, -1].cpu(), params)  # [V, V]
-        first[eos] = 0.0
-    return first / first.sum(), second
-
-
-def exact_second_token_marginal(model_dir: str, device: str, params: SamplingParams) -> torch.Tensor:
-    model, tokenizer = load(model_dir, device)
-    first, second = exact_two_tokens(model, tokenizer.encode(PROMPT), params, tokenizer.eos_token_id)
-    return first @ second  # [V]
 
 
 async def second_token_counts(stack, params: SamplingParams, seeds: range, vocab: int) -> torch.Tensor:
@@ -61,10 +40,6 @@ async def second_token_counts(stack, params: SamplingParams, seeds: range, vocab
         return token_ids[1] if len(token_ids) > 1 else None
     tokens = [t for t in await asyncio.gather(*(one(seed) for seed in seeds)) if t is not None]
     return torch.bincount(torch.tensor(tokens), minlength=vocab).float()
-
-
-def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
 
 
 @pytest.mark.parametrize("params, point_mass, link", CASES, ids=["dense", "sparse", "ids-only", "gigabit-link"])
@@ -85,8 +60,3 @@ async def test_second_token_follows_target_distribution(tiny_llama_dir, tiny_lla
     # ... and far from other distributions, which no number of samples would close.
     references = torch.softmax(torch.randn(5, exact.numel(), generator=torch.Generator().manual_seed(3)) * 2, -1)
     assert min(total_variation(counts, ref) for ref in references) > 4 * tv
-
-
-def expected_sampling_tv(probs: torch.Tensor, samples: int) -> float:
-    """E[TV(empirical, probs)] over `samples` draws: 0.5 * sum_v sqrt(2 p (1 - p) / (pi n))."""
-    return 0.5 * float(torch.sqrt(2 * probs * (1 - probs) / torch.pi).sum()) / samples ** 0.5

@@ -14,19 +14,20 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness import WORK_TIMEOUT_S, load, serve_config, start_stack
+from front_door import generate_with
+from harness import load, serve_config, start_stack
 from orchestrator.frontend.cli import build_parser, main as cli_main
 from orchestrator.deployment.clients import open_channel
 from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.deployment.backends import OrchestratorOptions
 from orchestrator.frontend.server import create_servicer
+from parity import target_greedy
 from pki import make_pki
+from serve_cli import start_serve
 from specmesh.security import SecurityConfigError, TLSConfig, security_from_args
 from specmesh.service import ServiceOptions, add_service_arguments
-from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc, target_pb2_grpc
-from test_cli import start_serve
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, target_pb2_grpc
+from benchmarks.tiny_models import TINY_PROMPTS
 
 API_KEY = "s3cret-key"
 MAX_TOKENS = 16
@@ -50,15 +51,6 @@ async def mtls_stack(pki, tiny_llama_dir, tiny_llama_perturbed_dir):
                               channel_tls=client_tls(pki, pki.client), client_tls=client_tls(pki, pki.client))
     yield stack
     await stack.stop()
-
-
-async def generate_with(channel: grpc.aio.Channel, metadata=()) -> list[int]:
-    stub = generation_pb2_grpc.GenerationStub(channel)
-    request = generation_pb2.GenerateRequest(prompt=TINY_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
-    token_ids = []
-    async for response in stub.Generate(request, timeout=WORK_TIMEOUT_S, metadata=metadata):
-        token_ids.extend(response.token_ids)
-    return token_ids
 
 
 async def test_server_tls_generates_the_targets_tokens(pki, tiny_llama_dir, tiny_llama_perturbed_dir):

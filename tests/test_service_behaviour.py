@@ -7,17 +7,16 @@ import math
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_status import rpc_status
 
+from front_door import bad_request_field
 from harness import TargetHold, eventually, load, make_engine, start_model_server, start_stack
 from orchestrator.deployment.backends import OrchestratorOptions, TokenizerMismatch
 from orchestrator.frontend.server import create_server
+from parity import target_greedy
 from specmesh.v1 import generation_pb2
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 BAD_REQUESTS = [  # (request fields, the field the error must name)
     ({"prompt": ""}, "prompt"),
@@ -43,16 +42,6 @@ async def llama_stack(tiny_llama_dir, tiny_llama_perturbed_dir, device):
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device)
     yield stack
     await stack.stop()
-
-
-def bad_request_field(error: grpc.aio.AioRpcError) -> str:
-    """The field named by the google.rpc.BadRequest detail of a rich error status."""
-    for key, value in error.trailing_metadata() or ():
-        if key == rpc_status.GRPC_DETAILS_METADATA_KEY:
-            bad_request = error_details_pb2.BadRequest()
-            status_pb2.Status.FromString(value).details[0].Unpack(bad_request)
-            return bad_request.field_violations[0].field
-    raise AssertionError("no google.rpc.BadRequest in the error")
 
 
 async def test_bad_requests_name_the_field_and_leave_other_streams_alone(llama_stack, tiny_llama_dir, device):

@@ -21,7 +21,7 @@ from specmesh.drain import drain_of
 from specmesh.errors import SessionClosed
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, generation_pb2
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 KERNELS = ["torch", pytest.param("onednn", marks=pytest.mark.skipif(not onednn_usable("cpu"),
                                                                    reason="this torch has no oneDNN"))]

@@ -10,10 +10,10 @@ from harness import load, start_stack
 from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, SpeculationSwitch
+from parity import target_greedy
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
-from test_greedy_parity import target_greedy
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 
 async def test_switch_changes_the_very_next_round(tiny_llama_dir, device):
@@ -24,7 +24,8 @@ async def test_switch_changes_the_very_next_round(tiny_llama_dir, device):
     request = GenerationRequest("switch", tokenizer.encode(prompt), 40, SamplingParams(0.0), [], k)
     generation = SpeculativeGeneration(
         request, TargetClient(open_channel(f"127.0.0.1:{stack.target_port}")),
-        DraftClient(open_channel(f"127.0.0.1:{stack.draft_port}")), set(), LoopConfig(), switch=switch)
+        DraftClient(open_channel(f"127.0.0.1:{stack.draft_port}")), set(),
+        LoopConfig(decode_ahead=0), switch=switch)  # a target-only round a token: the sizes show the switch
     sizes, tokens = [], []
     try:
         async with contextlib.aclosing(generation.tokens()) as batches:

@@ -92,12 +92,14 @@ def test_summary_filtered_by_prompt_class(endpoint: str) -> None:
     assert empty.ttft_p50 is None and empty.acceptance_by_position == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("q, expected", [(0.25, 1.0), (0.5, 1.5), (0.9, 3.2), (1.0, 4.0), (0.0, 0.0)])
 def test_histogram_quantile_interpolates(q: float, expected: float) -> None:
     buckets = [(2.0, 30.0), (1.0, 10.0), (math.inf, 40.0), (4.0, 40.0)]  # order must not matter
     assert histogram_quantile(q, buckets) == pytest.approx(expected)
 
 
+@pytest.mark.unit
 def test_histogram_quantile_edges() -> None:
     assert histogram_quantile(0.5, [(1.0, 1.0), (math.inf, 4.0)]) == 1.0
     assert histogram_quantile(0.25, [(0.0, 2.0), (1.0, 4.0), (math.inf, 8.0)]) == 0.0
@@ -115,6 +117,7 @@ def test_run_once_prints_acceptance(endpoint: str) -> None:
     assert CLEAR_SCREEN not in text
 
 
+@pytest.mark.unit
 def test_run_once_unreachable(dead_endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
     out = io.StringIO()
     assert run(dead_endpoint, interval=2.0, once=True, prompt_class=None, out=out) == 2
@@ -143,12 +146,14 @@ def test_render_handles_missing_figures(endpoint: str) -> None:
     assert "acceptance" in text and "- / - ms" in text
 
 
+@pytest.mark.unit
 def test_metrics_url_normalises() -> None:
     assert metrics_url("h:9") == "http://h:9/metrics"
     assert metrics_url("http://h:9") == "http://h:9/metrics"
     assert metrics_url("http://h:9/custom") == "http://h:9/custom"
 
 
+@pytest.mark.unit
 def test_add_parser_dispatches() -> None:
     parser = argparse.ArgumentParser(prog="specmesh")
     add_parser(parser.add_subparsers(dest="command", required=True))

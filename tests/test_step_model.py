@@ -16,6 +16,8 @@ from specmesh.step_costs import StepCosts
 from specmesh.step_model import BOUNDS, DECAY, PRIOR, StepModel, StepShape
 from specmesh.v1 import common_pb2
 
+pytestmark = pytest.mark.unit
+
 # A start-up table that grows with rows (padding never pays in it: every size is dearer than the one below).
 TABLE = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.016, 16: 0.024, 32: 0.040, 64: 0.080}
 LAW = (1.3, 0.01, 0.002)  # a slower machine than at start-up, 10 ms a session more, 2 ms per 1000 attended pairs

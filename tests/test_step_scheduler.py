@@ -12,6 +12,8 @@ import torch
 from specmesh.batching import Feed, Part, StepPlanner, StepScheduler
 from specmesh.step_costs import ChunkSteering, StepCosts
 
+pytestmark = pytest.mark.unit
+
 
 class Steps:
     """A run_step that records each step's parts and answers row i of a part with its token ids."""

@@ -19,13 +19,11 @@ from harness import load, start_stack
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.suffix_index import SuffixIndex
+from parity import VerifyAllSuffixes, assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.sampling import SamplingParams
 from specmesh.step_costs import MEASURED_ROWS
-from test_greedy_parity import target_greedy
-from test_prompt_lookup_served import assert_second_tokens_follow, sample_first_two
-from test_sampling_parity import exact_two_tokens
-from tiny_models import TINY_PROMPTS
+from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 48
 
@@ -65,24 +63,6 @@ async def test_a_repeated_request_is_proposed_from_the_first_and_stays_the_targe
     assert _metric(metrics, "specmesh_proposer_rounds_total") == rounds
     suffixed = sum(s.suffix_accepted_tokens for _, _, last in first + again for s in [last.stats])
     assert _metric(metrics, "specmesh_proposer_accepted_tokens_total", proposer=SUFFIX) == suffixed
-
-
-class VerifyAllSuffixes:
-    """A stand-in for the default policy that never drafts and verifies every suffix proposal: pricing
-    is not the subject here, the target's verdict on a one-hot proposal is."""
-
-    def arrive(self): pass
-    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
-    def choose(self, k_max, context=0): return 0
-    def worth_opening(self, k, catch_up, tokens_left): return False
-    def draft_plan(self, k): return k, 0.0
-    def alternatives(self, probabilities, alternative_probabilities): return []
-    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
-    def close(self): pass
-
-    def choose_proposal(self, k, offers):
-        suffix = [offer for offer in offers if offer.source == SUFFIX]
-        return (suffix[0], len(suffix[0].tokens)) if suffix else (None, 0)
 
 
 class FixedHistory:

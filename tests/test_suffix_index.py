@@ -25,6 +25,7 @@ def _random_tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(50_000) for _ in range(count)]
 
 
+@pytest.mark.unit
 def test_an_exact_earlier_request_is_proposed_in_full():
     earlier = _random_tokens(random.Random(1), 100)
     index = _index_of(_random_tokens(random.Random(2), 100), earlier, _random_tokens(random.Random(3), 100))
@@ -34,6 +35,7 @@ def test_an_exact_earlier_request_is_proposed_in_full():
     assert proposal.confidence == [1.0] * 50
 
 
+@pytest.mark.unit
 def test_the_longest_match_wins_over_a_shorter_more_frequent_one():
     longer = [7, 8, 1, 2, 3, 40, 41, 42]
     shorter = [9, 1, 2, 3, 50, 51, 52]
@@ -45,6 +47,7 @@ def test_the_longest_match_wins_over_a_shorter_more_frequent_one():
     assert tied.confidence == [0.75, 0.75, 0.75]
 
 
+@pytest.mark.unit
 def test_majority_vote_and_confidence_falling_as_occurrences_disagree():
     index = _index_of([10, 11, 12, 20, 21, 22], [10, 11, 12, 20, 21, 22],
                       [10, 11, 12, 20, 21, 23], [10, 11, 12, 30, 31, 32])
@@ -54,6 +57,7 @@ def test_majority_vote_and_confidence_falling_as_occurrences_disagree():
     assert proposal.match_length == 3
 
 
+@pytest.mark.unit
 def test_too_little_agreement_proposes_nothing_and_ties_go_to_the_newest():
     scattered = _index_of(*([10, 11, 12, 100 + i] for i in range(5)))  # five continuations, one each
     proposal = scattered.propose([10, 11, 12], 4)
@@ -63,6 +67,7 @@ def test_too_little_agreement_proposes_nothing_and_ties_go_to_the_newest():
     assert tie.propose([10, 11, 12], 4).confidence == [0.5]
 
 
+@pytest.mark.unit
 def test_a_request_in_flight_is_found_as_it_grows():
     index = SuffixIndex()
     earlier, other = index.open(), index.open()
@@ -74,6 +79,7 @@ def test_a_request_in_flight_is_found_as_it_grows():
     assert index.propose([0, 1, 2, 3], 4).tokens == [4, 5, 6]
 
 
+@pytest.mark.unit
 def test_a_documents_tail_is_not_its_own_match():
     index = SuffixIndex()
     document = index.open()
@@ -84,6 +90,7 @@ def test_a_documents_tail_is_not_its_own_match():
     assert (proposal.tokens, proposal.match_length) == ([7, 8, 5, 6], 2)
 
 
+@pytest.mark.unit
 def test_limit_and_short_or_empty_sequences():
     tokens = list(range(100, 140))
     index = _index_of(tokens)
@@ -96,12 +103,14 @@ def test_limit_and_short_or_empty_sequences():
     assert index.propose(tuple(tokens[:5]), 2).tokens == tokens[5:7]  # any sequence type
 
 
+@pytest.mark.unit
 def test_the_match_is_measured_back_to_max_match():
     tokens = _random_tokens(random.Random(4), 3 * MAX_MATCH)
     proposal = _index_of(tokens).propose(tokens[:2 * MAX_MATCH], 4)
     assert (proposal.tokens, proposal.match_length) == (tokens[2 * MAX_MATCH:2 * MAX_MATCH + 4], MAX_MATCH)
 
 
+@pytest.mark.unit
 def test_invalid_budget_names_the_argument():
     for bad in (0, -1):
         with pytest.raises(ValueError, match="max_bytes"):
@@ -112,6 +121,7 @@ def _keys(index: SuffixIndex) -> dict[int, set[int]]:
     return {n: set(table) for n, table in index._tables.items()}
 
 
+@pytest.mark.unit
 def test_the_oldest_documents_are_evicted_with_their_index_entries():
     document_bytes = DOCUMENT_BYTES + 50 * TOKEN_BYTES
     index = SuffixIndex(max_bytes=int(4.5 * document_bytes))  # four documents of 50 tokens fit
@@ -132,6 +142,7 @@ def test_the_oldest_documents_are_evicted_with_their_index_entries():
     assert _keys(index) == _keys(_index_of(*documents[2:]))  # no stale keys left behind
 
 
+@pytest.mark.unit
 def test_a_document_bigger_than_the_budget_keeps_within_it():
     max_bytes = 1 << 20
     index = _index_of([1, 2, 3, 4], max_bytes=max_bytes)
@@ -180,6 +191,7 @@ def test_the_budget_bounds_the_memory_really_held():
     assert sum(len(table) for table in index._tables.values()) <= len(KEY_LENGTHS) * index.bytes_used / TOKEN_BYTES
 
 
+@pytest.mark.unit
 def test_repetitive_history_stays_fast_and_small():
     max_bytes = 4 << 20
 
@@ -205,6 +217,7 @@ def test_repetitive_history_stays_fast_and_small():
         assert set(proposal.tokens) <= set(query)
 
 
+@pytest.mark.unit
 def test_extend_on_repetitive_history_is_not_quadratic():
     index = SuffixIndex()
     started = time.perf_counter()
@@ -231,6 +244,7 @@ def _occurrences(documents: list[list[int]], ngram: list[int]) -> int:
     return sum(tokens[p - n:p] == ngram for tokens in documents for p in range(n, len(tokens)))
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=4),
        st.lists(st.integers(0, 3), max_size=12), st.integers(1, 8))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tiny_models import (
+from benchmarks.tiny_models import (
     BOS_TOKEN,
     EOS_TOKEN,
     TINY_PROMPTS,
@@ -17,6 +17,8 @@ from tiny_models import (
     load_model,
     mean_max_prob,
 )
+
+pytestmark = pytest.mark.unit
 
 MODEL_FIXTURES = [
     "tiny_llama_dir",

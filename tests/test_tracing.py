@@ -15,8 +15,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from serve_cli import start_serve
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
-from test_cli import start_serve
 
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
 VERIFY = ("TargetService/Verify", "TargetService/VerifyRounds")  # a call, or a message on the session's stream

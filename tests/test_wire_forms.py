@@ -23,6 +23,7 @@ def fp16_rounded(probs: torch.Tensor) -> torch.Tensor:
     return rounded / rounded.sum()
 
 
+@pytest.mark.unit
 def test_truncated_distribution_goes_sparse_and_round_trips_exactly():
     torch.manual_seed(0)
     probs = logits_to_probs(torch.randn(1, 1000), SamplingParams(0.8, top_k=10))[0]  # [V]
@@ -31,6 +32,7 @@ def test_truncated_distribution_goes_sparse_and_round_trips_exactly():
     assert torch.equal(decode_distribution(wire, 1000), fp16_rounded(probs))
 
 
+@pytest.mark.unit
 def test_a_near_point_mass_travels_as_one_id():
     """A confident draft's q (every other entry far below fp16's range) costs one id and one probability,
     not 2 bytes per vocabulary entry: 152k of them would be 300 KB a draft token."""
@@ -41,6 +43,7 @@ def test_a_near_point_mass_travels_as_one_id():
     assert wire.ByteSize() < 16
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scale", [4.0, 6.0, 8.0])
 def test_the_dropped_tail_holds_at_most_tail_mass(scale):
     """Peaked distributions (large logit spread) drop their tail to go sparse; what the target tests is the
@@ -56,6 +59,7 @@ def test_the_dropped_tail_holds_at_most_tail_mass(scale):
     assert float(torch.minimum(probs, decoded).sum()) >= 1 - TAIL_MASS - 1e-3  # the acceptance it allows
 
 
+@pytest.mark.unit
 def test_full_distribution_goes_dense_fp16():
     probs = logits_to_probs(torch.randn(1, 1000), SamplingParams(1.0))[0]
     wire = encode_distribution(probs)
@@ -66,6 +70,7 @@ def test_full_distribution_goes_dense_fp16():
     assert decode_distribution(wire, 1024)[1000:].eq(0).all()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("wire", [
     common_pb2.TokenDistribution(),
     common_pb2.TokenDistribution(sparse=common_pb2.SparseDistribution(token_ids=[1, 2], probs=[1.0])),
@@ -94,6 +99,7 @@ def stream(tokenizer, prompt_ids, generated, stop=(), batch=3):
     return "".join(pieces), kept
 
 
+@pytest.mark.unit
 def test_streamed_text_equals_full_decode(tiny_tokenizer):
     text = "def add(a, b):\n    return a + b  # ünïcode ✓"
     ids = tiny_tokenizer.encode(text)
@@ -101,6 +107,7 @@ def test_streamed_text_equals_full_decode(tiny_tokenizer):
     assert streamed == tiny_tokenizer.decode(ids[3:], skip_special_tokens=True) and kept == ids[3:]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stop", ["return", "a +", "\n"])
 def test_stop_string_is_cut_with_the_tokens_after_it(tiny_tokenizer, stop):
     ids = tiny_tokenizer.encode("def add(a, b):\n    return a + b\nprint(add(1, 2))")

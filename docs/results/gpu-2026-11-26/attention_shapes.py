@@ -5,7 +5,9 @@ step over its cache (first time at that shape), the same shape again, and a one-
 under three SDPA settings in turn: torch's default backend choice, cuDNN attention disabled, and only
 flash + memory-efficient. Prints the median ms of each (and the slowest).
 
-    python benchmarks/attention_shapes.py cuda   # H100 figures: README, "On a GPU"; cpu: a 2-layer smoke run
+    python docs/results/gpu-2026-11-26/attention_shapes.py cuda   # cpu: a 2-layer smoke run
+
+Its H100 figures are h100-attention-shapes.txt, beside it.
 """
 from __future__ import annotations
 

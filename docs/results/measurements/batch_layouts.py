@@ -13,11 +13,14 @@ draft step), times one step four ways on the same caches:
   (specmesh.ragged, what the services run).
 
 Prints the median milliseconds per layout and N, and each layout's time relative to sequential.
-Tiny random models by default; --model for a real one (e.g. qwen2.5-coder-1.5b):
+Tiny random models by default; --model for a real one (e.g. qwen2.5-coder-1.5b). From the repository
+root:
 
-    python benchmarks/batch_layouts.py
-    python benchmarks/batch_layouts.py --model qwen2.5-coder-1.5b --sessions 1 2 4 8 16 --repeats 3
-    python benchmarks/batch_layouts.py --model qwen2.5-coder-1.5b --sessions 8 --cached 500 700 --k 0
+    PYTHONPATH=. python docs/results/measurements/batch_layouts.py
+    PYTHONPATH=. python docs/results/measurements/batch_layouts.py --model qwen2.5-coder-1.5b \\
+        --sessions 1 2 4 8 16 --repeats 3
+    PYTHONPATH=. python docs/results/measurements/batch_layouts.py --model qwen2.5-coder-1.5b \\
+        --sessions 8 --cached 500 700 --k 0
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import argparse
 import copy
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,17 +36,15 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from specmesh import models  # noqa: E402
-from specmesh.batching import Part  # noqa: E402
-from specmesh.engine import EngineConfig, ModelEngine, Session  # noqa: E402
-from specmesh.hf_compat import cache_kwargs  # noqa: E402
-from specmesh.sampling import SamplingParams  # noqa: E402
+from specmesh import models
+from specmesh.batching import Part
+from specmesh.engine import EngineConfig, ModelEngine, Session
+from specmesh.hf_compat import cache_kwargs
+from specmesh.sampling import SamplingParams
 
 
 def tiny_model(root: Path) -> str:
-    from tiny_models import build_tiny_model, build_tokenizer
+    from benchmarks.tiny_models import build_tiny_model, build_tokenizer
     return str(build_tiny_model(root / "target", "llama", build_tokenizer(root / "tokenizer"), seed=1,
                                 max_positions=2048))
 

@@ -18,15 +18,16 @@ request's time to first token; the overall largest gap in decode steps.
 Done when ("a 4,000-token prompt arriving during eight running streams delays none of their tokens
 by more than two decode steps"): every stream's largest gap in the window <= 3 decode steps.
 
-By default the stack is tiny random-weight models built on the fly (tests/tiny_models.py, with an
+By default the stack is tiny random-weight models built on the fly (benchmarks/tiny_models.py, with an
 8192-token context); --target and --draft take real ones. --speculation off runs the streams
 target-only (the request's `speculation` field). The tiny models' services run one torch thread
 each: on a machine with few cores and other load, two OpenMP threads per service stall steps for
-tens to hundreds of ms at random, which would drown what this measures:
+tens to hundreds of ms at random, which would drown what this measures. From the repository root:
 
-    python benchmarks/long_prompt_interleave.py --runs 3
-    python benchmarks/long_prompt_interleave.py --speculation off --prompt-tokens 8000
-    python benchmarks/long_prompt_interleave.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    PYTHONPATH=. python docs/results/measurements/long_prompt_interleave.py --runs 3
+    PYTHONPATH=. python docs/results/measurements/long_prompt_interleave.py --speculation off --prompt-tokens 8000
+    PYTHONPATH=. python docs/results/measurements/long_prompt_interleave.py --target qwen2.5-coder-1.5b \
+        --draft qwen2.5-coder-0.5b
 """
 
 from __future__ import annotations
@@ -43,14 +44,12 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from orchestrator.decoding.request import LoopConfig  # noqa: E402
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack  # noqa: E402
-from orchestrator.frontend.options import FrontendOptions  # noqa: E402
-from specmesh.models import load_tokenizer  # noqa: E402
-from specmesh.service import ServiceOptions  # noqa: E402
-from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
+from orchestrator.decoding.request import LoopConfig
+from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.frontend.options import FrontendOptions
+from specmesh.models import load_tokenizer
+from specmesh.service import ServiceOptions
+from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 STREAM_PROMPTS = ("def quicksort(arr):", "class LinkedList:\n    def __init__(self):",
                   "The quick brown fox", "import numpy as np\n\ndef normalize(x):",
@@ -60,7 +59,7 @@ DONE_WHEN_STEPS = 3.0  # the largest gap in the window, in decode steps: one nor
 
 
 def tiny_pair(root: Path) -> tuple[str, str]:
-    from tiny_models import TINY_CORPUS, build_tiny_model, build_tokenizer, perturb_model
+    from benchmarks.tiny_models import TINY_CORPUS, build_tiny_model, build_tokenizer, perturb_model
     tokenizer = build_tokenizer(root / "tokenizer", corpus=TINY_CORPUS)
     target = build_tiny_model(root / "target", "llama", tokenizer, seed=1, max_positions=8192)
     return str(target), str(perturb_model(target, root / "draft", seed=101))
