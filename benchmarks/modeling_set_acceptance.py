@@ -16,8 +16,10 @@ in specmesh and in transformers' assisted generation alike. The other logits sta
 so the forward's work is never dead code to a compiler.
 
 Emulated GPU step times (benchmark-only; `set_acceptance_pair.py --profile NAME`): with a `step_profile`
-in the config (a table of benchmarks/gpu_profiles.py), each forward runs the small real network, then
-sleeps up to the time the table gives a GPU step of its rows and sessions. The step time is then
+in the config (a table of benchmarks/gpu_profiles.py), each forward runs the lean part of the model (the
+cache grows, the kept rows' embeddings are projected and steered; `lean_forward`; a ragged step of several
+sessions runs the small real network), then sleeps up to the time the table gives a GPU step of its rows
+and sessions. The step time is then
 emulated, not measured: the sleep releases the GIL and leaves the CPU free, as the host of a GPU is
 while its kernels run. A forward whose real compute exceeds the table's time does not sleep; it counts
 in `emulation_overruns` (and warns once): such a run is not a faithful emulation, and says so.
@@ -30,6 +32,7 @@ import time
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 MASK_31 = 0x7FFFFFFF  # hashes stay in 31 bits: an int64 product of two never overflows
 MIX_ROUNDS = ((1103515245, 12345), (214013, 2531011), (1664525, 1013904223))
@@ -133,7 +136,10 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
         if self.config.step_profile is None:
             return self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
         started = time.perf_counter()
-        output = self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
+        if input_ids is not None and kwargs.get("segments") is None:
+            output = self.lean_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
+        else:  # a ragged step's segments: the network's own attention places each session's rows
+            output = self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
         if output.logits.is_cuda:  # kernels run asynchronously: wait for them before reading the clock
             torch.cuda.synchronize(output.logits.device)
         rows, sessions = step_shape(input_ids, kwargs.get("inputs_embeds"), kwargs.get("segments"))
@@ -152,6 +158,29 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
             log.warning("emulated step overrun: the real forward took %.2f ms, the profile's step %.2f ms; "
                         "step times are not faithfully emulated (see emulation_overruns)",
                         (step_s - remaining) * 1e3, step_s * 1e3)
+
+    def lean_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache,
+                     logits_to_keep: int | torch.Tensor, **kwargs):
+        """A padded step without the network: the cache grows by the fed rows (zero keys and values) and the
+        kept rows' logits are the output projection of their embeddings, steered as ever. A GPU step's time is
+        the profile's sleep; the network's CPU time would stand in for work a GPU host's CPU does not do, and
+        on a small host it crowds out the services. The chosen token leads by steer_margin either way, so the
+        tokens are the network's own (greedy; sampled, to within e^-steer_margin)."""
+        cache = cache if cache is not None else kwargs.get("past_key_values")
+        past = cache.get_seq_length() if cache is not None else 0  # before this forward
+        if cache is not None:
+            config = self.config
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            shape = (input_ids.shape[0], config.num_key_value_heads, input_ids.shape[1], head_dim)
+            empty = torch.zeros(shape, dtype=self.dtype, device=input_ids.device)  # [batch, kv heads, rows, dim]
+            for layer in range(config.num_hidden_layers):
+                cache.update(empty, empty, layer)
+        if position_ids is None:
+            position_ids = (past + torch.arange(input_ids.shape[1], device=input_ids.device)).expand_as(input_ids)
+        tokens = kept_rows(input_ids, logits_to_keep)  # [batch, kept]
+        positions = kept_rows(position_ids.to(input_ids.device).expand_as(input_ids), logits_to_keep)
+        logits = self.lm_head(self.model.embed_tokens(tokens))  # [batch, kept, V]
+        return CausalLMOutputWithPast(logits=self.steer(logits, tokens, positions), past_key_values=cache)
 
     def steered_forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, cache,
                         logits_to_keep: int | torch.Tensor, **kwargs):

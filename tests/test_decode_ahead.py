@@ -125,6 +125,14 @@ def test_a_round_that_decoded_ahead_is_priced_as_one_step():
     assert costs.undrafted_s == pytest.approx(0.050)  # the time spent target-only is the whole round's
 
 
+def test_the_policy_prices_a_target_only_round_as_the_rule_decodes_it():
+    for most, per_call in ((MAX_DECODE_AHEAD, 7), (0, 1)):
+        costs = RoundCosts(decode_ahead=most)
+        costs.observe(0, 0.0, 0.010, BatchLoad(), verify_forward_s=0.006)  # a 4 ms call around a 6 ms step
+        assert costs.target_only_s(BatchLoad()) == pytest.approx(0.006 + 0.004 / per_call)
+        assert costs.round_s(0, BatchLoad()) == pytest.approx(0.010)  # one Verify of one token
+
+
 async def test_served_target_only_over_a_link_decodes_ahead_with_the_targets_own_output(tiny_llama_dir, device):
     stack = await start_stack(tiny_llama_dir, None, device=device, link=LinkSpec(rtt_ms=10.0))
     try:

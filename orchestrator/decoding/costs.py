@@ -37,7 +37,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.decoding.decode_ahead import tokens_per_call
 from specmesh.ewma import Ewma
+from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.step_costs import StepCosts
 from specmesh.step_model import StepShape
 
@@ -70,8 +72,9 @@ class BatchLoad:
 class RoundCosts:
     """Predicted draft and target seconds of a round, shared by every request of an orchestrator."""
 
-    def __init__(self, reports=None):
+    def __init__(self, reports=None, decode_ahead: int = MAX_DECODE_AHEAD):
         self.reports = reports  # orchestrator.deployment.step_reports.StepReports, or None
+        self.decode_ahead = decode_ahead  # LoopConfig.decode_ahead: the most a target-only Verify decodes ahead
         self.draft_ratio = Ewma(RATIO_WEIGHT)
         self.target_ratio = Ewma(RATIO_WEIGHT)
         self.draft_latency = Ewma(LATENCY_WEIGHT)  # seconds a drafting round waits beyond the draft's forwards
@@ -107,6 +110,13 @@ class RoundCosts:
         if self._tables() is None:
             return self._wall_s(k + lookup)
         return self.draft_s(k, batch) + self.target_s(k, batch, lookup)
+
+    def target_only_s(self, batch: BatchLoad) -> float:
+        """Seconds a token of target-only decoding takes: its share of a Verify that decodes ahead
+        (orchestrator.decoding.decode_ahead), one step and its part of the call's latency."""
+        round_s, latency = self.round_s(0, batch), self.target_latency.get(0.0)
+        per_call = tokens_per_call(latency, max(round_s - latency, 0.0), self.decode_ahead)
+        return round_s - latency * (1.0 - 1.0 / per_call)
 
     def draft_prefill_s(self, tokens: int) -> float | None:
         """Seconds for the draft to feed `tokens` tokens at once (a prefill or a catch-up); None unknown."""

@@ -154,7 +154,7 @@ class DraftLength:
         batch = self._batch
 
         def per_token(k: int) -> float:
-            return self.costs.round_s(k, batch) / max(self.shared.tokens(k, batch) / batch.requests, 1e-9)
+            return batch.requests / self.shared.goodput(k, batch)
 
         return tokens_left * (per_token(0) - per_token(k)) > prefill_s * batch.requests
 
@@ -250,7 +250,11 @@ class Speculation:
                    for p in self.active.values()) or 1.0
 
     def goodput(self, k: int, batch: BatchLoad) -> float:
-        return self.tokens(k, batch) / max(self.costs.round_s(k, batch), 1e-9)
+        """The batch's tokens per second drafting k; at k = 0 as target-only rounds run, decoding ahead. (A
+        free proposal is weighed against a target-only round of one token (choose_proposal): decoding ahead
+        would also put off the proposals that teach the policy their acceptance.)"""
+        round_s = self.costs.target_only_s(batch) if k == 0 else self.costs.round_s(k, batch)
+        return self.tokens(k, batch) / max(round_s, 1e-9)
 
     def best_k(self, batch: BatchLoad) -> int:
         k_max = max((p.k_max or 0 for p in self.active.values()), default=0)

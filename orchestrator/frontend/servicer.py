@@ -52,7 +52,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or OrchestratorMetrics()
         self.tracer = tracer
         self.switch = switch or SpeculationSwitch()
-        self.adaptive = Speculation(costs=RoundCosts(backends.step_reports))
+        self.adaptive = Speculation(costs=RoundCosts(backends.step_reports, config.decode_ahead))
         # Earlier and running requests' sequences, for suffix proposals (orchestrator.decoding.suffix_index).
         self.history = SuffixIndex(config.suffix_index_bytes) if config.suffix_index else None
         self.pools = None  # orchestrator.deployment.serving.Pools when serving from replica pools
