@@ -77,12 +77,18 @@ class TargetEngine:
 
     def _prefill(self, session: Session):
         """A job (specmesh.batching): the prompt, chunked as the steps allow -> Opened."""
-        logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1, chunkable=True)  # [1, V]
+        token_id, logprobs, forward_ns = yield from self._decode_step(session, chunkable=True)
+        return Opened(token_id, len(session.token_ids), forward_ns, logprobs[0] if logprobs else None)
+
+    def _decode_step(self, session: Session, chunkable: bool = False):
+        """In a job: feed the uncached tail and append the token the target alone chooses after it (penalties,
+        a draw from the session's generator) -> (token, its logprobs if asked, forward ns)."""
+        logits, forward_ns = yield from self.engine.feed_tail(session, keep_rows=1, chunkable=chunkable)  # [1, V]
         logits = session.penalize(logits)
         token_id = self._next_token(session, logits)
         logprobs = self._logprobs(session, logits, [token_id])
-        session.token_ids.append(token_id)
-        return Opened(token_id, len(session.token_ids), forward_ns, logprobs[0] if logprobs else None)
+        session.token_ids.append(token_id)  # the cache now covers all but this newest token
+        return token_id, logprobs, forward_ns
 
     @staticmethod
     def _logprobs(session: Session, logits: torch.Tensor, token_ids: list[int]) -> list[common_pb2.TokenLogprob]:
@@ -182,12 +188,9 @@ class TargetEngine:
         tokens, logprobs, forward_ns = [], [], 0
         while (len(tokens) < limit and session.token_ids[-1] not in self.engine.eos_token_ids
                and len(session.token_ids) < self.engine.context_window):
-            logits, step_ns = yield from self.engine.feed_tail(session, keep_rows=1)  # [1, V]
-            logits = session.penalize(logits)
-            token_id = self._next_token(session, logits)
-            logprobs += self._logprobs(session, logits, [token_id])
-            session.token_ids.append(token_id)  # the cache now covers all but this newest token
+            token_id, step_logprobs, step_ns = yield from self._decode_step(session)
             tokens.append(token_id)
+            logprobs += step_logprobs
             forward_ns += step_ns
         return tokens, logprobs, forward_ns
 
