@@ -10,11 +10,9 @@ over that cache alone, with a causal mask among its own new rows. Padding rows a
 only to each other and are cached nowhere.
 
 Chosen by measurement over one attention across the concatenated caches with a block mask
-(the previous design): that copied every session's cache into a batch cache and back each
-step, repeated the key/value heads for grouped-query attention over all of them, and made
-each row attend over every other session's masked positions. For the 1.5B target it cost
-1175 ms for 8 one-row sessions over 600 cached tokens, against 696 ms per session
-(docs/design/continuous-batching.md; `docs/results/measurements/batch_layouts.py`).
+(the previous design), which copied every session's cache into a batch cache and back each
+step and made each row attend over every other session's masked positions: slower than a
+forward per session (figures: docs/design/continuous-batching.md).
 
 Grouped-query attention is packed, not repeated: a session's query heads that share a
 key/value head are laid out as rows of one attention over that head, so no key or value
@@ -60,11 +58,8 @@ def avoid_cudnn_attention(device: torch.device) -> bool:
 
     cuDNN attention builds an execution plan for every attention shape it meets, and decoding
     meets a new one every step (the cache grows by a row, a verification adds its draft rows,
-    each prompt has its length). On an H100 (torch 2.11, bf16, a Qwen2.5-1.5B-shaped model;
-    `docs/results/gpu-2026-11-26/attention_shapes.py`) a step at a shape met for the first time took
-    63-74 ms (up to 1.4 s) against 24 ms at a shape met before; with cuDNN's backend off, flash and
-    memory-efficient attention run every step at 22-26 ms, first time or not, and prefills at 71 ms
-    instead of 85.
+    each prompt has its length): a step at a new shape cost about three times one at a known shape,
+    where flash and memory-efficient attention cost the same either way (figures: docs/design/gpu.md).
     """
     if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
