@@ -53,6 +53,11 @@ class StepModel:
     def features(planned_s: float, shape: StepShape) -> tuple[float, float, float]:
         return planned_s, float(max(0, shape.sessions - 1)), shape.attended / 1000.0
 
+    @property
+    def evidence(self) -> tuple[float, ...]:
+        """Each feature's decayed sum of squares over the observed steps: zero where none varied it."""
+        return tuple(self._x2)
+
     def predict(self, planned_s: float, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, self.features(planned_s, shape)))
 

@@ -248,7 +248,10 @@ async def test_steps_of_several_sessions_move_the_model_the_service_reports(tiny
             assert costs.model.coefficients != PRIOR
             reported = _coefficients((await client.model_info(timeout=10)).step_model)
             assert reported == costs.model.coefficients
-            assert reported[1] > 0.0  # only a step of several sessions can move what a session costs
+            # the steps of several sessions are in the fit (what a session costs is then measured, not the
+            # prior; how much, zero included, is whatever this host's timings say)
+            assert costs.model.evidence[1] > 0.0
+            assert BOUNDS[1][0] <= reported[1] <= BOUNDS[1][1]
     finally:
         await server.stop(None)
 
