@@ -29,6 +29,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.closed_sessions import ClosedSessions
+from specmesh.commit import committed_sequence
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch
 from specmesh.graph_steps import GraphSteps, slot_budget, uses_graph_steps
@@ -430,8 +431,7 @@ class ModelEngine:
             raise PositionMismatch(
                 f"cannot roll back to position {position}: sequence has {len(session.token_ids)} tokens")
         self.check_token_ids("token_ids", append)
-        del session.token_ids[position:]
-        session.token_ids.extend(append)
+        session.token_ids[:] = committed_sequence(session.token_ids, position, append)
         keep = min(session.cached_length, position + max(0, cached), len(session.token_ids) - 1)
         surplus = session.cached_length - keep
         if surplus > 0:

@@ -37,6 +37,7 @@ from orchestrator.decoding.request import (DraftLengthPolicy, GenerationRequest,
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
+from specmesh.commit import committed_tokens
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -203,7 +204,7 @@ class SpeculativeGeneration:
                                         draft_forward_s=self._clock.draft_busy_s,
                                         verify_forward_s=self._clock.target_busy_s, target_steps=self._target_steps),
                             drafted, accepted, free, list(proposal.probabilities) if proposal else [])
-        batch = draft_ids[:accepted] + [verified.next_token_id] + list(verified.after_token_ids)
+        batch = committed_tokens(draft_ids, accepted, verified.next_token_id, verified.after_token_ids)
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
         self._commit(batch)
@@ -341,7 +342,7 @@ class SpeculativeGeneration:
     async def _propose(self, k: int) -> draft_pb2.ProposeResponse | None:
         """Ask the draft for k tokens, or give up on the draft and return None."""
         position = len(self.sequence)
-        commit = draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
+        commit = self._draft_commit()
         try:
             if self._draft_opening is not None:
                 opening, self._draft_opening = self._draft_opening, None
@@ -360,6 +361,10 @@ class SpeculativeGeneration:
             return None
         self._draft_retry_rounds = 1
         return proposal
+
+    def _draft_commit(self) -> draft_pb2.Commit:
+        """What brings the draft's session to the committed sequence: roll back to where it agrees, append the rest."""
+        return draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
 
     @staticmethod
     def _proposal_is_sound(proposal: draft_pb2.ProposeResponse, position: int, k: int) -> bool:

@@ -216,7 +216,7 @@ class PipelinedGeneration(SpeculativeGeneration):
         return self.generated + len(proposal.token_ids) + 1 < self.request.max_tokens
 
     def _start_predraft(self, position: int, proposal: draft_pb2.ProposeResponse, k: int) -> Predraft:
-        commit = draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
+        commit = self._draft_commit()
         extra = self.config.extra_branches
         extra = self.costs.extra_branches(k) if extra is None else extra
         call = self.draft.predraft(self.session_id, self._round + 1, commit, position, list(proposal.token_ids), k,
