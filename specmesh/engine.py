@@ -47,9 +47,8 @@ from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A session away at the other service comes back within a round: on the embedded pair a draft
-# session proposes again 0.6-1.2 s after its last Propose arrived (k draft steps, then a target
-# step). Last seen longer ago, it is not waited for (specmesh.batching, stragglers).
+# A session away at the other service comes back within a round (k draft steps, then a target step);
+# last seen longer ago than this, it is not waited for (specmesh.batching, stragglers; docs/design/tuning.md).
 AWAY_HORIZON_S = 2.0
 
 
@@ -415,7 +414,7 @@ class ModelEngine:
         """Indices of the input's last `keep` real rows, the ones projected to logits (never a pad row).
 
         An index tensor, not transformers' int form: the int form slices a view that
-        sends bf16 projections on CPU down a path 10x slower.
+        sends bf16 projections on CPU down a much slower path.
         """
         return torch.arange(n - keep, n, device=self.logits_device)
 
