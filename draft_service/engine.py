@@ -20,6 +20,7 @@ from typing import AsyncIterator, Callable, Sequence
 import torch
 
 from draft_service.branches import Branch, DraftState, adopt_longest_prefix, common_prefix, plan_extra_branches
+from specmesh.commit import committed_sequence
 from specmesh.distributions import decode_distribution, encode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
@@ -97,7 +98,7 @@ class DraftEngine:
         if not 0 < commit.position <= len(session.token_ids):
             raise PositionMismatch(f"cannot roll back to position {commit.position}: "
                                    f"sequence has {len(session.token_ids)} tokens")
-        wanted = session.token_ids[: commit.position] + list(commit.token_ids) + list(then)
+        wanted = committed_sequence(session.token_ids, commit.position, [*commit.token_ids, *then])
         self.engine.check_token_ids("token_ids", wanted[commit.position:])
         adopt_longest_prefix(session, wanted)
         common = common_prefix(session.token_ids, wanted)

@@ -225,8 +225,7 @@ class StepScheduler:
         Requests sent together reach an idle engine a few ms apart (each passes the
         orchestrator and the servicer on its own). Stepping at the first would prefill it
         alone, and the next ones would then go in as chunks beside its decoding, a step
-        each: on the 1.5B target, 8 prompts sent at once had their first tokens after
-        0.6 to 9.9 s that way, and all after 5.3 s when they happened to arrive together.
+        each, which spreads their first tokens over many steps (figures: docs/design/tuning.md).
         A lone prompt waits burst_quiet_s.
         """
         self._admit_while_arriving(self.burst_quiet_s, self.max_burst_gather_s, lambda: False)

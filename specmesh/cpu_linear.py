@@ -21,6 +21,8 @@ from collections import Counter
 
 import torch
 
+from specmesh.step_costs import PICK_GAIN
+
 logger = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "onednn", "torch")
@@ -29,8 +31,7 @@ KERNEL_HELP = ("kernel of float32 Linear layers on a CPU: torch (its default GEM
                "start-up and keep the faster")
 TIMED_ROWS = (1, 2, 4, 8)  # what decode and verification steps feed
 REPEATS = 3  # the fastest of these (noise only ever adds time)
-PICK_GAIN = 0.9  # switch to oneDNN only for a total at least 10 % lower: timings are noisy
-PACK_ROWS = 16  # the batch size oneDNN lays the packed weight out for (4 and 1 were slower from 4 rows on)
+PACK_ROWS = 16  # the batch size oneDNN lays the packed weight out for (smaller layouts ran slower: tuning.md)
 # oneDNN builds (JIT-compiles) and caches a primitive per input shape, in two caches of 1024 entries each
 # (its own, and ideep's computation cache), ~0.6-1.6 MB an entry: fed every row count a ragged step makes,
 # a process grew by hundreds of MB (430 -> 828 MB over 1,200 streams). So a layer only ever runs these

@@ -29,6 +29,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from specmesh import models
 from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
 from specmesh.closed_sessions import ClosedSessions
+from specmesh.commit import committed_sequence
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch
 from specmesh.graph_steps import GraphSteps, slot_budget, uses_graph_steps
@@ -46,9 +47,8 @@ from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A session away at the other service comes back within a round: on the embedded pair a draft
-# session proposes again 0.6-1.2 s after its last Propose arrived (k draft steps, then a target
-# step). Last seen longer ago, it is not waited for (specmesh.batching, stragglers).
+# A session away at the other service comes back within a round (k draft steps, then a target step);
+# last seen longer ago than this, it is not waited for (specmesh.batching, stragglers; docs/design/tuning.md).
 AWAY_HORIZON_S = 2.0
 
 
@@ -414,7 +414,7 @@ class ModelEngine:
         """Indices of the input's last `keep` real rows, the ones projected to logits (never a pad row).
 
         An index tensor, not transformers' int form: the int form slices a view that
-        sends bf16 projections on CPU down a path 10x slower.
+        sends bf16 projections on CPU down a much slower path.
         """
         return torch.arange(n - keep, n, device=self.logits_device)
 
@@ -430,8 +430,7 @@ class ModelEngine:
             raise PositionMismatch(
                 f"cannot roll back to position {position}: sequence has {len(session.token_ids)} tokens")
         self.check_token_ids("token_ids", append)
-        del session.token_ids[position:]
-        session.token_ids.extend(append)
+        session.token_ids[:] = committed_sequence(session.token_ids, position, append)
         keep = min(session.cached_length, position + max(0, cached), len(session.token_ids) - 1)
         surplus = session.cached_length - keep
         if surplus > 0:

@@ -1,7 +1,7 @@
 """Decode and verification steps of many sessions as one static-shape forward, replayed as a CUDA graph.
 
-An eager step on a GPU costs its kernel launches and Python, not its arithmetic: a 1.5B model's
-step took 16-18 ms at any row count on an H200, where reading its weights once takes 0.7 ms. Here
+An eager step on a GPU costs its kernel launches and Python, not its arithmetic: at any row count,
+many times what reading the weights once takes (figures: docs/design/gpu.md). Here
 a step's sessions run as one batch [sessions, rows] over the preallocated KV (specmesh.slot_cache):
 every layer writes its new keys and values into each session's slot at the session's length, and
 attends over the slots' first `span` positions under a mask built from the lengths. Shapes come in

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear
+from specmesh.step_costs import PICK_GAIN
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,6 @@ DTYPE_CHOICES = ["auto", *DTYPES, INT8]
 DTYPE_HELP = ("auto: on a CPU int8 weights (with native bf16, or where they run faster than float32), "
               "else float32; on a GPU bfloat16 where native, else float32; int8: int8 weights with bfloat16 "
               "compute, CPU only")
-PICK_GAIN = 0.9  # int8 where undecided only for a step at least 10 % faster: a smaller gap is timing noise
 
 
 @dataclass(frozen=True)

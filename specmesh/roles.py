@@ -22,10 +22,8 @@ class Role:
     default_model: str  # embedded alias used when no model is named
     # While streams decode, a step with a prefill chunk may cost at most this many times the
     # decode rows alone (--prefill-slowdown). The target's step is most of a stream's round, so
-    # a chunk there shows in every stream's inter-token time at nearly its full cost. A draft
-    # step is a small part of a round (on the embedded pair 51 ms beside a 300 ms target step):
-    # at 2x, a catch-up of 60 tokens went in as 8 chunks of 8 rows, 1.5 s where 2 chunks take
-    # 0.4, while the request it was for waited; at 6x a chunk adds about one target step.
+    # a chunk there shows in every stream's inter-token time at nearly its full cost; a draft
+    # step is a small part of a round, so a draft's chunk may be dearer (figures: docs/design/tuning.md).
     prefill_slowdown: float
     # GOMP_SPINCOUNT its processes start with (None: libgomp's own), so that beside the other role
     # on the same cores its idle OpenMP threads give the cores back soon (specmesh.openmp).

@@ -241,9 +241,7 @@ def calibration_turn():
 
     Services started together (the draft and the target of one deployment) would otherwise time
     their forwards while the other computes on the same cores, and each table would price the
-    other's load: measured so, a 1.5B target's 2-row step cost three times its 8-row one, and with
-    the draft quantizing beside it the target timed oneDNN's linear slower than torch's (8.9 against
-    6.6 s), where alone it was twice as fast (1.0 against 2.2 s).
+    other's load, and each kernel choice too (figures: docs/design/tuning.md).
     """
     with open(Path(tempfile.gettempdir()) / CALIBRATION_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

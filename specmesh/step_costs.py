@@ -25,9 +25,9 @@ from specmesh.v1 import common_pb2
 
 # Every size where padding decisions and one session's verification (drafts, then alternatives) live,
 # then a few to extrapolate chunk costs from: a CPU GEMM's cost jumps past 8 rows, which interpolating
-# from 8 to 12 would hide. About 25 s at start-up for a 1.5B fp32 model on 2 CPU cores; ms on a GPU.
+# from 8 to 12 would hide (what the table costs at start-up: docs/design/tuning.md).
 MEASURED_ROWS = tuple(range(1, 13)) + (16, 24, 32, 48, 64)
-PAD_GAIN = 0.9  # pad only to a size at least 10 % cheaper: measurements are noisy
+PICK_GAIN = 0.9  # a timed choice (a padded size, a kernel, a precision) needs a 10 % gain: less is timing noise
 MAX_REPORTED_SIZES = 256  # of a reported table (from_proto): a bad report stays cheap to read
 MIN_PREFILL_CHUNK = 8  # rows a prefill moves in a step at the least, whatever the budget
 EFFICIENT_CHUNK = 1.15  # a chunk that must pass the budget anyway may cost this much more than the smallest
@@ -117,11 +117,10 @@ class StepCosts:
         The step may cost `slowdown` x the decode rows alone, `correction` (ChunkSteering:
         how much dearer steps with a chunk really run than decode-only ones, relative to the
         table) scaling that. Where even MIN_PREFILL_CHUNK rows would pass it (on a CPU whose
-        GEMM costs 1.7x more for 4 rows than for 3, any chunk beside 3 decode rows does), the
+        GEMM costs far more for 4 rows than for 3, any chunk beside 3 decode rows does), the
         chunk takes every row that costs at most EFFICIENT_CHUNK x what those would: a step
         that must pass the budget to move the prompt at all had best move it far, or the
-        prompt takes many such steps (8 rows a step, a 40-token prompt held 5 steps of 2.5x
-        where one of 2.8x would do)."""
+        prompt takes many such steps (docs/design/tuning.md)."""
         if decode_rows == 0:
             return max(self.measured)
         key = (decode_rows, round(slowdown, 2), round(correction, 2))
@@ -140,7 +139,7 @@ class StepCosts:
     def _cheapest_at_least(self, rows: int) -> int:
         best = rows
         for size, seconds in self.measured.items():
-            if rows < size <= 2 * rows and seconds < PAD_GAIN * self.measured[best]:
+            if rows < size <= 2 * rows and seconds < PICK_GAIN * self.measured[best]:
                 best = size
         return best
 

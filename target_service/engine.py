@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from specmesh.commit import committed_tokens
 from specmesh.distributions import decode_distribution
 from specmesh.engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
@@ -171,7 +172,7 @@ class TargetEngine:
             p = torch.softmax(logits[row], -1) if target_probs is None else target_probs[row]  # [V]
             self._log_rejection(session, position, draft_ids, verdict, p, draft_probs)
         after, deciding = self._after_alternative(alternatives, logits, alternative_logits, verdict)
-        committed = draft_ids[: verdict.accepted_count] + [verdict.next_token_id] + after
+        committed = committed_tokens(draft_ids, verdict.accepted_count, verdict.next_token_id, after)
         # The forward cached every draft (and alternative) after the sequence: keep the accepted drafts'
         # entries (the next verification then feeds its next tokens and drafts only), drop the rest.
         self.engine.rollback(session, position, committed, cached=verdict.accepted_count)

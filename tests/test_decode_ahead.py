@@ -11,7 +11,7 @@ from benchmarks.links import LinkSpec
 from engine_helpers import next_logits_cached, next_logits_fresh
 from harness import make_engine, start_model_server, start_stack
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.decode_ahead import AHEAD_SHARE, DecodeAhead
+from orchestrator.decoding.decode_ahead import AHEAD_SHARE
 from parity import target_greedy
 from specmesh.errors import InvalidArgument
 from specmesh.roles import MAX_DECODE_AHEAD
@@ -100,21 +100,27 @@ async def test_a_bad_decode_ahead_is_invalid_argument_over_grpc(tiny_llama_dir, 
 
 
 def test_the_rule_asks_for_as_many_tokens_as_keep_the_call_a_tenth_of_the_steps():
-    rule = DecodeAhead()
-    assert rule.tokens(100) == 0  # nothing measured yet: one token a call
-    rule.observe(wall_s=0.010, forward_s=0.006, steps=1)  # a 4 ms call around a 6 ms step
-    per_call = rule.tokens(100) + 1
+    rule = RoundCosts()
+    assert rule.tokens_ahead(BatchLoad(), 100) == 0  # nothing measured yet: one token a call
+    rule.observe(0, 0.0, 0.010, BatchLoad(), verify_forward_s=0.006)  # a 4 ms call around a 6 ms step
+    per_call = rule.tokens_ahead(BatchLoad(), 100) + 1
     assert per_call == 7 and 0.004 / per_call <= AHEAD_SHARE * 0.006 < 0.004 / (per_call - 1)
-    assert rule.tokens(3) == 3  # no more than the request may still make
+    assert rule.tokens_ahead(BatchLoad(), 3) == 3  # no more than the request may still make
     for _ in range(8):
-        rule.observe(wall_s=0.0062, forward_s=0.006, steps=1)
-    assert rule.tokens(100) == 0  # a cheap call (beside the target): tokens stream one by one
-    rule.observe(wall_s=0.0, forward_s=0.0, steps=1)  # nothing reported: ignored
-    assert rule.tokens(100) == 0
-    capped = DecodeAhead(most=2)
-    capped.observe(wall_s=0.030, forward_s=0.006, steps=1)
-    assert capped.tokens(100) == 2
-    assert DecodeAhead(most=0).tokens(100) == 0
+        rule.observe(0, 0.0, 0.0062, BatchLoad(), verify_forward_s=0.006)
+    assert rule.tokens_ahead(BatchLoad(), 100) == 0  # a cheap call (beside the target): tokens stream one by one
+    capped = RoundCosts(decode_ahead=2)
+    capped.observe(0, 0.0, 0.030, BatchLoad(), verify_forward_s=0.006)
+    assert capped.tokens_ahead(BatchLoad(), 100) == 2
+    unbunched = RoundCosts(decode_ahead=0)
+    unbunched.observe(0, 0.0, 0.030, BatchLoad(), verify_forward_s=0.006)
+    assert unbunched.tokens_ahead(BatchLoad(), 100) == 0
+
+
+def test_the_rule_reads_the_latency_of_drafting_rounds_too():
+    costs = RoundCosts()
+    costs.observe(3, 0.020, 0.010, BatchLoad(), verify_forward_s=0.006)  # no target-only round seen yet
+    assert costs.tokens_ahead(BatchLoad(), 100) > 0  # the call's latency is the same whatever the round drafted
 
 
 def test_a_round_that_decoded_ahead_is_priced_as_one_step():

@@ -10,7 +10,8 @@ import torch
 from draft_service.engine import CommitSpec, DraftEngine
 from engine_helpers import commit_alone, next_logits_cached, next_logits_fresh
 from harness import make_engine
-from orchestrator.decoding.pipelined import CostMeter, Predraft, pipeline_enabled, separate_compute
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.pipelined import Predraft, extra_branches, pipeline_enabled, separate_compute
 from orchestrator.decoding.timing import RoundClock
 from specmesh.sampling import SamplingParams
 from specmesh.service import parse_cpu_list
@@ -119,15 +120,15 @@ def test_round_clock_parts_add_up():
 
 
 def test_extra_branches_fit_in_the_drafts_idle_time():
-    costs = CostMeter()
-    assert costs.extra_branches(4) == 0  # nothing measured yet
-    costs.observe_draft(0.040, steps=4)  # 10 ms a step
-    costs.observe_verify(0.060)  # the all-accepted branch (6 steps) already fills a verification
-    assert costs.extra_branches(4) == 0
-    gpu = CostMeter()
-    gpu.observe_draft(0.004, steps=4)  # 1 ms a step
-    gpu.observe_verify(0.020)  # 20 - 6 = 14 ms idle: three more branches of 4 steps
-    assert gpu.extra_branches(4) == 3
+    costs, batch = RoundCosts(), BatchLoad()
+    assert extra_branches(costs, 4, batch) == 0  # nothing measured yet
+    costs.observe_draft_forward(0.040, steps=4)  # 10 ms a step
+    costs.observe(4, 0.040, 0.060, batch, verify_forward_s=0.060)  # the all-accepted branch (6 steps) fills it
+    assert extra_branches(costs, 4, batch) == 0
+    gpu = RoundCosts()
+    gpu.observe_draft_forward(0.004, steps=4)  # 1 ms a step
+    gpu.observe(4, 0.004, 0.020, batch, verify_forward_s=0.020)  # 20 - 6 = 14 ms idle: three more branches of 4 steps
+    assert extra_branches(gpu, 4, batch) == 3
 
 
 def info(host="a", device="cpu", cpus=(0, 1)) -> common_pb2.ModelInfo:

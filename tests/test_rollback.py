@@ -10,6 +10,7 @@ import torch
 from draft_service.engine import CommitSpec, DraftEngine
 from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
 from harness import GRAPH_STEPS, make_engine
+from specmesh.commit import committed_sequence, committed_tokens
 from specmesh.sampling import SamplingParams
 from target_service.engine import TargetEngine
 
@@ -85,3 +86,17 @@ async def test_padded_forward_equals_unpadded(tiny_llama_dir, device):
         assert padded_logits.shape == plain_logits.shape == (keep or len(new_tokens), padded.vocab_size)
         assert torch.allclose(padded_logits, plain_logits, atol=1e-4)
         assert sessions[0].cached_length == sessions[1].cached_length
+
+
+@pytest.mark.parametrize("drafts, accepted, next_token, after, expected", [
+    ([7, 8, 9], 1, 5, [], [7, 5]),  # rejected at the second draft: the recovered token follows the accepted one
+    ([7, 8, 9], 3, 4, [], [7, 8, 9, 4]),  # all accepted: the bonus token
+    ([], 0, 6, [1, 2], [6, 1, 2]),  # target-only, two tokens decoded ahead
+    ([7, 8], 0, 3, [11], [3, 11]),  # an alternative taken at the first draft, and its follower
+], ids=["recovered", "bonus", "decoded-ahead", "alternative"])
+def test_the_commit_rule(drafts, accepted, next_token, after, expected):
+    committed = committed_tokens(drafts, accepted, next_token, after)
+    assert committed == expected
+    sequence = [1, 2, 3, 70, 80]  # two draft tokens past the committed length 3, left by an earlier proposal
+    assert committed_sequence(sequence, 3, committed) == [1, 2, 3, *expected]
+    assert sequence == [1, 2, 3, 70, 80]  # the argument is left as it was

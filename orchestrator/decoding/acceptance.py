@@ -25,7 +25,11 @@ from specmesh.roles import MAX_DRAFT_TOKENS
 DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it
 PRIOR_TOKENS = 8.0  # draft tokens' worth of evidence the prior counts for: one bad first round must not erase it
 POSITION_WEIGHT = 4.0  # rounds' worth of evidence a level's prior counts for at each position
-MAX_CLASSES = 64
+MAX_CLASSES = 64  # prompt classes remembered (least recently used out): clients' labels cannot grow memory
+# Evidence kept at each new round: the deployment's over hundreds of rounds, a class's over ~100, a request's ~20,
+# so each level follows a change at its own pace and a request's own rounds soon outweigh its class.
+DEPLOYMENT_DECAY, CLASS_DECAY, REQUEST_DECAY = 0.995, 0.99, 0.95
+LEVEL_PRIOR_TOKENS = 2.0  # draft tokens' worth of evidence the level above counts for in a class's or request's rate
 FLOOR, CEILING = 0.01, 0.995  # no position is ever certain either way
 
 
@@ -90,19 +94,19 @@ class AcceptanceMemory:
 
     def __init__(self, max_classes: int = MAX_CLASSES, prior: float = DEFAULT_ACCEPTANCE):
         self.prior = prior  # the per-token rate before any history
-        self.deployment = PositionCounts(decay=0.995)
+        self.deployment = PositionCounts(decay=DEPLOYMENT_DECAY)
         self.classes: OrderedDict[str, PositionCounts] = OrderedDict()
         self.max_classes = max_classes
 
     def for_class(self, prompt_class: str) -> PositionCounts:
-        return recently_used(self.classes, prompt_class, lambda: PositionCounts(decay=0.99), self.max_classes)
+        return recently_used(self.classes, prompt_class, lambda: PositionCounts(decay=CLASS_DECAY), self.max_classes)
 
     def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
         """A class's per-token rate and per-position rates, over the deployment's."""
         deployment_rate = self.deployment.per_token(self.prior, weight=PRIOR_TOKENS)
         deployment_shape = self.deployment.rates([deployment_rate] * len(self.deployment.reached))
         counts = self.for_class(prompt_class)
-        class_rate = counts.per_token(deployment_rate, weight=2.0)
+        class_rate = counts.per_token(deployment_rate, weight=LEVEL_PRIOR_TOKENS)
         # The deployment's shape along the positions, at the class's own level.
         return class_rate, counts.rates(_scaled(deployment_shape, class_rate / deployment_rate))
 
@@ -117,7 +121,7 @@ class RequestAcceptance:
     def __init__(self, memory: AcceptanceMemory, prompt_class: str):
         self.memory = memory
         self.prompt_class = prompt_class
-        self.own = PositionCounts(decay=0.95)
+        self.own = PositionCounts(decay=REQUEST_DECAY)
         self._rates: list[float] | None = None
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -130,7 +134,7 @@ class RequestAcceptance:
     def rates(self) -> list[float]:
         if self._rates is None:
             class_rate, class_shape = self.memory.class_rates(self.prompt_class)
-            own_rate = self.own.per_token(class_rate, weight=2.0)
+            own_rate = self.own.per_token(class_rate, weight=LEVEL_PRIOR_TOKENS)
             self._rates = _scaled(class_shape, own_rate / class_rate)
         return self._rates
 
@@ -152,10 +156,10 @@ class DraftConfidence:
     can be overconfident on one kind of text and underconfident on another.
     """
 
-    DECAY = 0.995
+    DECAY = DEPLOYMENT_DECAY  # decayed like the deployment's acceptance, which it corrects
     PRIOR_TOKENS = 4.0  # a calibrated draft until a few rounds say otherwise
     CLASS_PRIOR_TOKENS = 16.0  # a class follows its regime until a few requests of its own say otherwise
-    BOUNDS = (0.1, 10.0)
+    BOUNDS = (0.1, 10.0)  # a draft ten times over- or underconfident is broken, not miscalibrated
 
     def __init__(self, parent: "DraftConfidence | None" = None):
         self.parent = parent  # the level whose factor is this one's prior (a class's: its regime's)

@@ -26,6 +26,13 @@ Without forward times (a round's waits only) the ratio takes the whole wait, lat
 Without a report (a service that does not send one) the wall-clock cost of each round shape
 seen so far stands in.
 
+The same measures size what a round may do beside its tokens: how many tokens a target-only
+Verify decodes ahead (orchestrator.decoding.decode_ahead: the target's latency against its step)
+and how many rejection branches a pipelined pre-draft fits in the draft's idle time
+(orchestrator.decoding.pipelined: the draft's step against the target's). The draft's step there is
+its forward time per token as the draft reports it: a pre-drafted branch ran while the previous
+round was verified, so the round's wait for it says nothing of what a draft step costs.
+
 At k = 0 nothing shows what drafting costs now: a draft that was slow (busy with another
 tenant, or behind a link that stalled) would stay priced slow for good. So in target-only
 rounds the draft's correction fades back towards what its service reports, its latency towards
@@ -37,13 +44,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.decoding.decode_ahead import tokens_per_call
+from orchestrator.decoding.decode_ahead import tokens_ahead, tokens_per_call
 from specmesh.ewma import Ewma
 from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.step_costs import StepCosts
 from specmesh.step_model import StepShape
 
-RATIO_WEIGHT = 0.2  # of a round in the wall-clock correction: one odd round must not swing it
+RATIO_WEIGHT = 0.2  # of a round in a step's correction or forward time: one odd round must not swing it
 RATIO_BOUNDS = (0.02, 1000.0)  # a pipelined pre-draft makes the wait almost nothing; a busy service, long
 WALL_WEIGHT = 0.5  # without a report, round costs follow the newest rounds quickly
 LATENCY_WEIGHT = 0.5  # a call's latency follows the newest rounds quickly: a link's round trip changes in steps
@@ -79,6 +86,8 @@ class RoundCosts:
         self.target_ratio = Ewma(RATIO_WEIGHT)
         self.draft_latency = Ewma(LATENCY_WEIGHT)  # seconds a drafting round waits beyond the draft's forwards
         self.target_latency = Ewma(LATENCY_WEIGHT)  # seconds a Verify takes beyond the target's forward
+        self.draft_forward = Ewma(RATIO_WEIGHT)  # seconds of one draft step, as the draft reports its forwards
+        self.target_forward = Ewma(RATIO_WEIGHT)  # seconds of one target step, as the target reports its forwards
         self.undrafted_s = 0.0  # wall time of the target-only rounds since the last drafting round
         self.wall_by_k: dict[int, Ewma] = {}  # without reports: a round's seconds by its draft length
 
@@ -103,7 +112,15 @@ class RoundCosts:
         tables = self._tables()
         if tables is None:
             return 0.0
-        return self.target_latency.get(0.0) + tables[0].step_s(batch.target_step(k, lookup)) * self.target_ratio.get(1.0)
+        return self.target_latency.get(0.0) + self.target_step_s(k, batch, lookup)
+
+    def target_step_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float | None:
+        """Seconds of the target's step verifying k draft tokens (and `lookup` rows): its report scaled by
+        what its steps took; without reports, the forward time of a step as measured; None before either."""
+        tables = self._tables()
+        if tables is None:
+            return self.target_forward.value
+        return tables[0].step_s(batch.target_step(k, lookup)) * self.target_ratio.get(1.0)
 
     def round_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float:
         """Seconds of one round of the batch at draft length k (or at k = 0 verifying `lookup` more rows)."""
@@ -117,6 +134,19 @@ class RoundCosts:
         round_s, latency = self.round_s(0, batch), self.target_latency.get(0.0)
         per_call = tokens_per_call(latency, max(round_s - latency, 0.0), self.decode_ahead)
         return round_s - latency * (1.0 - 1.0 / per_call)
+
+    def tokens_ahead(self, batch: BatchLoad, limit: int) -> int:
+        """decode_ahead for the next target-only Verify, as target_only_s prices it: at most `limit`, and 0
+        until a call's latency was measured (a Verify's wall time beside the forward time it reported)."""
+        latency = self.target_latency.value
+        if latency is None or not self.known:
+            return 0
+        return tokens_ahead(latency, max(self.round_s(0, batch) - latency, 0.0), self.decode_ahead, limit)
+
+    def observe_draft_forward(self, forward_s: float, steps: int) -> None:
+        """A proposal of `steps` draft tokens that the draft reports took `forward_s` of forwards."""
+        if steps > 0:
+            self.draft_forward.update(forward_s / steps)
 
     def draft_prefill_s(self, tokens: int) -> float | None:
         """Seconds for the draft to feed `tokens` tokens at once (a prefill or a catch-up); None unknown."""
@@ -139,6 +169,7 @@ class RoundCosts:
             self._fade(round_s)  # the round's whole wall time, before the split below takes its forward part
         if verify_forward_s is not None:
             verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
+            self.target_forward.update(verify_s)
         if drafted and draft_forward_s is not None:
             draft_s = self._split(self.draft_latency, draft_s, draft_forward_s)
         tables = self._tables()

@@ -6,9 +6,10 @@ through the orchestrator costs beyond the target's own steps: at GPU step times 
 of a few ms, most of it. A Verify that decodes n tokens pays it once per n, at the price of handing the
 client its tokens n at a time.
 
-So a request measures, from its own target-only rounds, the call's latency L (wall time less the forward
-time the target reported) and the target's step s, and asks for the fewest tokens per call that keep the
-call's share of the decoding within AHEAD_SHARE of the steps:
+So the orchestrator's round costs (orchestrator.decoding.costs, the measures that also price
+target-only rounds for the draft-length policy) give the call's latency L (a Verify's wall time less the
+forward time the target reported) and the target's step s, and a request asks for the fewest tokens per
+call that keep the call's share of the decoding within AHEAD_SHARE of the steps:
 
     n = ceil(L / (AHEAD_SHARE * s)),  decode_ahead = n - 1
 
@@ -22,35 +23,16 @@ from __future__ import annotations
 
 import math
 
-from specmesh.ewma import Ewma
 from specmesh.roles import MAX_DECODE_AHEAD
 
 # The call's time may add at most this share to the target's steps of a target-only round: target-only
 # decoding then runs within a tenth of its steps' time, and tokens are bunched only as far as that needs.
 AHEAD_SHARE = 0.1
-MEASURE_WEIGHT = 0.5  # a link's round trip changes in steps: follow the newest rounds quickly
 
 
-class DecodeAhead:
-    """One request's measure of its target-only calls, and the decode_ahead it asks for."""
-
-    def __init__(self, most: int = MAX_DECODE_AHEAD):
-        self.most = max(0, min(most, MAX_DECODE_AHEAD))  # 0: one token per call
-        self.latency = Ewma(MEASURE_WEIGHT)  # seconds a Verify takes beyond its forward
-        self.step = Ewma(MEASURE_WEIGHT)  # seconds of one target-only step
-
-    def observe(self, wall_s: float, forward_s: float, steps: int) -> None:
-        """A target-only round: its Verify's wall time, the forward time reported, the steps it ran."""
-        if steps < 1 or forward_s <= 0.0:
-            return  # nothing reported: no split to learn from
-        self.latency.update(max(0.0, wall_s - forward_s))
-        self.step.update(forward_s / steps)
-
-    def tokens(self, limit: int) -> int:
-        """decode_ahead for the next target-only round, at most `limit` (0 before anything was measured)."""
-        if self.latency.value is None or self.step.value is None:
-            return 0
-        return min(tokens_per_call(self.latency.value, self.step.value, self.most) - 1, max(0, limit))
+def tokens_ahead(latency_s: float, step_s: float, most: int, limit: int) -> int:
+    """decode_ahead for the next target-only round under the rule: at most `most` and `limit`."""
+    return min(tokens_per_call(latency_s, step_s, most) - 1, max(0, limit))
 
 
 def tokens_per_call(latency_s: float, step_s: float, most: int = MAX_DECODE_AHEAD) -> int:

@@ -20,15 +20,16 @@ argmax decides every token, as always.
 
 from __future__ import annotations
 
+from orchestrator.decoding.suffix_index import MIN_MATCH  # the shortest match that predicts: one rule for both
+
 MAX_NGRAM = 3  # the longest suffix matched: longer ones rarely recur in a short context
-MIN_NGRAM = 2  # one token matches everywhere and predicts little
 
 
 class PromptLookup:
-    """An index of the sequence's n-grams (MIN_NGRAM..MAX_NGRAM) to the latest place each was followed
+    """An index of the sequence's n-grams (MIN_MATCH..MAX_NGRAM) to the latest place each was followed
     by a token, kept up to date as the sequence grows: O(1) per token and per proposal."""
 
-    def __init__(self, sequence: list[int], max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM):
+    def __init__(self, sequence: list[int], max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_MATCH):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.sequence = sequence  # the caller's committed sequence, read as it grows

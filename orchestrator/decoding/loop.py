@@ -28,7 +28,7 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.decoding.background import retrieve_outcome, spawn_background
-from orchestrator.decoding.decode_ahead import DecodeAhead
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.lookup import PromptLookup
 from orchestrator.decoding.proposals import DRAFT, LOOKUP, NONE, SUFFIX, FreeProposal
@@ -37,6 +37,7 @@ from orchestrator.decoding.request import (DraftLengthPolicy, GenerationRequest,
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
+from specmesh.commit import committed_tokens
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -56,9 +57,13 @@ class SpeculativeGeneration:
                  policy: "DraftLengthPolicy | None" = None,
                  on_timing: Callable[[RoundBreakdown], None] = lambda breakdown: None,
                  history: SuffixIndex | None = None,
-                 on_proposer: Callable[[str, int, int], None] = lambda proposer, proposed, accepted: None):
+                 on_proposer: Callable[[str, int, int], None] = lambda proposer, proposed, accepted: None,
+                 costs: RoundCosts | None = None):
         self.request = request
         self.policy = policy  # None: every round drafts the request's k
+        # What rounds cost, which sizes decoding ahead and pre-drafts: the policy's (the orchestrator's), else
+        # the given, else the request's own; a fixed k plans rounds without them but measures them the same.
+        self.costs = getattr(policy, "costs", None) or costs or RoundCosts(decode_ahead=config.decode_ahead)
         self.on_timing = on_timing  # where each round's time went
         self.tracer = tracer or trace.NoOpTracer()
         self.switch = switch or SpeculationSwitch()
@@ -88,7 +93,6 @@ class SpeculativeGeneration:
         self._clock = RoundClock()
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
         self._alternatives: list[target_pb2.DraftAlternative] = []  # this round's, sent with its Verify
-        self._decoding_ahead = DecodeAhead(config.decode_ahead)  # target-only rounds: tokens a Verify decodes
         self._target_steps = 1  # this round's Verify's target steps
         self._offered = False  # whether this round had a free proposal on offer, taken or not
 
@@ -203,7 +207,7 @@ class SpeculativeGeneration:
                                         draft_forward_s=self._clock.draft_busy_s,
                                         verify_forward_s=self._clock.target_busy_s, target_steps=self._target_steps),
                             drafted, accepted, free, list(proposal.probabilities) if proposal else [])
-        batch = draft_ids[:accepted] + [verified.next_token_id] + list(verified.after_token_ids)
+        batch = committed_tokens(draft_ids, accepted, verified.next_token_id, verified.after_token_ids)
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
         self._commit(batch)
@@ -265,7 +269,8 @@ class SpeculativeGeneration:
         # runs, rounds are target-only only until it is done, and where the sequence repeats (a free proposal
         # was on offer) the next round may well take one: decoding ahead would put off either.
         decodes_ahead = target_only and not self._draft_prefilling() and not self._offered
-        ahead = self._decoding_ahead.tokens(self.tokens_left - 1) if decodes_ahead else 0
+        limit = min(self.tokens_left - 1, self.config.decode_ahead)
+        ahead = self.costs.tokens_ahead(self._batch(), limit) if decodes_ahead else 0
         verified = await self.target.verify(
             self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(
                 free.tokens if free else []),
@@ -274,8 +279,6 @@ class SpeculativeGeneration:
             alternatives=self._alternatives, decode_ahead=ahead)
         wall_s, forward_s = time.monotonic() - started, verified.forward_ns / 1e9
         self._target_steps = 1 + len(verified.after_token_ids) if ahead else 1
-        if target_only:
-            self._decoding_ahead.observe(wall_s, forward_s, self._target_steps)
         self._clock.target_call(wall_s, forward_s)
         return verified
 
@@ -326,9 +329,19 @@ class SpeculativeGeneration:
 
     def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None,
                        probabilities: list[float]) -> None:
-        """Policies learn from each round's wall-clock costs and outcome."""
+        """Policies learn from each round's wall-clock costs and outcome; round costs that are not a policy's
+        (a fixed k) learn the same costs here."""
         if self.policy is not None:
             self.policy.observe(timing, drafted, accepted, free, probabilities, len(self._alternatives))
+        if self.costs is not getattr(self.policy, "costs", None):
+            lookup = (len(free.tokens) if free is not None else 0) + len(self._alternatives)
+            self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch(), lookup,
+                               timing.draft_forward_s, timing.verify_forward_s, timing.target_steps)
+
+    def _batch(self) -> BatchLoad:
+        """The requests this round decodes beside: as the policy planned the round, else this request alone."""
+        planned = getattr(self.policy, "batch", None)
+        return planned if planned is not None else BatchLoad(1, len(self.sequence))
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1
@@ -341,7 +354,7 @@ class SpeculativeGeneration:
     async def _propose(self, k: int) -> draft_pb2.ProposeResponse | None:
         """Ask the draft for k tokens, or give up on the draft and return None."""
         position = len(self.sequence)
-        commit = draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
+        commit = self._draft_commit()
         try:
             if self._draft_opening is not None:
                 opening, self._draft_opening = self._draft_opening, None
@@ -360,6 +373,10 @@ class SpeculativeGeneration:
             return None
         self._draft_retry_rounds = 1
         return proposal
+
+    def _draft_commit(self) -> draft_pb2.Commit:
+        """What brings the draft's session to the committed sequence: roll back to where it agrees, append the rest."""
+        return draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
 
     @staticmethod
     def _proposal_is_sound(proposal: draft_pb2.ProposeResponse, position: int, k: int) -> bool:

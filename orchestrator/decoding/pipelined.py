@@ -23,10 +23,10 @@ import time
 
 import grpc
 
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.endpoints import BranchStream
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.proposals import FreeProposal
-from specmesh.ewma import Ewma
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -118,32 +118,18 @@ class Predraft:
         self.call.cancel()
 
 
-class CostMeter:
-    """Running means of the draft's per-step and the target's per-round forward times."""
+def extra_branches(costs: RoundCosts, k: int, batch: BatchLoad) -> int:
+    """Rejection branches that fit in the draft's idle time during a verification of k draft tokens.
 
-    def __init__(self):
-        self.draft_step = Ewma(weight=0.2)
-        self.verify = Ewma(weight=0.2)
-
-    def observe_draft(self, forward_s: float, steps: int) -> None:
-        if steps > 0:
-            self.draft_step.update(forward_s / steps)
-
-    def observe_verify(self, forward_s: float) -> None:
-        self.verify.update(forward_s)
-
-    def extra_branches(self, k: int) -> int:
-        """Rejection branches that fit in the draft's idle time during a verification.
-
-        The all-accepted branch costs k + 2 draft steps (re-score, bonus, k tokens);
-        each further branch k steps. Branches past the idle time would delay the
-        next round instead of being free.
-        """
-        step_s, verify_s = self.draft_step.value, self.verify.value
-        if step_s is None or verify_s is None or step_s <= 0:
-            return 0
-        idle = verify_s - (k + 2) * step_s
-        return max(0, min(MAX_AUTO_EXTRA_BRANCHES, math.floor(idle / (k * step_s))))
+    The all-accepted branch costs k + 2 draft steps (re-score, bonus, k tokens);
+    each further branch k steps. Branches past the idle time would delay the
+    next round instead of being free.
+    """
+    step_s, verify_s = costs.draft_forward.value, costs.target_step_s(k, batch)
+    if step_s is None or verify_s is None or step_s <= 0:
+        return 0
+    idle = verify_s - (k + 2) * step_s
+    return max(0, min(MAX_AUTO_EXTRA_BRANCHES, math.floor(idle / (k * step_s))))
 
 
 class PipelinedGeneration(SpeculativeGeneration):
@@ -153,7 +139,6 @@ class PipelinedGeneration(SpeculativeGeneration):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.costs = CostMeter()
         self._ahead: Predraft | None = None  # the pre-draft for the next round
         self._outcome: tuple[int, int] = (0, 0)  # (accepted, next token) of the last verification
         self._agreed_floor: int | None = None  # set when an extra branch was used: see _take_branch
@@ -200,11 +185,10 @@ class PipelinedGeneration(SpeculativeGeneration):
     async def _verify_round(self, position: int, proposal: draft_pb2.ProposeResponse | None,
                             k: int, free: FreeProposal | None = None) -> target_pb2.VerifyResponse:
         if proposal is not None:
-            self.costs.observe_draft(proposal.forward_ns / 1e9, len(proposal.token_ids))
+            self.costs.observe_draft_forward(proposal.forward_ns / 1e9, len(proposal.token_ids))
             if self.draft is not None and self._worth_predrafting(proposal):
                 self._ahead = self._start_predraft(position, proposal, k)
         verified = await super()._verify_round(position, proposal, k, free)
-        self.costs.observe_verify(verified.forward_ns / 1e9 / self._target_steps)
         if self._ahead is not None:
             self._ahead.counted_s = self._ahead.busy_so_far()
             self._clock.draft_behind(self._ahead.counted_s)
@@ -216,9 +200,9 @@ class PipelinedGeneration(SpeculativeGeneration):
         return self.generated + len(proposal.token_ids) + 1 < self.request.max_tokens
 
     def _start_predraft(self, position: int, proposal: draft_pb2.ProposeResponse, k: int) -> Predraft:
-        commit = draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
+        commit = self._draft_commit()
         extra = self.config.extra_branches
-        extra = self.costs.extra_branches(k) if extra is None else extra
+        extra = extra_branches(self.costs, k, self._batch()) if extra is None else extra
         call = self.draft.predraft(self.session_id, self._round + 1, commit, position, list(proposal.token_ids), k,
                                    extra, timeout=self._timeout(self.config.target_timeout_s))
         return Predraft(call, self._round + 1, self.session_id, position, len(proposal.token_ids), extra)

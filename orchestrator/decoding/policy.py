@@ -76,6 +76,11 @@ class DraftLength:
         self.context = 0  # committed tokens: the cached context its rows attend over
         self._batch = BatchLoad()  # the batch this round's k was chosen for
 
+    @property
+    def batch(self) -> BatchLoad:
+        """The batch this round's k was chosen for."""
+        return self._batch
+
     def arrive(self) -> None:
         """In flight from its prefill on: the first requests of a burst see each other."""
         self.shared.active[id(self)] = self

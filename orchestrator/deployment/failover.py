@@ -28,6 +28,7 @@ import grpc
 
 from orchestrator.deployment.clients import UpstreamError
 from orchestrator.deployment.pool import NoHealthyReplica, Replica, ReplicaPool
+from specmesh.commit import committed_sequence, committed_tokens
 from specmesh.errors import SpecmeshError
 from specmesh.sampling import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
@@ -194,9 +195,8 @@ class PooledTargetClient(PooledClient):
         verified = await self._call(request_id, placement, timeout, lambda client, t: client.verify(
             request_id, round_number, position, draft_token_ids, distributions, t, draft_source, alternatives,
             decode_ahead))
-        del placement.sequence[position:]
-        placement.sequence.extend([*draft_token_ids[:verified.accepted_count], verified.next_token_id,
-                                   *verified.after_token_ids])
+        placement.sequence = committed_sequence(placement.sequence, position, committed_tokens(
+            draft_token_ids, verified.accepted_count, verified.next_token_id, verified.after_token_ids))
         return verified
 
     async def _reopen(self, client, request_id: str, placement: Placement, timeout: float) -> None:
@@ -218,7 +218,7 @@ class PooledDraftClient(PooledClient):
         proposal = await self._call(request_id, placement, timeout, lambda client, t: client.propose(
             request_id, round_number, commit, position, num_tokens, t, stop_below))
         if commit is not None:
-            _apply(placement.sequence, commit)
+            placement.sequence = committed_sequence(placement.sequence, commit.position, commit.token_ids)
         placement.sequence.extend(proposal.token_ids)
         return proposal
 
@@ -233,7 +233,7 @@ class PooledDraftClient(PooledClient):
         if placement.replica is None or placement.stale:
             return _NoBranches()
         if commit is not None:  # what a re-opened replica must hold: the commit, then the tokens assumed
-            _apply(placement.sequence, commit)
+            placement.sequence = committed_sequence(placement.sequence, commit.position, commit.token_ids)
         placement.sequence.extend(assumed_token_ids)
         return placement.replica.client.predraft(request_id, round_number, commit, position, assumed_token_ids,
                                                  num_tokens, extra_branches, timeout)
@@ -250,12 +250,6 @@ class PooledDraftClient(PooledClient):
     def _failure(self, code: grpc.StatusCode, message: str) -> Exception:
         # The loop answers any draft RPC error by going target-only: the output is unchanged.
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=message)
-
-
-def _apply(sequence: list[int], commit: draft_pb2.Commit) -> None:
-    """The draft's rollback and catch-up, on our copy of its sequence."""
-    del sequence[commit.position:]
-    sequence.extend(commit.token_ids)
 
 
 class _NoBranches:

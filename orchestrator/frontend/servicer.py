@@ -89,10 +89,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class)
         recorder.admitted()
         loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
+        policy = self._draft_length_policy(checked)
+        # A fixed k measures its rounds over the same reports, apart from the rounds the policy plans.
+        costs = RoundCosts(self.backends.step_reports, self.config.decode_ahead) if policy is None else None
         generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
                           self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
-                          policy=self._draft_length_policy(checked), on_timing=recorder.round_time,
-                          history=self.history, on_proposer=recorder.proposer)
+                          policy=policy, on_timing=recorder.round_time,
+                          history=self.history, on_proposer=recorder.proposer, costs=costs)
         recorder.draft_model = lambda: self._draft_model_of(generation.session_id)
         try:
             async for response in self._stream(checked, generation, recorder, started):
