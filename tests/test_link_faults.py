@@ -317,6 +317,35 @@ async def test_a_stalled_target_link_never_holds_a_request_past_its_verify_deadl
         assert stack.target_replica(other).placed == placed_before + 1
 
 
+async def test_a_target_lost_while_it_decodes_ahead_fails_over_with_the_same_output(
+        tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
+    """Target-only rounds across a link decode ahead (a Verify commits several tokens); the link to the
+    session's target stalls while such a Verify is on it: the session moves to the other target, which decodes
+    the same tokens ahead from the committed sequence."""
+    greedy = expected(tiny_llama_dir)
+    async with linked_stack(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir, targets=2) as stack:
+        request = GenerationRequest(request_id="ahead", prompt_token_ids=stack.tokenizer.encode(PROMPT),
+                                    max_tokens=MAX_TOKENS, sampling=GREEDY, stop=[], num_speculative_tokens=0,
+                                    fixed_k=True)
+        config = LoopConfig(num_speculative_tokens=0, decode_ahead=4, target_timeout_s=STALLED_VERIFY_TIMEOUT_S)
+        gen = SpeculativeGeneration(request, stack.backends.target, None, stack.backends.eos_token_ids, config)
+        tokens, batches, stalled, started = [], [], [], 0.0
+        async for batch in gen.tokens():
+            tokens.extend(batch)
+            batches.append(len(batch))
+            if not stalled and len(batch) > 1:  # a Verify decoded ahead: the next one will too, and meets the stall
+                stalled.append((placed(stack.backends.target, gen), len(batches)))
+                stack.target_links[stalled[0][0]].stall()
+                started = time.monotonic()
+        assert stalled, f"no target-only round decoded ahead over a {LINK.rtt_ms} ms link: {batches}"
+        (lost, rounds_before), = stalled
+        (other,) = set(stack.target_links) - {lost}
+        assert tokens == greedy
+        assert stack.backends.target.failovers == 1 and placed(stack.backends.target, gen) == other
+        assert max(batches[rounds_before:]) > 1  # the round replayed on the other target decoded ahead as well
+        assert time.monotonic() - started < STALLED_VERIFY_TIMEOUT_S + SLACK_S
+
+
 # ---- sampled, seeded: a draft link reset
 
 
