@@ -40,8 +40,8 @@ import grpc
 import psutil
 
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
-from orchestrator.frontend.options import FrontendOptions
+from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.serving.options import FrontendOptions
 from specmesh.kv_budget import parse_kv_cache_memory
 from specmesh.models import load_tokenizer
 from specmesh.service import ServiceOptions

@@ -271,7 +271,7 @@ class ReplicaServerFactory(Protocol):
 
     The runtime starts, drains and stops a model service without knowing which one it is: the
     role's own package makes its server (draft_service.server, target_service.server), and a
-    deployment that runs either picks by role (orchestrator.deployment.replicas).
+    deployment that runs either picks by role (orchestrator.control.replicas).
     """
 
     async def __call__(self, config: ReplicaConfig, engine: ModelEngine, *,

@@ -12,12 +12,13 @@ from grpc_health.v1.health import aio as health_aio
 
 from harness import WORK_TIMEOUT_S, load, make_engine, serve_config
 from orchestrator.decoding.options import loop_config
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.options import PoolsOptions
-from orchestrator.deployment.pool import ReplicaPool
-from orchestrator.deployment.replicas import create_model_server
-from orchestrator.frontend.cli import build_parser, metrics_ports_of, serve_pools_options
-from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.options import PoolsOptions
+from orchestrator.serving.pool import ReplicaPool
+from orchestrator.control.replicas import create_model_server
+from orchestrator.cli.main import build_parser, metrics_ports_of, serve_pools_options
+from orchestrator.serving.server import SERVICE_NAME, serve_grpc
+from orchestrator.control.build import create_servicer
 from pools import MAX_TOKENS
 from specmesh.drain import drain_of
 from specmesh.engine import ModelEngine

@@ -14,11 +14,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from benchmarks.links import DelayLine, LinkSpec
-from orchestrator.deployment.clients import open_channel
+from orchestrator.serving.clients import open_channel
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.replicas import create_model_server
-from orchestrator.frontend.server import create_server as create_orchestrator_server
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.replicas import create_model_server
+from orchestrator.control.build import create_server as create_orchestrator_server
 from specmesh.engine import EngineConfig, ModelEngine
 from specmesh.kv_budget import KVCacheMemory
 from specmesh.metrics import OrchestratorMetrics

@@ -15,7 +15,7 @@ from harness import load, make_engine, start_model_server
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats
-from orchestrator.deployment.clients import TargetClient, open_channel
+from orchestrator.serving.clients import TargetClient, open_channel
 from specmesh.sampling import SamplingParams, logits_to_probs
 
 MAX_TOKENS = 32  # the greedy parity tests' generation length

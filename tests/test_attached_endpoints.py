@@ -28,10 +28,11 @@ from attached import (ACQUIRE_TIMEOUT_S, Orchestrator, Service, TOKEN, pools_of,
                       token_file_in)
 from harness import WORK_TIMEOUT_S, eventually, load, serve_config
 from orchestrator.decoding.options import loop_config
-from orchestrator.deployment.attached import AttachedUnavailable, parse_endpoints
-from orchestrator.deployment.serving import Pools, servicer_over_pools
-from orchestrator.frontend.cli import build_parser, main, metrics_ports_of, pools_description, serve_pools_options
-from orchestrator.frontend.config_file import ConfigError
+from orchestrator.control.attached import AttachedUnavailable, parse_endpoints
+from orchestrator.control.pools import Pools
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.cli.main import build_parser, main, metrics_ports_of, pools_description, serve_pools_options
+from orchestrator.control.options import ConfigError
 from parity import target_greedy
 from pools import MAX_TOKENS, PROMPT, generation, placed
 from serve_cli import ROOT, specmesh, start_serve

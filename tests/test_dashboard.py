@@ -23,11 +23,11 @@ import specmesh.service
 from benchmarks.tiny_models import TINY_PROMPTS
 from harness import WORK_TIMEOUT_S, eventually, load, make_engine
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.clients import open_channel
-from orchestrator.deployment.replicas import create_model_server
-from orchestrator.frontend.server import create_server as create_orchestrator_server
-from orchestrator.frontend.stats_view import fetch_metrics
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.clients import open_channel
+from orchestrator.control.replicas import create_model_server
+from orchestrator.control.build import create_server as create_orchestrator_server
+from orchestrator.cli.stats_view import fetch_metrics
 from specmesh.metrics import OrchestratorMetrics, serve_metrics
 from specmesh.service import ReplicaConfig, ServiceOptions, start_model_service
 from specmesh.v1 import generation_pb2, generation_pb2_grpc

@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.frontend.cli import build_parser
+from orchestrator.cli.main import build_parser
 from specmesh.drain import STOP_MARGIN_S, stop_bound_s
 
 pytestmark = pytest.mark.unit

@@ -18,7 +18,7 @@ from orchestrator.distill.draft_length import choose_k, position_rates, relative
 from orchestrator.distill.early_stopping import EarlyStopping
 from orchestrator.distill.examples import DistillInputError, Example, check_token_ids, load_examples, split_examples
 from orchestrator.distill.training import bucket_divergence
-from orchestrator.frontend import cli
+from orchestrator.cli import main as cli
 from parity import target_greedy
 from specmesh.models import eos_token_ids, load_model, vocab_fingerprint
 from target_service.disagreements import DisagreementLog, context_hash

@@ -22,9 +22,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, serve_config, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.serving.server import ADMIN_SERVICE_NAME, SERVICE_NAME, serve_grpc
+from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from serve_cli import start_serve
 from specmesh.drain import drain_of

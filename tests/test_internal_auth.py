@@ -28,8 +28,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from draft_service.server import create_server as create_draft_server
 from front_door import generate_with
 from harness import load, serve_config, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from serve_cli import ROOT, start_serve
 from specmesh.engine import EngineConfig, ModelEngine

@@ -15,7 +15,7 @@ import pytest
 from engine_helpers import feed_uncached
 from front_door import assert_openai_error, open_front_door
 from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, start_model_server, start_stack
-from orchestrator.deployment.failover import PooledTargetClient
+from orchestrator.serving.failover import PooledTargetClient
 from parity import target_greedy
 from pools import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT, Replicas, generation, placed
 from specmesh.engine import EngineConfig, ModelEngine

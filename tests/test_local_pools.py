@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import eventually, load
-from orchestrator.deployment.serving import pool_health_name, same_gpu
-from orchestrator.deployment.options import RestartPolicy
-from orchestrator.frontend.server import serve_grpc
+from orchestrator.control.pools import pool_health_name, same_gpu
+from orchestrator.control.options import RestartPolicy
+from orchestrator.serving.server import serve_grpc
 from parity import target_greedy
 from pools import LocalDeployment, MAX_TOKENS, PROMPT, RESTART_WAIT_S
 from specmesh import openmp

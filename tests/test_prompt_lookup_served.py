@@ -20,7 +20,7 @@ import torch
 from front_door import bad_request_fields
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.clients import TargetClient, open_channel
+from orchestrator.serving.clients import TargetClient, open_channel
 from parity import assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
 from specmesh.metrics import OrchestratorMetrics
 from specmesh.sampling import SamplingParams

@@ -24,17 +24,19 @@ ray = pytest.importorskip("ray")
 
 from harness import WORK_TIMEOUT_S, load  # noqa: E402
 from orchestrator.decoding.request import LoopConfig  # noqa: E402
-from orchestrator.deployment.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
+from orchestrator.control.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
 from parity import target_greedy  # noqa: E402
 from specmesh.service import ReplicaConfig  # noqa: E402
-from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
-from orchestrator.frontend.server import serve_grpc  # noqa: E402
+from orchestrator.control.pools import Pools  # noqa: E402
+from orchestrator.control.options import PoolsOptions
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.serving.server import serve_grpc  # noqa: E402
 from specmesh import openmp  # noqa: E402
 from specmesh.metrics import OrchestratorMetrics  # noqa: E402
 from specmesh.roles import DRAFT  # noqa: E402
 from specmesh.security import token_interceptors  # noqa: E402
-from orchestrator.deployment.online_cycle import DistillJob, run_on_ray  # noqa: E402
-from orchestrator.deployment.ray_replica import ReplicaActor  # noqa: E402
+from orchestrator.distill.online_cycle import DistillJob, run_on_ray  # noqa: E402
+from orchestrator.control.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
 from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402

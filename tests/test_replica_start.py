@@ -31,7 +31,7 @@ NOT_AT_START = {
     "openai": "the tests' client",
     "orchestrator.bench": "specmesh bench",
     "orchestrator.distill": "specmesh distill (online distillation runs it as a child process)",
-    "orchestrator.frontend.http_api": "the orchestrator's HTTP API",
+    "orchestrator.serving.http_api": "the orchestrator's HTTP API",
     "opentelemetry.sdk": "tracing, loaded where a service traces (specmesh.telemetry)",
     "opentelemetry.instrumentation": "tracing, loaded where a service traces (specmesh.telemetry)",
     "opentelemetry.exporter": "tracing, loaded where a service exports spans",
@@ -40,10 +40,10 @@ NOT_AT_START = {
 ENTRY_POINTS = {
     # `python -m target_service|draft_service`, and the servers every deployment creates
     "model services": ["target_service.__main__", "draft_service.__main__", "target_service.server",
-                       "draft_service.server", "orchestrator.deployment.replicas"],
+                       "draft_service.server", "orchestrator.control.replicas"],
     # a `specmesh serve` replica: a spawned child that imports its parent's main module (the CLI) as
     # __mp_main__ and the supervisor, whose run_replica it unpickles
-    "supervised replica": ["orchestrator.frontend.cli", "orchestrator.deployment.supervisor"],
+    "supervised replica": ["orchestrator.cli.main", "orchestrator.control.supervisor"],
 }
 
 
@@ -72,4 +72,4 @@ def test_a_replica_start_imports_no_tool_modules(case):
 def test_the_check_finds_a_module_and_its_submodules():
     assert unwanted({"torch", "matplotlib.pyplot", "opentelemetry.sdk.trace", "orchestrator.distill"}) == {
         name: NOT_AT_START[name] for name in ("matplotlib", "opentelemetry.sdk", "orchestrator.distill")}
-    assert unwanted({"torch", "rayon", "opentelemetry.trace", "orchestrator.deployment.online_cycle"}) == {}
+    assert unwanted({"torch", "rayon", "opentelemetry.trace", "orchestrator.distill.online_cycle"}) == {}

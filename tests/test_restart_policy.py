@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.deployment.options import RestartPolicy, doubling
-from orchestrator.deployment.supervisor import LocalReplica
+from orchestrator.control.options import RestartPolicy, doubling
+from orchestrator.control.supervisor import LocalReplica
 from specmesh.service import ReplicaConfig, ServiceOptions
 
 pytestmark = pytest.mark.unit

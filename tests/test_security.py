@@ -16,11 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from front_door import generate_with
 from harness import load, serve_config, start_stack
-from orchestrator.frontend.cli import build_parser, main as cli_main
-from orchestrator.deployment.clients import open_channel
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.server import create_servicer
+from orchestrator.cli.main import build_parser, main as cli_main
+from orchestrator.serving.clients import open_channel
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from pki import make_pki
 from serve_cli import start_serve

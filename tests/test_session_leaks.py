@@ -14,7 +14,7 @@ import pytest
 
 from harness import WORK_TIMEOUT_S, draft_stub, eventually, make_engine, start_stack
 from orchestrator.decoding.loop import close_after
-from orchestrator.deployment.clients import CLOSE_ATTEMPTS, DraftClient
+from orchestrator.serving.clients import CLOSE_ATTEMPTS, DraftClient
 from specmesh.closed_sessions import ClosedSessions
 from specmesh.cpu_linear import onednn_usable
 from specmesh.drain import drain_of

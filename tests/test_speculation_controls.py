@@ -7,7 +7,7 @@ import contextlib
 import grpc
 
 from harness import load, start_stack
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, SpeculationSwitch
 from parity import target_greedy

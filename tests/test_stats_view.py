@@ -13,8 +13,7 @@ import socket
 
 import pytest
 
-from orchestrator.frontend.stats_view import (CLEAR_SCREEN, add_parser, fetch_metrics, histogram_quantile, metrics_url,
-                                     render, run, summarize)
+from orchestrator.cli.stats_view import (CLEAR_SCREEN, add_parser, fetch_metrics, histogram_quantile, metrics_url, render, run, summarize)
 from specmesh.metrics import OrchestratorMetrics, serve_metrics
 
 MODEL = "tiny-target"

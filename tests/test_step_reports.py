@@ -13,13 +13,14 @@ from prometheus_client import CollectorRegistry
 
 from harness import load, make_engine, start_model_server
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
-from orchestrator.deployment.options import PoolsOptions
-from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
-from orchestrator.deployment.serving import Pools, servicer_over_pools
-from orchestrator.deployment.step_reports import StepReports
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
+from orchestrator.control.options import PoolsOptions
+from orchestrator.serving.pool import ReplicaPool, fixed_replicas
+from orchestrator.control.pools import Pools
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.serving.step_reports import StepReports
+from orchestrator.control.build import create_servicer
 from specmesh.metrics import ServiceMetrics
 from specmesh.sampling import SamplingParams
 from specmesh.step_costs import MAX_REPORTED_SIZES, MEASURED_ROWS, OUTLIER_FACTOR, StepCosts

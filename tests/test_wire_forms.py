@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.frontend.detokenizer import IncrementalDetokenizer
+from orchestrator.serving.detokenizer import IncrementalDetokenizer
 from specmesh.distributions import TAIL_MASS, decode_distribution, encode_distribution
 from specmesh.sampling import SamplingParams, logits_to_probs
 from specmesh.v1 import common_pb2

@@ -31,7 +31,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.bench.metrics import RequestRecord, token_digest
 from orchestrator.bench.clients import RequestParams
-from orchestrator.bench.prompts import BenchPrompt
+from orchestrator.prompts.sets import BenchPrompt
 from orchestrator.bench.round_parts import RoundParts
 from specmesh import models
 from specmesh.precision import load_model_in

@@ -7,7 +7,7 @@ one target step over their k + 1 rows each (and any prompt-lookup rows):
 
 Each step is priced by the service that runs it (specmesh.step_costs: its start-up table
 by rows, corrected by a model fitted to the steps it runs, with their sessions and cached
-context; reported in ModelInfo and collected in orchestrator.deployment.step_reports). What
+context; reported in ModelInfo and collected in orchestrator.serving.step_reports). What
 the services cannot see shows in the wall clock, in two parts, where the round knows the
 forward time its calls reported:
 
@@ -73,7 +73,7 @@ class RoundCosts:
     """Predicted draft and target seconds of a round, shared by every request of an orchestrator."""
 
     def __init__(self, reports=None, decode_ahead: int = MAX_DECODE_AHEAD):
-        self.reports = reports  # orchestrator.deployment.step_reports.StepReports, or None
+        self.reports = reports  # orchestrator.serving.step_reports.StepReports, or None
         self.decode_ahead = decode_ahead  # LoopConfig.decode_ahead: the most a target-only Verify decodes ahead
         self.draft_ratio = Ewma(RATIO_WEIGHT)
         self.target_ratio = Ewma(RATIO_WEIGHT)

@@ -45,8 +45,8 @@ from pathlib import Path
 import grpc
 
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
-from orchestrator.frontend.options import FrontendOptions
+from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.serving.options import FrontendOptions
 from specmesh.models import load_tokenizer
 from specmesh.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
