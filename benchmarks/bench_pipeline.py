@@ -33,8 +33,8 @@ from specmesh.roles import START_TIMEOUT_S
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.control.build import OrchestratorOptions
 from orchestrator.decoding.timing import PARTS
-from specmesh.precision import DTYPE_CHOICES
-from specmesh.service import ReplicaConfig, ServiceOptions, parse_cpu_list
+from specmesh.loading.precision import DTYPE_CHOICES
+from specmesh.server.service import ReplicaConfig, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPTS = [

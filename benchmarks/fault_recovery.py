@@ -30,9 +30,9 @@ from orchestrator.control.pools import Pools
 from orchestrator.control.options import PoolsOptions
 from orchestrator.control.build import servicer_over_pools
 from orchestrator.control.options import RestartPolicy
-from specmesh.models import load_tokenizer
-from specmesh.sampling import SamplingParams
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.loading.models import load_tokenizer
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 
 PROMPT = "The quick brown fox"
 RECOVERY_TIMEOUT_S = 300.0

@@ -49,7 +49,7 @@ from benchmarks.shift_timeline import add_intervals, rate, sample_row, summarise
 from benchmarks.stack_checks import print_header
 from orchestrator.bench.clients import GrpcClient, RequestParams
 from orchestrator.prompts.sets import BenchPrompt, load_jsonl
-from specmesh.models import load_tokenizer
+from specmesh.loading.models import load_tokenizer
 
 MODULE = "benchmarks.online_distill_shift"
 ROOT = Path(__file__).resolve().parents[1]

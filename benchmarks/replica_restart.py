@@ -21,7 +21,7 @@ Marks, in seconds from the process's start (the spawn):
                  and its flags parsed (the no-internal-token warning; this benchmark passes no token);
                  supervised: the first log record, which is the model's "loaded" (run_replica logs
                  nothing before it), so the split is process mode's
-  loaded         specmesh.models' "loaded MODEL" line: weights and tokenizer in memory
+  loaded         specmesh.loading.models' "loaded MODEL" line: weights and tokenizer in memory
   calibrated     the "step costs" line: kernels chosen, KV budget sized, warm-up and step-cost table done
   heap frozen    specmesh.heap's gc.freeze line (a full collection of start-up's garbage first)
   serving        process: the "target listening on" line; supervised: the supervisor learns the port
@@ -285,7 +285,7 @@ async def supervised_trials(model: str, trials: int) -> list[dict]:
     from orchestrator.control.options import RestartPolicy
     from orchestrator.control.supervisor import LocalReplica
     from specmesh.roles import TARGET
-    from specmesh.service import ReplicaConfig, ServiceOptions
+    from specmesh.server.service import ReplicaConfig, ServiceOptions
     config = ReplicaConfig(TARGET.name, ServiceOptions(model=model))
     replica = LocalReplica("target-0", config, RestartPolicy(max_restarts=trials + 1), on_change=lambda: None,
                            on_restart=lambda: None)

@@ -24,7 +24,7 @@ import time
 
 from orchestrator.bench.report import machine_info
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(10, 40))
 READY_TIMEOUT_S = 300.0

@@ -28,7 +28,7 @@ class Role:
     # 0.4, while the request it was for waited; at 6x a chunk adds about one target step.
     prefill_slowdown: float
     # GOMP_SPINCOUNT its processes start with (None: libgomp's own), so that beside the other role
-    # on the same cores its idle OpenMP threads give the cores back soon (specmesh.openmp).
+    # on the same cores its idle OpenMP threads give the cores back soon (specmesh.loading.openmp).
     openmp_spin_count: str | None = None
 
 

@@ -20,10 +20,10 @@ from orchestrator.cli.main import build_parser, metrics_ports_of, serve_pools_op
 from orchestrator.serving.server import SERVICE_NAME, serve_grpc
 from orchestrator.control.build import create_servicer
 from pools import MAX_TOKENS
-from specmesh.drain import drain_of
-from specmesh.engine import ModelEngine
-from specmesh.security import Security
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.drain import drain_of
+from specmesh.engine.model_engine import ModelEngine
+from specmesh.server.security import Security
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 TOKEN = "attached-t0ken"
@@ -51,7 +51,7 @@ async def start_service(role: str, model_dir, token: str | None = TOKEN) -> Serv
     engine = make_engine(model_dir, role_name=role)
     options = ServiceOptions(model=str(model_dir), internal_token=token)
     server, port, health = await create_model_server(ReplicaConfig(role, options), engine)
-    drain_of(server).hold_sessions(lambda: len(engine.sessions))  # as specmesh.service.start_model_service does
+    drain_of(server).hold_sessions(lambda: len(engine.sessions))  # as specmesh.server.service.start_model_service does
     return Service(engine, server, port, health)
 
 

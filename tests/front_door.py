@@ -18,7 +18,7 @@ from orchestrator.serving.http_api import create_app, start_http_server, stop_ht
 from orchestrator.control.build import create_servicer
 from orchestrator.serving.server import serve_grpc
 from orchestrator.serving.servicer import GenerationServicer
-from specmesh.security import bearer_metadata
+from specmesh.server.security import bearer_metadata
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}

@@ -18,9 +18,9 @@ from orchestrator.serving.pool import PoolSpec, ReplicaPool, fixed_replicas
 from orchestrator.control.pools import Pools
 from orchestrator.control.options import PoolsOptions
 from orchestrator.control.build import servicer_over_pools
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.sampling import SamplingParams
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 48

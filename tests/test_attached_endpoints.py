@@ -36,8 +36,8 @@ from orchestrator.control.options import ConfigError
 from parity import target_greedy
 from pools import MAX_TOKENS, PROMPT, generation, placed
 from serve_cli import ROOT, specmesh, start_serve
-from specmesh.security import Security
-from specmesh.server import stop_server
+from specmesh.server.security import Security
+from specmesh.server.grpc_server import stop_server
 from specmesh.v1 import admin_pb2
 from benchmarks.tiny_models import TINY_PROMPTS
 
@@ -202,7 +202,7 @@ async def test_a_draining_attached_target_finishes_its_session_while_new_ones_go
                 tokens.extend(await stream.__anext__())
             draining = placed(backends.target, gen)
             (other,) = set(targets) - {draining}
-            # SIGTERM's drain (specmesh.server.serve_until_signal): health NOT_SERVING, new sessions refused
+            # SIGTERM's drain (specmesh.server.grpc_server.serve_until_signal): health NOT_SERVING, new sessions refused
             stopping = asyncio.ensure_future(stop_server(targets[draining].server, targets[draining].health,
                                                          WORK_TIMEOUT_S))
             await eventually(lambda: pool.replicas[draining].serving, False)

@@ -23,11 +23,11 @@ from orchestrator.cli.main import build_parser, frontend_options, main, metrics_
 from orchestrator.control.options import ConfigError
 from orchestrator.cli.config_file import settings_by_key
 from orchestrator.cli.serve_args import serve_settings
-from specmesh.connections import ConnectionLimits, positive_seconds
-from specmesh.cpu_linear import KERNEL_CHOICES
-from specmesh.kv_budget import parse_kv_cache_memory
-from specmesh.security import Security
-from specmesh.service import add_service_arguments, parse_cpu_list, positive_int
+from specmesh.server.connections import ConnectionLimits, positive_seconds
+from specmesh.loading.cpu_linear import KERNEL_CHOICES
+from specmesh.engine.kv_budget import parse_kv_cache_memory
+from specmesh.server.security import Security
+from specmesh.server.service import add_service_arguments, parse_cpu_list, positive_int
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from orchestrator.cli.main import build_parser
-from specmesh.drain import STOP_MARGIN_S, stop_bound_s
+from specmesh.server.drain import STOP_MARGIN_S, stop_bound_s
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,7 @@ from orchestrator.serving.http_api import create_app, start_http_server, stop_ht
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.control.build import OrchestratorOptions
 from orchestrator.control.build import create_servicer
-from specmesh.metrics import OrchestratorMetrics
+from specmesh.server.metrics import OrchestratorMetrics
 from benchmarks.tiny_models import TINY_PROMPTS
 
 

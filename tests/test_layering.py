@@ -7,6 +7,7 @@ services into each). Inside the orchestrator the packages are cut by what runs w
 round streams, pools, failover), under `control` (supervision, launch, Ray, scaling, rollouts), under
 the prompt sets the tools share, under the tools (`bench`, `distill`), under the command line (`cli`,
 `python -m orchestrator`). So a request's path never loads what supervises it or what trains its draft.
+Inside specmesh/ likewise: shared leaves < model loading < the engine < the server plumbing.
 Lazy imports inside functions count too: ast sees every import statement, wherever it is.
 """
 
@@ -31,6 +32,14 @@ ORCHESTRATOR_TIERS = (
     ("orchestrator.prompts",),
     ("orchestrator.bench", "orchestrator.distill"),
     ("orchestrator.cli", "orchestrator.__main__"),
+)
+# The runtime's own groups, lowest first: shared leaves, model loading, the engine, the server plumbing (whose
+# `service` starts a model service over a loaded engine).
+RUNTIME_TIERS = (
+    ("specmesh.errors", "specmesh.ewma", "specmesh.heap", "specmesh.roles", "specmesh.v1"),
+    ("specmesh.loading",),
+    ("specmesh.engine",),
+    ("specmesh.server",),
 )
 
 
@@ -74,7 +83,7 @@ def test_the_check_finds_every_kind_of_import(source):
 
 
 @pytest.mark.parametrize("source", [
-    "from specmesh.engine import ModelEngine",
+    "from specmesh.engine.model_engine import ModelEngine",
     "from . import engine",
     "import orchestrators_elsewhere",
     "# from orchestrator import loop",
@@ -117,22 +126,27 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def orchestrator_files() -> list[Path]:
-    return sorted((ROOT / "orchestrator").rglob("*.py"))
+def tiered_files(root: str) -> list[Path]:
+    """Every module under `root` but its top __init__.py (which imports nothing)."""
+    return sorted(path for path in (ROOT / root).rglob("*.py") if path != ROOT / root / "__init__.py")
 
 
-def test_every_orchestrator_module_is_in_a_tier():
-    """A new package gets its place in ORCHESTRATOR_TIERS (and the README's architecture) on purpose."""
-    files = orchestrator_files()
-    assert len(files) > 50
-    loose = [module_name(path) for path in files if package_of(module_name(path)) is None]
-    assert loose == ["orchestrator"]  # the namespace's empty __init__.py
+@pytest.mark.parametrize(("root", "tiers"), [("orchestrator", ORCHESTRATOR_TIERS), ("specmesh", RUNTIME_TIERS)])
+def test_every_module_is_in_a_tier(root, tiers):
+    """A new package (or top-level module) gets its place in the tiers, and in the README, on purpose."""
+    files = tiered_files(root)
+    assert len(files) > 30
+    assert [module_name(path) for path in files if package_of(module_name(path), tiers) is None] == []
 
 
-@pytest.mark.parametrize("path", [p for p in orchestrator_files() if p.name != "__init__.py" or p.parent.name !=
-                                  "orchestrator"], ids=lambda path: str(path.relative_to(ROOT)))
+@pytest.mark.parametrize("path", tiered_files("orchestrator"), ids=lambda path: str(path.relative_to(ROOT)))
 def test_orchestrator_imports_go_down_the_tiers(path):
     assert upward_imports(module_name(path), path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", tiered_files("specmesh"), ids=lambda path: str(path.relative_to(ROOT)))
+def test_runtime_imports_go_down_its_groups(path):
+    assert upward_imports(module_name(path), path.read_text(), RUNTIME_TIERS) == []
 
 
 @pytest.mark.parametrize(("module", "source"), [
@@ -161,3 +175,14 @@ def test_the_tier_check_finds_every_upward_import(module, source):
 ])
 def test_the_tier_check_lets_downward_imports_through(module, source):
     assert upward_imports(module, source) == []
+
+
+@pytest.mark.parametrize(("module", "source", "upward"), [
+    ("specmesh.loading.models", "from specmesh.engine.model_engine import ModelEngine", 1),
+    ("specmesh.engine.session", "def later():\n    from specmesh.server import metrics\n", 1),
+    ("specmesh.errors", "import specmesh.roles", 1),  # leaves are peers
+    ("specmesh.server.service", "from specmesh.engine.model_engine import ModelEngine", 0),
+    ("specmesh.engine.model_engine", "from specmesh.loading import models\nfrom specmesh.errors import InvalidArgument", 0),
+])
+def test_the_runtime_group_check(module, source, upward):
+    assert len(upward_imports(module, source, RUNTIME_TIERS)) == upward

@@ -38,7 +38,7 @@ from orchestrator.serving.failover import PooledTargetClient
 from orchestrator.serving.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool, fixed_replicas)
 from parity import target_greedy
 from pools import placed
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2
 
 PROMPT = "The quick brown fox"  # the tiny target runs it 40 tokens without an EOS

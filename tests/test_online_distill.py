@@ -35,8 +35,8 @@ from orchestrator.control.build import servicer_over_pools
 from orchestrator.distill.examples import load_examples
 from parity import target_greedy
 from pools import RESTART_WAIT_S
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import generation_pb2
 from workloads import word_prompts
 

@@ -23,8 +23,8 @@ from orchestrator.serving.clients import DraftClient, open_channel
 from orchestrator.serving.failover import PooledTargetClient
 from parity import reference_processors
 from pools import Replicas
-from specmesh.penalties import penalize_logits
-from specmesh.sampling import SamplingParams
+from specmesh.engine.penalties import penalize_logits
+from specmesh.engine.sampling_params import SamplingParams
 from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 24

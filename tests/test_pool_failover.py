@@ -20,7 +20,7 @@ from orchestrator.control.ray_cli import replica_device
 from orchestrator.serving.failover import PooledDraftClient, PooledTargetClient
 from parity import target_greedy
 from pools import MAX_TOKENS, PROMPT, Replicas, generation, placed
-from specmesh import models
+from specmesh.loading import models
 
 ALTERNATIVES_PROMPT = "def fibonacci(n):"  # where the draft's second choice is sometimes the target's token
 

@@ -25,7 +25,7 @@ from orchestrator.serving.pool import ReplicaPool, fixed_replicas
 from orchestrator.control.ray_cli import add_serve_arguments
 from orchestrator.control.ray_controller import autoscale
 from orchestrator.control.pools import Pools
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2
 from target_service.servicer import TargetServicer
 

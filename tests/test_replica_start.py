@@ -32,8 +32,8 @@ NOT_AT_START = {
     "orchestrator.bench": "specmesh bench",
     "orchestrator.distill": "specmesh distill (online distillation runs it as a child process)",
     "orchestrator.serving.http_api": "the orchestrator's HTTP API",
-    "opentelemetry.sdk": "tracing, loaded where a service traces (specmesh.telemetry)",
-    "opentelemetry.instrumentation": "tracing, loaded where a service traces (specmesh.telemetry)",
+    "opentelemetry.sdk": "tracing, loaded where a service traces (specmesh.server.telemetry)",
+    "opentelemetry.instrumentation": "tracing, loaded where a service traces (specmesh.server.telemetry)",
     "opentelemetry.exporter": "tracing, loaded where a service exports spans",
 }
 
@@ -65,7 +65,7 @@ def unwanted(imported: set[str]) -> dict[str, str]:
 @pytest.mark.parametrize("case", list(ENTRY_POINTS))
 def test_a_replica_start_imports_no_tool_modules(case):
     imported = modules_after_importing(ENTRY_POINTS[case])
-    assert {"torch", "grpc", "specmesh.service"} <= imported  # the listing is the serving path's
+    assert {"torch", "grpc", "specmesh.server.service"} <= imported  # the listing is the serving path's
     assert unwanted(imported) == {}
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.control.options import RestartPolicy, doubling
 from orchestrator.control.supervisor import LocalReplica
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 
 pytestmark = pytest.mark.unit
 

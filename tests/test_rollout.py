@@ -31,8 +31,8 @@ from orchestrator.cli import main as cli
 from orchestrator.serving.server import serve_grpc
 from parity import target_greedy
 from pools import LocalDeployment, MAX_TOKENS, PROMPT, RESTART_WAIT_S
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 DRAFT_REPLICAS = 2

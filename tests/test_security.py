@@ -24,8 +24,8 @@ from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from pki import make_pki
 from serve_cli import start_serve
-from specmesh.security import SecurityConfigError, TLSConfig, security_from_args
-from specmesh.service import ServiceOptions, add_service_arguments
+from specmesh.server.security import SecurityConfigError, TLSConfig, security_from_args
+from specmesh.server.service import ServiceOptions, add_service_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness import start_stack
-from specmesh.models import ModelNotFoundError, load_model
+from specmesh.loading.models import ModelNotFoundError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def add(a, b):", "class Counter:", "the quick brown fox"]

@@ -37,7 +37,7 @@ from orchestrator.control.launch import ProcessGroup, StackOptions, model_servic
 from orchestrator.decoding.options import loop_config
 from orchestrator.serving.options import FrontendOptions
 from specmesh.roles import DRAFT, TARGET
-from specmesh.security import new_internal_token
+from specmesh.server.security import new_internal_token
 
 # (configuration, mode) -> (records, seconds of each pass over the prompts)
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], list[float]]]
@@ -123,7 +123,7 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
                      metrics_url: str | None = None) -> tuple[Runs, Rounds]:
     tokenizer = None
     if args.protocol == "grpc" and any(p.messages is not None for p in prompts):
-        from specmesh.models import load_tokenizer
+        from specmesh.loading.models import load_tokenizer
         tokenizer = load_tokenizer(args.tokenizer or args.target)
     client = make_client(args.protocol, endpoint, tokenizer, peer, metrics_url)
     runs: Runs = {}

@@ -22,7 +22,7 @@ from orchestrator.bench.metrics import COUNTED, RequestRecord, token_digest
 from orchestrator.bench.modes import is_peer_mode
 from orchestrator.prompts.sets import BenchPrompt
 from orchestrator.bench.round_parts import ByMode, RoundParts, scrape_round_parts
-from specmesh.models import chat_token_ids
+from specmesh.loading.models import chat_token_ids
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 

@@ -10,8 +10,8 @@ from orchestrator.cli import client_commands, stats_view
 from orchestrator.control.options import ConfigError
 from orchestrator.cli.config_file import ConfigurableParser
 from orchestrator.serving.options import FrontendOptions
-from specmesh.connections import connection_limits_from_args
-from specmesh.security import Security, SecurityConfigError, new_internal_token, security_from_args
+from specmesh.server.connections import connection_limits_from_args
+from specmesh.server.security import Security, SecurityConfigError, new_internal_token, security_from_args
 
 # Commands that call a running server: their flags need neither torch nor the serving code.
 CLIENT_COMMANDS = ("generate", "speculation", "stats", "scale", "replicas", "rollout")

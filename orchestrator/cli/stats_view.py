@@ -1,6 +1,6 @@
 """`specmesh stats`: a live terminal view of the orchestrator's Prometheus metrics.
 
-The orchestrator already exports everything worth watching (specmesh/metrics.py);
+The orchestrator already exports everything worth watching (specmesh/server/metrics.py);
 this view scrapes that text endpoint rather than adding an RPC, so it works against
 any running server, needs no extra port, and reads the same numbers a dashboard does.
 Counters are summed over all label sets (optionally narrowed to one `prompt_class`

@@ -26,7 +26,7 @@ from orchestrator.control.options import PoolsOptions
 from orchestrator.serving.pool import ReplicaPool, fixed_replicas, new_pool
 from orchestrator.control.options import ConfigError
 from specmesh.errors import NotManagedHere
-from specmesh.security import add_internal_token_arguments, internal_token_from_args, token_interceptors
+from specmesh.server.security import add_internal_token_arguments, internal_token_from_args, token_interceptors
 
 log = logging.getLogger(__name__)
 ROLES = ("target", "draft")

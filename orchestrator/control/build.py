@@ -25,9 +25,9 @@ from orchestrator.serving.clients import DraftClient, TargetClient, client_optio
 from orchestrator.serving.failover import PooledDraftClient, PooledTargetClient
 from orchestrator.serving.server import serve_grpc
 from orchestrator.serving.servicer import Backends, GenerationServicer
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.security import TLSConfig, token_interceptors
-from specmesh.telemetry import client_interceptors, tracer
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.server.security import TLSConfig, token_interceptors
+from specmesh.server.telemetry import client_interceptors, tracer
 
 log = logging.getLogger(__name__)
 

@@ -27,4 +27,4 @@ class DraftTraining(Protocol):
     cpus: float  # what one training run takes; a local Ray cluster is sized for it
 
     def trainer(self, *, pools, metrics) -> DraftTrainer:
-        """`pools`: orchestrator.control.pools.Pools; `metrics`: specmesh.metrics.OrchestratorMetrics."""
+        """`pools`: orchestrator.control.pools.Pools; `metrics`: specmesh.server.metrics.OrchestratorMetrics."""

@@ -37,19 +37,18 @@ from orchestrator.serving.http_api import create_app, start_http_server, stop_ht
 from orchestrator.serving.options import FrontendOptions
 from orchestrator.serving.server import SERVICE_NAME, serve_grpc
 from orchestrator.control.build import create_servicer
-from specmesh.connections import quiet_accept_errors, raise_file_limit
-from specmesh.metrics import OrchestratorMetrics, serve_metrics
-from specmesh.models import load_tokenizer
+from specmesh.server.connections import quiet_accept_errors, raise_file_limit
+from specmesh.server.metrics import OrchestratorMetrics, serve_metrics
+from specmesh.loading.models import load_tokenizer
 from specmesh.roles import DRAFT, START_TIMEOUT_S, TARGET
-from specmesh.security import TLSConfig
-from specmesh.drain import drain_of
+from specmesh.server.security import TLSConfig
+from specmesh.server.drain import drain_of
 from specmesh.heap import freeze_start_up_heap
-from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
-from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP
-from specmesh.server import serve_until_signal
-from specmesh.service import (ReplicaConfig, ServiceOptions, add_graph_steps_argument, add_trust_remote_code_argument,
-                              load_engine, parse_cpu_list, run_model_service)
-from specmesh.telemetry import make_tracer_provider
+from specmesh.loading.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
+from specmesh.loading.precision import DTYPE_CHOICES, DTYPE_HELP
+from specmesh.server.grpc_server import serve_until_signal
+from specmesh.server.service import (ReplicaConfig, ServiceOptions, add_graph_steps_argument, add_trust_remote_code_argument, load_engine, parse_cpu_list, run_model_service)
+from specmesh.server.telemetry import make_tracer_provider
 from target_service.disagreements import disagreement_log_settings
 
 log = logging.getLogger(__name__)
@@ -216,7 +215,7 @@ async def _serve_orchestrator(tokenizer_spec, options, address, frontend: Fronte
         ready.put(Ready("orchestrator", port, metrics_port, http_port=http[1] if http else None,
                         replica_metrics_ports=pools.metrics_ports() if pools is not None else {},
                         replica_addresses=pools.local_addresses() if pools is not None else {}))
-        # Returns after the drain on SIGTERM/SIGINT (specmesh.drain; HTTP shares it), while the replicas
+        # Returns after the drain on SIGTERM/SIGINT (specmesh.server.drain; HTTP shares it), while the replicas
         # still serve: they are stopped below, last.
         await serve_until_signal(server, health, frontend.shutdown_grace_s)
     finally:

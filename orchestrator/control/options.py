@@ -8,7 +8,7 @@ from orchestrator.serving.failover import MAX_REPLICA_FAILURES
 from orchestrator.control.draft_training import DraftTraining
 from orchestrator.serving.pool import PoolSpec
 from specmesh.roles import START_TIMEOUT_S
-from specmesh.security import TLSConfig
+from specmesh.server.security import TLSConfig
 
 BACKENDS = ("local", "ray")
 

@@ -55,7 +55,7 @@ class Pools:
         self.controllers = controllers or {}  # LocalPoolController or PoolController, by role
         self.options = options
         self.failed: set[str] = set()  # roles with no replica up: each crash-looping or given up
-        self.metrics = None  # specmesh.metrics.OrchestratorMetrics, once the servicer has one
+        self.metrics = None  # specmesh.server.metrics.OrchestratorMetrics, once the servicer has one
         self.target_info = None  # the target's ModelInfo(timeout), once the servicer has a target client
         self.rollout: Rollout | None = None  # the draft pool's latest rollout
         self.online: DraftTrainer | None = None  # with online distillation on (and a draft pool here)
@@ -116,7 +116,7 @@ class Pools:
 
     def _shares_the_targets_gpu(self, role: str) -> bool:
         """Whether `role`'s local replicas run on the target's CUDA device. A service there allocates its KV
-        budget at start-up, a fraction of the memory it finds free (specmesh.graph_steps), so it starts once
+        budget at start-up, a fraction of the memory it finds free (specmesh.engine.graph_steps), so it starts once
         the target has taken its own: the target, whose tokens cost the most, always sizes first."""
         target = self.controllers.get("target")
         if self.options.backend != "local" or target is None:

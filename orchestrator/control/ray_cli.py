@@ -14,7 +14,7 @@ import os
 from orchestrator.control.ray_controller import PoolSpec
 
 from orchestrator.control.options import PoolsOptions
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from target_service.disagreements import disagreement_log_settings
 
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # replicas talk gRPC; Ray's object store stays idle
@@ -91,7 +91,7 @@ def pool_spec(args: argparse.Namespace, role: str, model: str, device: str, dtyp
 
 
 def pools_options(args: argparse.Namespace, security=None, internal_token: str | None = None) -> PoolsOptions:
-    """security: specmesh.security settings; replicas get the serving TLS material as bytes, and
+    """security: specmesh.server.security settings; replicas get the serving TLS material as bytes, and
     `internal_token` (required from the orchestrators that call them)."""
     server_tls = security.server_tls if security else None
     target = pool_spec(args, "target", args.target, args.device, args.target_dtype, server_tls, internal_token,

@@ -19,9 +19,9 @@ import time
 from orchestrator.serving.load import Load
 from orchestrator.serving.pool import Discover, PoolSpec, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.control.ray_replica import ReplicaActor
-from specmesh import openmp
+from specmesh.loading import openmp
 from specmesh.roles import role
-from specmesh.service import ReplicaConfig
+from specmesh.server.service import ReplicaConfig
 
 log = logging.getLogger(__name__)
 ACTOR_PREFIX = "specmesh-"
@@ -33,7 +33,7 @@ def replica_runtime_env(role_name: str) -> dict:
     """A replica actor's environment, set before its worker starts: normal CPU priority (Ray renices
     its workers to 15, so on a busy node a replica, which serves requests, would get a sliver of the
     CPU behind every other process, and take minutes to start), and the role's OpenMP setting before
-    it loads torch (specmesh.openmp)."""
+    it loads torch (specmesh.loading.openmp)."""
     return {"env_vars": {**NORMAL_PRIORITY, **openmp.spin_environment(role(role_name))}}
 
 

@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from orchestrator.control.replicas import create_model_server
 from specmesh.roles import role
-from specmesh.service import ReplicaConfig, RunningService, load_engine, start_model_service
+from specmesh.server.service import ReplicaConfig, RunningService, load_engine, start_model_service
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 
 from draft_service.server import create_replica_server as create_draft_replica_server
-from specmesh.engine import ModelEngine
-from specmesh.metrics import ServiceMetrics
+from specmesh.engine.model_engine import ModelEngine
+from specmesh.server.metrics import ServiceMetrics
 from specmesh.roles import DRAFT, role
-from specmesh.service import ReplicaConfig
+from specmesh.server.service import ReplicaConfig
 from target_service.server import create_replica_server as create_target_replica_server
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
@@ -27,7 +27,7 @@ async def create_model_server(config: ReplicaConfig, engine: ModelEngine, *,
                               tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
                               max_concurrent_rpcs: int | None = None,
                               ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """The role's gRPC server over a loaded engine (a specmesh.service.ReplicaServerFactory)."""
+    """The role's gRPC server over a loaded engine (a specmesh.server.service.ReplicaServerFactory)."""
     create = create_draft_replica_server if role(config.role) is DRAFT else create_target_replica_server
     return await create(config, engine, tracer_provider=tracer_provider, metrics=metrics,
                         max_concurrent_rpcs=max_concurrent_rpcs)

@@ -2,7 +2,7 @@
 
 The local counterpart of `ray_controller.PoolController`: one `LocalPoolController`
 per role starts its replicas as spawned children (`run_replica`, which starts the
-service the one way every deployment does, `specmesh.service.run_model_service`),
+service the one way every deployment does, `specmesh.server.service.run_model_service`),
 learns each one's port from a pipe, and hands the pool a `resolve()` per replica
 that returns the address of its current incarnation. A child that dies is started
 again after an exponential backoff and comes back on a new port; the pool's health
@@ -33,9 +33,9 @@ from typing import Callable
 from orchestrator.control.options import RestartPolicy
 from orchestrator.serving.pool import PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.control.replicas import create_model_server
-from specmesh import openmp
+from specmesh.loading import openmp
 from specmesh.roles import START_TIMEOUT_S, role
-from specmesh.service import ReplicaConfig, load_engine, run_model_service
+from specmesh.server.service import ReplicaConfig, load_engine, run_model_service
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 

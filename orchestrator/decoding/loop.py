@@ -403,7 +403,7 @@ def _proposer(k: int, free: FreeProposal | None) -> str:
 
 async def close_after(opening: asyncio.Task | None, endpoint: DraftEndpoint, session_id: str) -> None:
     """Close the session once its open has ended, whichever way: a close sent beside a cancelled open
-    could reach the service first (the service refuses such an open too: specmesh.closed_sessions)."""
+    could reach the service first (the service refuses such an open too: specmesh.engine.closed_sessions)."""
     if opening is not None:
         await asyncio.wait([opening])
     await endpoint.close(session_id)

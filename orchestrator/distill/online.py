@@ -29,8 +29,8 @@ from typing import Awaitable, Callable, Sequence
 
 from orchestrator.distill.online_cycle import CycleResult, DistillJob, run_local, run_on_ray
 from orchestrator.distill.online_evidence import EvidenceStore, served_length
-from specmesh.connections import positive_seconds
-from specmesh.service import positive_int
+from specmesh.server.connections import positive_seconds
+from specmesh.server.service import positive_int
 
 log = logging.getLogger(__name__)
 DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specmesh" / "online-distill"

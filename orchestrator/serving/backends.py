@@ -11,7 +11,7 @@ from orchestrator.decoding.pipelined import pipeline_enabled
 from orchestrator.serving.step_reports import StepReports
 from orchestrator.serving.servicer import Backends
 from orchestrator.serving.validation import ModelLimits
-from specmesh import models
+from specmesh.loading import models
 from specmesh.v1 import common_pb2
 
 

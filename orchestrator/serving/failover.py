@@ -29,7 +29,7 @@ import grpc
 from orchestrator.serving.clients import UpstreamError
 from orchestrator.serving.pool import NoHealthyReplica, Replica, ReplicaPool
 from specmesh.errors import SpecmeshError
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ server-sent events ending in `data: [DONE]`. Errors use OpenAI's shape,
 400 naming the parameter, 401 without the API key (when one is set; /health stays open),
 404 for an unknown model or route, 413 for a body over the size limit, 503/504 when the
 target service fails or times out, 503 (code `server_shutting_down`) once the
-server drains (specmesh.drain; /health turns 503 too); a stream still running when the shutdown
+server drains (specmesh.server.drain; /health turns 503 too); a stream still running when the shutdown
 grace ends gets a last `data: {"error": ...}` event, which OpenAI's clients raise. Types are
 strict, as OpenAI's are (no "3" for 3), and a parameter this server does not know or implement is a 400 naming it, never ignored.
 Responses carry `usage` and, as an extra field, the speculation `stats`. A client
@@ -38,11 +38,11 @@ from orchestrator.serving.openai_requests import (PARAMETER_NAMES, ChatCompletio
 from orchestrator.serving.request_limits import request_size_limit
 from orchestrator.serving.finish_reasons import FINISH_REASON_NAMES
 from orchestrator.serving.servicer import GenerationServicer
-from specmesh.connections import ConnectionLimits
-from specmesh.drain import REFUSED_MESSAGE, Drain
+from specmesh.server.connections import ConnectionLimits
+from specmesh.server.drain import REFUSED_MESSAGE, Drain
 from specmesh.errors import InvalidArgument, ShuttingDown
-from specmesh.models import chat_token_ids
-from specmesh.security import TLSConfig
+from specmesh.loading.models import chat_token_ids
+from specmesh.server.security import TLSConfig
 from specmesh.v1 import common_pb2, generation_pb2
 
 
@@ -229,7 +229,7 @@ async def _unless_disconnected(http_request: Request, work):
 def create_app(servicer: GenerationServicer, api_key: str | None = None, drain: Drain | None = None,
                max_body_bytes: int | None = None) -> FastAPI:
     """The app; with `api_key`, every /v1 route and the docs require it. `drain`: the gRPC server's
-    (specmesh.drain.drain_of), so one SIGTERM drains both fronts; None = one of its own. Bodies over
+    (specmesh.server.drain.drain_of), so one SIGTERM drains both fronts; None = one of its own. Bodies over
     `max_body_bytes` (default: request_limits' default for the target's context window) get 413 unread."""
     front = OpenAIFrontEnd(servicer, drain or Drain())
     app = FastAPI(title="specmesh", description="OpenAI-compatible API over speculative decoding",

@@ -1,4 +1,4 @@
-"""The HTTP port's connection bounds (specmesh.connections) on uvicorn, and the API key checked first.
+"""The HTTP port's connection bounds (specmesh.server.connections) on uvicorn, and the API key checked first.
 
 uvicorn has no cap on connections that keeps room for newcomers: its `limit_concurrency`
 answers 503 to every request once that many connections are open, so strangers holding idle
@@ -24,8 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from orchestrator.serving.http_front_door import OpenAIError
-from specmesh.connections import ConnectionLimits
-from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, authorized
+from specmesh.server.connections import ConnectionLimits
+from specmesh.server.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, authorized
 
 OPEN_PATHS = frozenset({"/health"})  # probes work without the key
 LISTEN_BACKLOG = 4096  # Linux clamps it to net.core.somaxconn (4096 by default)

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from orchestrator.serving.clients import UpstreamError
 from specmesh.errors import ShuttingDown
-from specmesh.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, authorized
+from specmesh.server.security import AUTHORIZATION, UNAUTHENTICATED_MESSAGE, authorized
 
 log = logging.getLogger(__name__)
 UPSTREAM_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -167,7 +167,7 @@ def http_error(request: Request, error: HTTPException) -> OpenAIError:
 
 
 def shutting_down(message: str) -> OpenAIError:
-    """503 once the server drains (specmesh.drain)."""
+    """503 once the server drains (specmesh.server.drain)."""
     return OpenAIError(503, message, code="server_shutting_down", kind="server_error")
 
 

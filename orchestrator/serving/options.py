@@ -1,6 +1,6 @@
 """What the orchestrator's client-facing front end runs with: its servers, metrics and tracing.
 
-The model services have their own type (specmesh.service.ServiceOptions); this one is the
+The model services have their own type (specmesh.server.service.ServiceOptions); this one is the
 orchestrator process's, however it is started (`specmesh serve`, `specmesh bench`'s stack,
 `python -m orchestrator`).
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specmesh.connections import ConnectionLimits
-from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S
-from specmesh.security import TLSConfig
+from specmesh.server.connections import ConnectionLimits
+from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S
+from specmesh.server.security import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -25,4 +25,4 @@ class FrontendOptions:
     api_key: str | None = field(default=None, repr=False)  # clients must send it; None = open
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight requests may run on
     max_request_bytes: int | None = None  # a client's largest message; None = sized to the context window
-    connection_limits: ConnectionLimits = ConnectionLimits()  # each client-facing port's (specmesh.connections)
+    connection_limits: ConnectionLimits = ConnectionLimits()  # each client-facing port's (specmesh.server.connections)

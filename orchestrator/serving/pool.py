@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
 from orchestrator.serving.load import Load, replica_load
 from orchestrator.decoding.background import spawn_background
-from specmesh.service import ReplicaConfig
+from specmesh.server.service import ReplicaConfig
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class ReplicaPool:
         self.make_client = make_client
         self.check_interval_s = check_interval_s
         self.interceptors = interceptors
-        self.tls = tls  # specmesh.security.TLSConfig of the channels to replicas; None = plaintext
+        self.tls = tls  # specmesh.server.security.TLSConfig of the channels to replicas; None = plaintext
         self.replicas: dict[str, Replica] = {}
         self.withheld: set[str] = set()  # serving replicas that get no sessions yet (a rollout checks them first)
         self.failed = False  # set by a supervisor while no replica is up (each crash-looping or given up)

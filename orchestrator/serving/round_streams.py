@@ -2,7 +2,7 @@
 
 A unary call pays for its own HTTP/2 stream, headers and the server's per-call set-up; a message on
 an open stream pays for itself only. Each message still has its own deadline and its own client and
-server spans (specmesh.telemetry.client_message_span, server_message_span). A message that fails, times out or finds the
+server spans (specmesh.server.telemetry.client_message_span, server_message_span). A message that fails, times out or finds the
 stream ended raises the AioRpcError its unary call would have raised, and the stream is dropped: the
 session's next round opens a new one (on another replica, after a failover).
 """
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from google.protobuf.message import Message
 
-from specmesh.server import INTERNAL_DETAILS_PREFIX
-from specmesh.telemetry import client_message_span
+from specmesh.server.grpc_server import INTERNAL_DETAILS_PREFIX
+from specmesh.server.telemetry import client_message_span
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
     from opentelemetry.sdk.trace import TracerProvider

@@ -9,10 +9,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from orchestrator.decoding.background import pending_clean_ups
 from orchestrator.serving.request_limits import request_size_limit
 from orchestrator.serving.servicer import AdminServicer, GenerationServicer
-from specmesh.connections import ConnectionLimits
-from specmesh.security import TLSConfig
-from specmesh.drain import drain_of
-from specmesh.server import start_server
+from specmesh.server.connections import ConnectionLimits
+from specmesh.server.security import TLSConfig
+from specmesh.server.drain import drain_of
+from specmesh.server.grpc_server import start_server
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -28,7 +28,7 @@ async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0",
 
     Requests over `max_request_bytes` (default: request_limits' default for the target's context
     window) get RESOURCE_EXHAUSTED unread. Its connections are bounded by `connection_limits`
-    (default: ConnectionLimits(); specmesh.connections), as a public port's must be."""
+    (default: ConnectionLimits(); specmesh.server.connections), as a public port's must be."""
     def register(server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(servicer.switch, servicer.pools, servicer.history), server)

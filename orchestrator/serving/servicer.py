@@ -24,7 +24,7 @@ from orchestrator.serving.choices import interleave
 from orchestrator.serving.finish_reasons import FINISH_REASON_NAMES
 from orchestrator.serving.validation import ModelLimits, choice_count, for_choice, validate_request
 from specmesh.errors import NotManagedHere
-from specmesh.metrics import OrchestratorMetrics, RequestRecorder
+from specmesh.server.metrics import OrchestratorMetrics, RequestRecorder
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 

@@ -1,7 +1,7 @@
 """What a forward step costs the target and the draft, as their services last reported it.
 
 Each service measures its step costs at start-up and keeps them current
-(specmesh.step_costs); every GetModelInfo carries them (ModelInfo.step_costs, with the
+(specmesh.engine.step_costs); every GetModelInfo carries them (ModelInfo.step_costs, with the
 start-up measurements in ModelInfo.planned_step_costs, the fitted model in
 ModelInfo.step_model). The orchestrator keeps the latest report per role here, fed from every
 ModelInfo it gets: at start-up, and with pools at each health check of each replica (the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from specmesh.step_costs import StepCosts
+from specmesh.engine.step_costs import StepCosts
 from specmesh.v1 import common_pb2
 
 ROLES = ("target", "draft")

@@ -18,7 +18,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from orchestrator.decoding.request import GenerationRequest
 from specmesh.errors import InvalidArgument
 from specmesh.roles import MAX_DRAFT_TOKENS
-from specmesh.sampling_params import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import generation_pb2
 
 DEFAULT_MAX_TOKENS = 256

@@ -47,8 +47,8 @@ import grpc
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
 from orchestrator.serving.options import FrontendOptions
-from specmesh.models import load_tokenizer
-from specmesh.service import ServiceOptions
+from specmesh.loading.models import load_tokenizer
+from specmesh.server.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 STREAM_PROMPTS = ("def quicksort(arr):", "class LinkedList:\n    def __init__(self):",

@@ -39,7 +39,7 @@ _POLL_S = 0.05  # how often the drain looks at the work it waits for
 
 def stop_bound_s(grace_s: float) -> float:
     """The longest a drained server takes from SIGTERM to exit: the grace, the unwinding of the calls cut
-    off (Drain.wait), the server's own stop (specmesh.server.stop_server), and the process's exit."""
+    off (Drain.wait), the server's own stop (specmesh.server.grpc_server.stop_server), and the process's exit."""
     return grace_s + 3 * STOP_MARGIN_S
 
 
@@ -138,7 +138,7 @@ def register(server: grpc.aio.Server, drain: Drain) -> None:
 
 
 def drain_of(server: grpc.aio.Server) -> Drain:
-    """The drain `specmesh.server.start_server` installed on `server`."""
+    """The drain `specmesh.server.grpc_server.start_server` installed on `server`."""
     return _DRAINS[server]
 
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear
+from specmesh.loading.cpu_linear import OneDnnLinear, choose_cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ def quantize_int8_weights(model: torch.nn.Module) -> int:
 def load_model_in(spec: str, device: str, dtype_name: str, cpu_linear: str | None = None,
                   trust_remote_code: bool = False):
     """(model, tokenizer) of `spec` on `device` in the precision `dtype_name` names, its float32
-    Linear layers on the `cpu_linear` kernel (specmesh.cpu_linear; None: left to the caller)."""
-    from specmesh import models
+    Linear layers on the `cpu_linear` kernel (specmesh.loading.cpu_linear; None: left to the caller)."""
+    from specmesh.loading import models
 
     precision = resolve_precision(dtype_name, device)
     model, tokenizer = models.load_model(spec, device=device, dtype=precision.dtype,

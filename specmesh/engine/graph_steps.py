@@ -2,7 +2,7 @@
 
 An eager step on a GPU costs its kernel launches and Python, not its arithmetic: a 1.5B model's
 step took 16-18 ms at any row count on an H200, where reading its weights once takes 0.7 ms. Here
-a step's sessions run as one batch [sessions, rows] over the preallocated KV (specmesh.slot_cache):
+a step's sessions run as one batch [sessions, rows] over the preallocated KV (specmesh.engine.slot_cache):
 every layer writes its new keys and values into each session's slot at the session's length, and
 attends over the slots' first `span` positions under a mask built from the lengths. Shapes come in
 buckets (sessions, rows and span rounded up), so on CUDA each bucket is captured once as a CUDA
@@ -26,10 +26,10 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specmesh.batching import Part
-from specmesh.kv_budget import KVBudget, model_devices
-from specmesh.ragged import NO_MASK
-from specmesh.slot_cache import SCRATCH_SLOT, SlotCache, SlotPool
+from specmesh.engine.batching import Part
+from specmesh.engine.kv_budget import KVBudget, model_devices
+from specmesh.engine.ragged import NO_MASK
+from specmesh.engine.slot_cache import SCRATCH_SLOT, SlotCache, SlotPool
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # a verification of k drafts has k + 1 rows

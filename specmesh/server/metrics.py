@@ -173,7 +173,7 @@ class ServiceMetrics:
 
     @classmethod
     def for_engine(cls, service: str, engine, registry: CollectorRegistry | None = None) -> "ServiceMetrics":
-        """Metrics of a service over `engine` (a specmesh.engine.ModelEngine), its gauges read at scrape time."""
+        """Metrics of a service over `engine` (a specmesh.engine.model_engine.ModelEngine), its gauges read at scrape time."""
         metrics = cls(service, engine.config.model_name, registry)
         metrics.sessions_open.labels(**metrics.labels).set_function(lambda: len(engine.sessions))
         metrics.queued_rows.labels(**metrics.labels).set_function(lambda: engine.scheduler.queued_rows)
@@ -193,7 +193,7 @@ class ServiceMetrics:
         self.forward_seconds.labels(**self.labels, op=op).observe(forward_ns / 1e9)
 
     def observe_step(self, parts, step_ns: int) -> None:
-        """A batched step's size and time (specmesh.batching observer; runs on the model worker)."""
+        """A batched step's size and time (specmesh.engine.batching observer; runs on the model worker)."""
         self.step_rows.labels(**self.labels).observe(sum(len(part.token_ids) for part in parts))
         self.step_sessions.labels(**self.labels).observe(len({id(part.session) for part in parts}))
         self.step_busy.labels(**self.labels).inc(step_ns / 1e9)
@@ -202,11 +202,11 @@ class ServiceMetrics:
 class StepCostCollector:
     """`specmesh_step_seconds{rows}`: the service's current step-cost table, read at scrape time.
 
-    The label takes only the table's sizes (specmesh.step_costs.MEASURED_ROWS), so it stays
+    The label takes only the table's sizes (specmesh.engine.step_costs.MEASURED_ROWS), so it stays
     bounded; no series before the service measured its costs."""
 
     def __init__(self, labels: dict[str, str], costs: Callable[[], object]):
-        self.labels, self.costs = labels, costs  # costs(): a specmesh.step_costs.StepCosts or None
+        self.labels, self.costs = labels, costs  # costs(): a specmesh.engine.step_costs.StepCosts or None
 
     def collect(self):
         family = GaugeMetricFamily("specmesh_step_seconds", "Current cost of one forward step of `rows` new "

@@ -17,21 +17,19 @@ import grpc
 import torch
 
 from grpc_health.v1.health import aio as health_aio
-from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
+from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
 from specmesh.heap import freeze_start_up_heap
-from specmesh.engine import EngineConfig, ModelEngine
-from specmesh.graph_steps import GRAPH_STEPS_CHOICES
-from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
-                                parse_kv_cache_memory)
-from specmesh.metrics import ServiceMetrics, serve_metrics
-from specmesh.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
-from specmesh.precision import DTYPE_CHOICES, DTYPE_HELP, load_model_in
+from specmesh.engine.model_engine import EngineConfig, ModelEngine
+from specmesh.engine.graph_steps import GRAPH_STEPS_CHOICES
+from specmesh.engine.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory, parse_kv_cache_memory)
+from specmesh.server.metrics import ServiceMetrics, serve_metrics
+from specmesh.loading.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
+from specmesh.loading.precision import DTYPE_CHOICES, DTYPE_HELP, load_model_in
 from specmesh.roles import DRAFT, TARGET, role
-from specmesh.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments,
-                               internal_token_from_args, server_tls_from_args)
-from specmesh.server import serve_until_signal, stop_server
-from specmesh.step_log import StepLog
-from specmesh.telemetry import make_tracer_provider
+from specmesh.server.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments, internal_token_from_args, server_tls_from_args)
+from specmesh.server.grpc_server import serve_until_signal, stop_server
+from specmesh.engine.step_log import StepLog
+from specmesh.server.telemetry import make_tracer_provider
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
     from opentelemetry.sdk.trace import TracerProvider
@@ -53,7 +51,7 @@ class ServiceOptions:
     session_idle_timeout_s: float = 600.0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     dtype: str = "float32"  # or "auto"; the draft may be faster in bf16: its precision never changes the output
-    cpu_linear: str = "auto"  # kernel of float32 Linear layers on a CPU (specmesh.cpu_linear)
+    cpu_linear: str = "auto"  # kernel of float32 Linear layers on a CPU (specmesh.loading.cpu_linear)
     metrics_port: int | None = None  # Prometheus /metrics on host:port (0 = any free port); None = off
     trace_exporter: str | None = None  # otlp, console or none; None = from OTEL_* environment variables
     trace_sample_ratio: float | None = None  # None = from OTEL_TRACES_SAMPLER[_ARG], else every trace
@@ -64,10 +62,10 @@ class ServiceOptions:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
     max_step_tokens: int = EngineConfig.max_step_tokens  # rows one batched step may feed
     prefill_slowdown: float | None = None  # a prefill chunk's step costs <= this x decode alone; None: the role's
-    kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.kv_budget); None: device default
+    kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.engine.kv_budget); None: device default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
-    trust_remote_code: bool = False  # run the checkpoint's own modeling code (specmesh.models.load_model)
-    graph_steps: str = EngineConfig.graph_steps  # decode steps as CUDA graphs over preallocated KV (specmesh.graph_steps)
+    trust_remote_code: bool = False  # run the checkpoint's own modeling code (specmesh.loading.models.load_model)
+    graph_steps: str = EngineConfig.graph_steps  # decode steps as CUDA graphs over preallocated KV (specmesh.engine.graph_steps)
 
 
 @dataclass(frozen=True)
@@ -226,7 +224,7 @@ def load_engine(options: ServiceOptions, role_name: str) -> ModelEngine:
         engine = ModelEngine(model, tokenizer, config)
         engine.warm_up()
         costs = engine.calibrate()  # row padding and prefill chunks from this machine's own step costs
-    log.info("%s: GOMP_SPINCOUNT %s (specmesh.openmp)", role_name, os.environ.get("GOMP_SPINCOUNT", "unset"))
+    log.info("%s: GOMP_SPINCOUNT %s (specmesh.loading.openmp)", role_name, os.environ.get("GOMP_SPINCOUNT", "unset"))
     step_log = StepLog.from_environment(role_name)
     if step_log is not None:
         engine.scheduler.observers.append(step_log.observe)

@@ -8,7 +8,7 @@ as it costs at most `slowdown` times the decode rows alone (ChunkSteering correc
 table's view of that online). Both keep the start-up table: one slow step must not flip them.
 
 What a decode step costs now, with several sessions and their cached context in it, is
-the table corrected by a model fitted to the steps the service runs (specmesh.step_model);
+the table corrected by a model fitted to the steps the service runs (specmesh.engine.step_model);
 services report both (ModelInfo.planned_step_costs, ModelInfo.step_model) to the
 orchestrator's draft-length policy.
 """
@@ -20,7 +20,7 @@ import time
 from typing import Callable, Iterable
 
 from specmesh.ewma import Ewma
-from specmesh.step_model import StepModel, StepShape
+from specmesh.engine.step_model import StepModel, StepShape
 from specmesh.v1 import common_pb2
 
 # Every size where padding decisions and one session's verification (drafts, then alternatives) live,

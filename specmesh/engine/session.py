@@ -1,4 +1,4 @@
-"""A session: one generation's sequence and KV cache in a model service (specmesh.engine runs them).
+"""A session: one generation's sequence and KV cache in a model service (specmesh.engine.model_engine runs them).
 
 Its `token_ids` are the sequence at absolute positions 0..len-1, and its KV cache covers a prefix
 of them (never the newest token, which the next forward feeds).
@@ -14,25 +14,25 @@ import torch
 from transformers import Cache
 
 from specmesh.errors import StaleRound
-from specmesh.penalties import penalize_logits
-from specmesh.sampling import SamplingParams
+from specmesh.engine.penalties import penalize_logits
+from specmesh.engine.sampling_params import SamplingParams
 
 
 @dataclass
 class Session:
     request_id: str
     token_ids: list[int]  # the sequence; token_ids[i] sits at position i
-    cache: Cache  # a DynamicCache, or a slot of preallocated KV (specmesh.slot_cache)
+    cache: Cache  # a DynamicCache, or a slot of preallocated KV (specmesh.engine.slot_cache)
     sampling: SamplingParams
     generator: torch.Generator
     round: int = 0  # highest round seen; older rounds are stale
     last_used: float = field(default_factory=time.monotonic)
-    seed: int = 0  # seeds generators derived per position (specmesh.sampling.generator_at)
+    seed: int = 0  # seeds generators derived per position (specmesh.engine.sampling.generator_at)
     ahead: object | None = None  # a service's own state that lives and dies with the session
-    caller: str = ""  # who opened it (specmesh.security.caller_of), for the per-caller limit
+    caller: str = ""  # who opened it (specmesh.server.security.caller_of), for the per-caller limit
     output_start: int = 0  # position of the first generated token (penalties count from here)
     # Whether its next call follows its last by a bare round trip, so a step is worth a moment's wait
-    # for it (specmesh.batching). A target session whose round drafted comes back after a draft round.
+    # for it (specmesh.engine.batching). A target session whose round drafted comes back after a draft round.
     back_soon: bool = True
 
     @property

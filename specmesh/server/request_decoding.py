@@ -3,7 +3,7 @@
 grpc.aio decodes a request before any interceptor or servicer code runs, and reports a
 DecodeError (invalid UTF-8 in a string field, truncated or garbage bytes) as UNKNOWN.
 `tolerant_deserializer` catches it and hands the servicer an `UndecodableRequest` instead;
-`specmesh.server.ErrorInterceptor` turns that into INVALID_ARGUMENT with a BadRequest
+`specmesh.server.grpc_server.ErrorInterceptor` turns that into INVALID_ARGUMENT with a BadRequest
 naming the top-level field whose bytes are bad (empty when the message itself is garbage).
 """
 

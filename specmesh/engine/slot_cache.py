@@ -5,7 +5,7 @@ its tensors move with every step: nothing can be captured once and replayed. Her
 owns one keys and one values tensor [slots, KV heads, slot length, head dim], allocated once;
 a session holds a slot, writes its new rows at its length and reads the slot up to it. Rolling
 back is a length change (the rows past it are overwritten later), and a step over many sessions
-(specmesh.graph_steps) reads and writes the same addresses every time, which is what a CUDA
+(specmesh.engine.graph_steps) reads and writes the same addresses every time, which is what a CUDA
 graph needs.
 
 Slot 0 is scratch: padding rows and shape captures write there, never into a session's slot.
@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from specmesh.errors import CapacityExhausted
-from specmesh.kv_budget import kv_shape
+from specmesh.engine.kv_budget import kv_shape
 
 SCRATCH_SLOT = 0
 

@@ -8,9 +8,9 @@ bytes do not decode (invalid UTF-8 in a string, garbage) is INVALID_ARGUMENT nam
 field too, never UNKNOWN. Messages above `max_request_bytes` are refused by gRPC itself
 (RESOURCE_EXHAUSTED, naming the limit) before they are read. Transport
 security comes in through it too: TLS or mutual TLS from a `TLSConfig`, and the key
-check (`specmesh.security.ApiKeyInterceptor`: the API key, or the internal token of the
+check (`specmesh.server.security.ApiKeyInterceptor`: the API key, or the internal token of the
 draft and target) on the services it is asked to guard.
-Every server has a `specmesh.drain.Drain` (`drain_of(server)`): `serve_until_signal` drains
+Every server has a `specmesh.server.drain.Drain` (`drain_of(server)`): `serve_until_signal` drains
 on SIGTERM/SIGINT (NOT_SERVING, new calls UNAVAILABLE, in-flight ones get the grace) and stops.
 """
 
@@ -30,13 +30,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from specmesh.connections import ConnectionLimits, grpc_server_options
-from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S, STOP_MARGIN_S, Drain, DrainInterceptor, drain_of
-from specmesh.drain import register as register_drain
+from specmesh.server.connections import ConnectionLimits, grpc_server_options
+from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S, STOP_MARGIN_S, Drain, DrainInterceptor, drain_of
+from specmesh.server.drain import register as register_drain
 from specmesh.errors import InvalidArgument, SpecmeshError
-from specmesh.request_decoding import UndecodableRequest, tolerant_deserializer
-from specmesh.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
-from specmesh.telemetry import server_interceptors, server_message_span
+from specmesh.server.request_decoding import UndecodableRequest, tolerant_deserializer
+from specmesh.server.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
+from specmesh.server.telemetry import server_interceptors, server_message_span
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
     from opentelemetry.sdk.trace import TracerProvider
@@ -155,7 +155,7 @@ async def start_server(
     token), refusing with `unauthenticated_message`; health and reflection stay open. The server's
     `Drain` (`drain_of(server)`) refuses and tracks calls to those services. `max_request_bytes`:
     larger request messages get RESOURCE_EXHAUSTED without being read. `connection_limits`: a public
-    port's bounds (specmesh.connections); None = grpc's defaults, for the internal services.
+    port's bounds (specmesh.server.connections); None = grpc's defaults, for the internal services.
     """
     names = list(service_names)
     drain = Drain()

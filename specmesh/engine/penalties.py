@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from specmesh.errors import InvalidArgument
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 
 
 def penalize_logits(logits: torch.Tensor, history: Sequence[int], output_start: int, params: SamplingParams,

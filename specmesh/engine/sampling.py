@@ -13,8 +13,7 @@ import math
 import torch
 
 # What a request asks lives without torch (clients import it); the math over it is here.
-from specmesh.sampling_params import (GREEDY_BELOW_TEMPERATURE, SamplingParams,  # noqa: F401 (re-exported)
-                                      sampling_from_pb, sampling_to_pb)
+from specmesh.engine.sampling_params import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 A model *spec* is one of (checked in this order):
 
-1. an embedded alias (see :data:`specmesh.embedded.EMBEDDED_MODELS`);
+1. an embedded alias (see :data:`specmesh.loading.embedded.EMBEDDED_MODELS`);
 2. an existing ``.gguf`` file;
 3. an existing directory (a transformers checkpoint, or a directory holding
    exactly one ``.gguf`` file);
@@ -33,8 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from specmesh.embedded import (EMBEDDED_MODELS, ModelIntegrityError, ModelNotFoundError,
-                               get_embedded, resolve_embedded)
+from specmesh.loading.embedded import (EMBEDDED_MODELS, ModelIntegrityError, ModelNotFoundError, get_embedded, resolve_embedded)
 
 if TYPE_CHECKING:
     import torch

@@ -6,11 +6,11 @@ covers *fewer* tokens than the sequence: the newest token is fed by the next
 forward pass, which yields the logits that predict the token after it. Rolling
 back is a crop of the cache: positions past the new length are simply dropped.
 
-All model work runs on one worker thread per engine (specmesh.batching), so the gRPC
+All model work runs on one worker thread per engine (specmesh.engine.batching), so the gRPC
 event loop stays responsive: the services submit jobs, and each step of the worker
-runs the pending rows of every session in one forward (specmesh.ragged); on CUDA the
+runs the pending rows of every session in one forward (specmesh.engine.ragged); on CUDA the
 decode rows run as one static step over preallocated KV, replayed as a CUDA graph
-(specmesh.graph_steps).
+(specmesh.engine.graph_steps).
 """
 
 from __future__ import annotations
@@ -26,29 +26,29 @@ from typing import Any, Callable, Generator, Sequence, TypeVar
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from specmesh import models
-from specmesh.batching import Feed, Job, Part, StepPlanner, StepScheduler
-from specmesh.closed_sessions import ClosedSessions
+from specmesh.loading import models
+from specmesh.engine.batching import Feed, Job, Part, StepPlanner, StepScheduler
+from specmesh.engine.closed_sessions import ClosedSessions
 from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, SessionExists, SessionNotFound
 from specmesh.errors import PositionMismatch
-from specmesh.graph_steps import GraphSteps, slot_budget, uses_graph_steps
-from specmesh.hf_compat import cache_kwargs
-from specmesh.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
-                                reservation, wait_limit)
-from specmesh.penalties import check_penalties
-from specmesh.precision import loaded_as, output_device, output_rows
-from specmesh.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
-from specmesh.sampling import SamplingParams, make_generator
-from specmesh.session import Session
-from specmesh.step_costs import ChunkSteering, PrefillThroughput, StepCosts
-from specmesh.step_model import StepShape
+from specmesh.engine.graph_steps import GraphSteps, slot_budget, uses_graph_steps
+from specmesh.loading.hf_compat import cache_kwargs
+from specmesh.engine.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time, reservation, wait_limit)
+from specmesh.engine.penalties import check_penalties
+from specmesh.loading.precision import loaded_as, output_device, output_rows
+from specmesh.engine.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import make_generator
+from specmesh.engine.session import Session
+from specmesh.engine.step_costs import ChunkSteering, PrefillThroughput, StepCosts
+from specmesh.engine.step_model import StepShape
 from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A session away at the other service comes back within a round: on the embedded pair a draft
 # session proposes again 0.6-1.2 s after its last Propose arrived (k draft steps, then a target
-# step). Last seen longer ago, it is not waited for (specmesh.batching, stragglers).
+# step). Last seen longer ago, it is not waited for (specmesh.engine.batching, stragglers).
 AWAY_HORIZON_S = 2.0
 
 
@@ -67,9 +67,9 @@ class EngineConfig:
     # With measured costs: a step with a prefill chunk costs at most this many times the
     # decode rows alone (so a long prompt delays running streams by at most that factor).
     prefill_slowdown: float = 2.0
-    kv_cache_memory: KVCacheMemory | None = None  # the KV budget (specmesh.kv_budget); None: the device's default
+    kv_cache_memory: KVCacheMemory | None = None  # the KV budget (specmesh.engine.kv_budget); None: the device's default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens queued for KV room; more are refused
-    # Decode and verification steps over preallocated KV, as CUDA graphs (specmesh.graph_steps):
+    # Decode and verification steps over preallocated KV, as CUDA graphs (specmesh.engine.graph_steps):
     # "auto" on CUDA, "on" anywhere (eager off CUDA: how the suite checks it), "off".
     graph_steps: str = "auto"
 
@@ -99,7 +99,7 @@ class ModelEngine:
         self.kv = KVBudget.for_model(model, config.kv_cache_memory, config.max_waiting_sessions)
         self.costs: StepCosts | None = None  # measured by calibrate(); None: no row padding
         if avoid_cudnn_attention(self.device):
-            log.info("cuDNN attention off in this process: it plans every new attention shape (specmesh.ragged)")
+            log.info("cuDNN attention off in this process: it plans every new attention shape (specmesh.engine.ragged)")
         self.ragged = supports_ragged(model)
         if self.ragged:
             install_segmented_attention(model)
@@ -120,7 +120,7 @@ class ModelEngine:
         return await self.scheduler.call(fn, *args, key=session.request_id if session is not None else None)
 
     async def submit(self, session: Session, job: Job) -> Any:
-        """Run a job (a generator of Feeds, specmesh.batching) for the session; its result."""
+        """Run a job (a generator of Feeds, specmesh.engine.batching) for the session; its result."""
         return await self.scheduler.submit(session.request_id, job)
 
     def feed(self, session: Session, token_ids: Sequence[int], keep_rows: int | None = None,
@@ -166,7 +166,7 @@ class ModelEngine:
 
     async def admit(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams, caller: str = "",
                     max_new_tokens: int = 0, timeout_s: float | None = None) -> Session:
-        """new_session once the session's KV reservation is granted (specmesh.kv_budget); a bad request
+        """new_session once the session's KV reservation is granted (specmesh.engine.kv_budget); a bad request
         fails before it waits, and one whose prefill would end past its call's deadline is refused."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.check_new_session(request_id, prompt, sampling, caller)
@@ -255,7 +255,7 @@ class ModelEngine:
             self.graph.capture_common_shapes()
 
     def calibrate(self) -> StepCosts:
-        """Measure what steps of 1..64 rows cost here (specmesh.step_costs), and plan with it."""
+        """Measure what steps of 1..64 rows cost here (specmesh.engine.step_costs), and plan with it."""
         def forward_rows(rows: int) -> None:
             session = Session("calibration", [0] * (rows + 1), self.new_cache(), SamplingParams(), torch.Generator())
             part = Part(session, [0] * rows, 1)
@@ -312,7 +312,7 @@ class ModelEngine:
         self.chunks.observe(rows - prefill, prefill, step_ns / 1e9, self.costs.planned_cost(rows + self._padding(rows)))
 
     def _track_step_costs(self, parts: list[Part], step_ns: int) -> None:
-        """Fit the step-cost model (specmesh.step_model) to decode-only steps (a prefill chunk over a
+        """Fit the step-cost model (specmesh.engine.step_model) to decode-only steps (a prefill chunk over a
         long prompt is not what a decode step costs), at the size the step ran at, its padding included."""
         costs = self.costs
         if costs is None or any(part.prefill for part in parts):
@@ -336,13 +336,13 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def _graph_step(self, parts: list[Part]) -> list[torch.Tensor | None]:
-        """Decode rows as one static step (specmesh.graph_steps); prefill chunks and forks without a slot alone."""
+        """Decode rows as one static step (specmesh.engine.graph_steps); prefill chunks and forks without a slot alone."""
         fitting = [part for part in parts if self.graph.fits(part)]
         graphed = dict(zip(map(id, fitting), self.graph.step(fitting) if fitting else []))
         return [graphed[id(part)] if id(part) in graphed else self._solo(part) for part in parts]
 
     def _solo(self, part: Part) -> torch.Tensor | None:
-        """One part's logits from a forward of its own; a tree of rows (specmesh.ragged.tree_ancestry) takes
+        """One part's logits from a forward of its own; a tree of rows (specmesh.engine.ragged.tree_ancestry) takes
         the segmented attention, the one path that masks and places rows other than as a chain."""
         if part.parents:
             return ragged_forward(self.model, [part], self._padding(len(part.token_ids)), self.device,
@@ -356,7 +356,7 @@ class ModelEngine:
         return self.ragged and self.graph is None
 
     def close(self, request_id: str) -> bool:
-        """Free the session; one not open (yet) is remembered, and its open refused (specmesh.closed_sessions)."""
+        """Free the session; one not open (yet) is remembered, and its open refused (specmesh.engine.closed_sessions)."""
         self.kv.release(request_id)  # its KV room, held from admission (admit)
         if self.sessions.pop(request_id, None) is not None:
             return True

@@ -10,7 +10,7 @@ the faster.
 Either kernel sums in a different order than the other, and than itself for another row
 count: a logit moves by about 1e-5 (fp32), the same order as batching already moves it
 (docs/design/continuous-batching.md). Only float32 layers are converted: int8 layers
-(specmesh.precision) and other dtypes keep their own kernels.
+(specmesh.loading.precision) and other dtypes keep their own kernels.
 """
 
 from __future__ import annotations

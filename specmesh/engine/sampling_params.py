@@ -1,6 +1,6 @@
 """What a request asks of sampling, and its wire form: no torch, so clients import it cheaply.
 
-The sampling math over these parameters is specmesh.sampling.
+The sampling math over these parameters is specmesh.engine.sampling.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
-    # Applied to the logits first, by specmesh.penalties.penalize_logits.
+    # Applied to the logits first, by specmesh.engine.penalties.penalize_logits.
     presence_penalty: float = 0.0  # OpenAI's, over the generated output
     frequency_penalty: float = 0.0  # OpenAI's, over the generated output
     repetition_penalty: float = 1.0  # transformers', over prompt and output; 1 = off

@@ -8,7 +8,7 @@ may split over several steps so that it never stalls the streams already running
 
 One worker thread runs the loop: take the jobs that arrived, plan a step (every
 decode Feed, then prefill chunks within what the step may cost), run it as one
-ragged forward (`specmesh.ragged`), hand each job its logits. A job's own Python
+ragged forward (`specmesh.engine.ragged`), hand each job its logits. A job's own Python
 (sampling, verification, rollback) runs on the worker between steps, so a session
 is only ever touched by one thread. Jobs of one session run in arrival order, one
 at a time: a pre-draft still stepping blocks the Propose that interrupts it until
@@ -27,7 +27,7 @@ from typing import Any, Callable, Generator, Iterable, Sequence
 
 import torch
 
-from specmesh.step_costs import MIN_PREFILL_CHUNK
+from specmesh.engine.step_costs import MIN_PREFILL_CHUNK
 
 Logits = tuple[torch.Tensor, int]  # ([keep_rows, V] float32 on the CPU, the step's ns)
 
@@ -36,11 +36,11 @@ Logits = tuple[torch.Tensor, int]  # ([keep_rows, V] float32 on the CPU, the ste
 class Feed:
     """Rows for one session: `token_ids` at the positions after its cache."""
 
-    session: Any  # specmesh.engine.Session
+    session: Any  # specmesh.engine.model_engine.Session
     token_ids: list[int]
     keep_rows: int = 1  # logits of the last keep_rows fed tokens
     chunkable: bool = False  # a prefill: may be fed over several steps; logits come with the last chunk
-    parents: tuple[int, ...] = ()  # a tree of rows (specmesh.ragged.tree_ancestry); empty: a chain
+    parents: tuple[int, ...] = ()  # a tree of rows (specmesh.engine.ragged.tree_ancestry); empty: a chain
 
 
 Job = Generator[Feed, Logits, Any]
@@ -77,7 +77,7 @@ class StepPlanner:
     Decode rows (verifications, draft steps) all go in, oldest first, up to
     max_step_tokens. Prefill chunks fill what is left of `prefill_allowance(decode_rows,
     prefills)`: the rows a step may add to those decode rows and stay cheap
-    (specmesh.step_costs), at least `min_prefill_chunk` so a prefill always moves.
+    (specmesh.engine.step_costs), at least `min_prefill_chunk` so a prefill always moves.
     """
 
     def __init__(self, max_step_tokens: int, prefill_allowance: Callable[[int, int], int],

@@ -2,7 +2,7 @@
 
     seconds = scale * planned(padded rows) + per_session * (sessions - 1) + per_kilo_attended * attended / 1000
 
-`planned` is the start-up table (specmesh.step_costs: one session's step by rows on a fresh
+`planned` is the start-up table (specmesh.engine.step_costs: one session's step by rows on a fresh
 cache), which prices the weights and the row padding. What it cannot see is learned from
 every decode step the service runs: more sessions in a step (each its own cache and mask),
 attention over long cached contexts (`attended`: the step's query-key pairs, the sum over

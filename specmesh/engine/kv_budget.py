@@ -1,6 +1,6 @@
 """A model service's KV memory, managed by reservation: admission, a FIFO queue, never an out-of-memory crash.
 
-The engine admits a session (specmesh.engine.ModelEngine.admit) with the budget and the pure
+The engine admits a session (specmesh.engine.model_engine.ModelEngine.admit) with the budget and the pure
 arithmetic here: what a session reserves, how long an open may wait, whether its prefill ends in time.
 
 A session reserves, when it opens, the KV room of every token it may ever hold:

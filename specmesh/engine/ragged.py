@@ -31,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from specmesh.batching import Part
+from specmesh.engine.batching import Part
 
 ATTENTION = "specmesh_segmented"  # the model's attention once install_segmented_attention ran
 # A ready 4-D mask makes transformers skip building one (the segmented attention makes its own).
@@ -79,7 +79,7 @@ def segmented_attention(module, query, key, value, attention_mask, dropout: floa
                         slot_batch=None, **kwargs):
     """query [1, H, T, D], key and value [1, KVH, T, D] (the step's new rows) -> ([1, T, H, D], None).
 
-    A static step over preallocated KV (specmesh.graph_steps) brings its own slot_batch instead."""
+    A static step over preallocated KV (specmesh.engine.graph_steps) brings its own slot_batch instead."""
     if slot_batch is not None:
         return slot_batch.attend(module, query, key, value, scaling)
     if segments is None:
