@@ -12,7 +12,8 @@ from specmesh.roles import DRAFT
 openmp.set_spin_count(DRAFT)  # before torch loads OpenMP (specmesh.server.service imports it)
 
 from draft_service.server import create_replica_server  # noqa: E402
-from specmesh.server.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args, run_model_service)
+from specmesh.server.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args,
+                                     run_model_service)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from orchestrator.control.attached import AttachedUnavailable, parse_endpoints
 from orchestrator.control.pools import Pools
 from orchestrator.control.build import servicer_over_pools
 from orchestrator.cli.main import build_parser, main, metrics_ports_of, pools_description, serve_pools_options
-from orchestrator.control.options import ConfigError
+from orchestrator.control.config_error import ConfigError
 from parity import target_greedy
 from pools import MAX_TOKENS, PROMPT, generation, placed
 from serve_cli import ROOT, specmesh, start_serve

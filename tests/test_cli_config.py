@@ -20,7 +20,7 @@ from orchestrator.control.attached import parse_endpoints
 from orchestrator.control.launch import local_pools_options
 from orchestrator.distill.online import fraction, online_distill_options
 from orchestrator.cli.main import build_parser, frontend_options, main, metrics_ports_of, serve_pools_options
-from orchestrator.control.options import ConfigError
+from orchestrator.control.config_error import ConfigError
 from orchestrator.cli.config_file import settings_by_key
 from orchestrator.cli.serve_args import serve_settings
 from specmesh.server.connections import ConnectionLimits, positive_seconds

@@ -1,4 +1,4 @@
-"""Graph steps over preallocated KV (specmesh.engine.graph_steps, specmesh.engine.slot_cache), checked eagerly on the CPU.
+"""Graph steps over preallocated KV (specmesh/engine/: graph_steps, slot_cache), checked eagerly on the CPU.
 
 On CUDA the same static steps are captured and replayed (`pytest --device cuda` runs these there);
 what these tests hold on any device is the layout: writes in place at each session's length,

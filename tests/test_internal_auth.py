@@ -33,7 +33,8 @@ from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from serve_cli import ROOT, start_serve
 from specmesh.engine.model_engine import EngineConfig, ModelEngine
-from specmesh.server.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_metadata, internal_token_from_args, token_interceptors)
+from specmesh.server.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_metadata,
+                                      internal_token_from_args, token_interceptors)
 from specmesh.server.service import add_service_arguments, options_from_args
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.server import create_server as create_target_server

@@ -19,7 +19,8 @@ from orchestrator.serving.failover import PooledTargetClient
 from parity import target_greedy
 from pools import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT, Replicas, generation, placed
 from specmesh.engine.model_engine import EngineConfig, ModelEngine
-from specmesh.engine.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token, parse_kv_cache_memory)
+from specmesh.engine.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token,
+                                       parse_kv_cache_memory)
 from specmesh.server.metrics import ServiceMetrics
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.engine.sampling_params import SamplingParams

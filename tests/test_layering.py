@@ -182,7 +182,7 @@ def test_the_tier_check_lets_downward_imports_through(module, source):
     ("specmesh.engine.session", "def later():\n    from specmesh.server import metrics\n", 1),
     ("specmesh.errors", "import specmesh.roles", 1),  # leaves are peers
     ("specmesh.server.service", "from specmesh.engine.model_engine import ModelEngine", 0),
-    ("specmesh.engine.model_engine", "from specmesh.loading import models\nfrom specmesh.errors import InvalidArgument", 0),
+    ("specmesh.engine.model_engine", "from specmesh.loading import models\nfrom specmesh.errors import Invalid", 0),
 ])
 def test_the_runtime_group_check(module, source, upward):
     assert len(upward_imports(module, source, RUNTIME_TIERS)) == upward

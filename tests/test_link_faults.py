@@ -35,7 +35,8 @@ from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.serving.failover import PooledTargetClient
-from orchestrator.serving.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool, fixed_replicas)
+from orchestrator.serving.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool,
+                                       fixed_replicas)
 from parity import target_greedy
 from pools import placed
 from specmesh.engine.sampling_params import SamplingParams

@@ -15,7 +15,8 @@ from harness import make_engine, start_model_server, start_stack
 from orchestrator.bench.peer import PeerPair
 from parity import target_greedy
 from specmesh.engine.batching import Part
-from specmesh.loading.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, loaded_as, native_bf16, one_row_step_s, quantize_int8_weights, resolve_precision)
+from specmesh.loading.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, loaded_as,
+                                        native_bf16, one_row_step_s, quantize_int8_weights, resolve_precision)
 from specmesh.v1 import common_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

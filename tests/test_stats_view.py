@@ -13,7 +13,8 @@ import socket
 
 import pytest
 
-from orchestrator.cli.stats_view import (CLEAR_SCREEN, add_parser, fetch_metrics, histogram_quantile, metrics_url, render, run, summarize)
+from orchestrator.cli.stats_view import (CLEAR_SCREEN, add_parser, fetch_metrics, histogram_quantile, metrics_url,
+                                         render, run, summarize)
 from specmesh.server.metrics import OrchestratorMetrics, serve_metrics
 
 MODEL = "tiny-target"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.control.options import ConfigError
+from orchestrator.control.config_error import ConfigError
 
 
 class ConfigurableParser(argparse.ArgumentParser):

@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 
 from orchestrator.cli import client_commands, stats_view
-from orchestrator.control.options import ConfigError
+from orchestrator.control.config_error import ConfigError
 from orchestrator.cli.config_file import ConfigurableParser
 from orchestrator.serving.options import FrontendOptions
 from specmesh.server.connections import connection_limits_from_args

@@ -20,7 +20,8 @@ from orchestrator.cli.config_file import ConfigurableParser
 from specmesh.server.connections import add_connection_arguments
 from specmesh.server.drain import add_shutdown_arguments
 from specmesh.server.security import add_api_key_arguments, add_client_tls_arguments, add_server_tls_arguments
-from specmesh.server.service import (add_batching_arguments, add_kv_cache_arguments, add_request_limit_argument, add_telemetry_arguments)
+from specmesh.server.service import (add_batching_arguments, add_kv_cache_arguments, add_request_limit_argument,
+                                     add_telemetry_arguments)
 from target_service.disagreements import add_disagreement_log_arguments
 
 # The command line's options by help group, named by dest; the rest only from --config FILE.

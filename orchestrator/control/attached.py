@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 from orchestrator.control.options import PoolsOptions
 from orchestrator.serving.pool import ReplicaPool, fixed_replicas, new_pool
-from orchestrator.control.options import ConfigError
+from orchestrator.control.config_error import ConfigError
 from specmesh.errors import NotManagedHere
 from specmesh.server.security import add_internal_token_arguments, internal_token_from_args, token_interceptors
 

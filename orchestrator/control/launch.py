@@ -47,7 +47,8 @@ from specmesh.heap import freeze_start_up_heap
 from specmesh.loading.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
 from specmesh.loading.precision import DTYPE_CHOICES, DTYPE_HELP
 from specmesh.server.grpc_server import serve_until_signal
-from specmesh.server.service import (ReplicaConfig, ServiceOptions, add_graph_steps_argument, add_trust_remote_code_argument, load_engine, parse_cpu_list, run_model_service)
+from specmesh.server.service import (ReplicaConfig, ServiceOptions, add_graph_steps_argument,
+                                     add_trust_remote_code_argument, load_engine, parse_cpu_list, run_model_service)
 from specmesh.server.telemetry import make_tracer_provider
 from target_service.disagreements import disagreement_log_settings
 

@@ -13,11 +13,6 @@ from specmesh.server.security import TLSConfig
 BACKENDS = ("local", "ray")
 
 
-class ConfigError(ValueError):
-    """A config file (or a command line) that sets something wrongly; the message names the key. Here, below
-    the command line that reads the file, because attached endpoints' settings are checked in control."""
-
-
 @dataclass(frozen=True)
 class RestartPolicy:
     initial_backoff_s: float = 0.5  # before the first restart; doubles with each restart in the window

@@ -1,4 +1,5 @@
-"""Check the draft and target against the orchestrator's tokenizer and decide pipelining: the Backends a servicer runs over."""
+"""Check the draft and target against the orchestrator's tokenizer and decide pipelining: the Backends a
+servicer runs over."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
                  target_info.host, target_info.device, where)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
-    step_reports = StepReports()  # from start-up on; every pool health check keeps it current (orchestrator.control.build)
+    step_reports = StepReports()  # from start-up on; pools' health checks keep it current (control.build)
     step_reports.update("target", target_info)
     step_reports.update("draft", draft_info)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,

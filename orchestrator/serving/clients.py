@@ -13,7 +13,8 @@ import grpc
 from orchestrator.serving.round_streams import RoundStream
 from specmesh.errors import SpecmeshError
 from specmesh.engine.sampling_params import SamplingParams, sampling_to_pb
-from specmesh.server.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args, bearer_metadata, client_tls_from_args)
+from specmesh.server.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args,
+                                      bearer_metadata, client_tls_from_args)
 from specmesh.server.telemetry import PROPOSE_ROUNDS, VERIFY_ROUNDS
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 

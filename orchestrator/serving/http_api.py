@@ -33,8 +33,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from orchestrator.serving.http_connections import ApiKeyFirst, uvicorn_settings
 from orchestrator.serving.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from orchestrator.serving.http_front_door import (OpenAIError, add_guarded_docs, api_key_check, docs_settings, install_error_handlers, limit_body_size, shutting_down)
-from orchestrator.serving.openai_requests import (PARAMETER_NAMES, ChatCompletionRequest, CompletionRequest, SamplingFields, completion_prompt, generate_request)
+from orchestrator.serving.http_front_door import (OpenAIError, add_guarded_docs, api_key_check, docs_settings,
+                                                  install_error_handlers, limit_body_size, shutting_down)
+from orchestrator.serving.openai_requests import (PARAMETER_NAMES, ChatCompletionRequest, CompletionRequest,
+                                                  SamplingFields, completion_prompt, generate_request)
 from orchestrator.serving.request_limits import request_size_limit
 from orchestrator.serving.finish_reasons import FINISH_REASON_NAMES
 from orchestrator.serving.servicer import GenerationServicer

@@ -2,9 +2,9 @@
 
 A unary call pays for its own HTTP/2 stream, headers and the server's per-call set-up; a message on
 an open stream pays for itself only. Each message still has its own deadline and its own client and
-server spans (specmesh.server.telemetry.client_message_span, server_message_span). A message that fails, times out or finds the
-stream ended raises the AioRpcError its unary call would have raised, and the stream is dropped: the
-session's next round opens a new one (on another replica, after a failover).
+server spans (specmesh.server.telemetry.client_message_span, server_message_span). A message that fails,
+times out or finds the stream ended raises the AioRpcError its unary call would have raised, and the
+stream is dropped: the session's next round opens a new one (on another replica, after a failover).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from specmesh.errors import CapacityExhausted, InvalidArgument, SessionClosed, S
 from specmesh.errors import PositionMismatch
 from specmesh.engine.graph_steps import GraphSteps, slot_budget, uses_graph_steps
 from specmesh.loading.hf_compat import cache_kwargs
-from specmesh.engine.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time, reservation, wait_limit)
+from specmesh.engine.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KVBudget, KVCacheMemory, check_prefill_in_time,
+                                       reservation, wait_limit)
 from specmesh.engine.penalties import check_penalties
 from specmesh.loading.precision import loaded_as, output_device, output_rows
 from specmesh.engine.ragged import avoid_cudnn_attention, install_segmented_attention, ragged_forward, supports_ragged
@@ -67,7 +68,7 @@ class EngineConfig:
     # With measured costs: a step with a prefill chunk costs at most this many times the
     # decode rows alone (so a long prompt delays running streams by at most that factor).
     prefill_slowdown: float = 2.0
-    kv_cache_memory: KVCacheMemory | None = None  # the KV budget (specmesh.engine.kv_budget); None: the device's default
+    kv_cache_memory: KVCacheMemory | None = None  # the KV budget (engine.kv_budget); None: the device's default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens queued for KV room; more are refused
     # Decode and verification steps over preallocated KV, as CUDA graphs (specmesh.engine.graph_steps):
     # "auto" on CUDA, "on" anywhere (eager off CUDA: how the suite checks it), "off".
@@ -336,7 +337,7 @@ class ModelEngine:
         return logits, time.perf_counter_ns() - start
 
     def _graph_step(self, parts: list[Part]) -> list[torch.Tensor | None]:
-        """Decode rows as one static step (specmesh.engine.graph_steps); prefill chunks and forks without a slot alone."""
+        """Decode rows as one static step (engine.graph_steps); prefill chunks and forks without a slot alone."""
         fitting = [part for part in parts if self.graph.fits(part)]
         graphed = dict(zip(map(id, fitting), self.graph.step(fitting) if fitting else []))
         return [graphed[id(part)] if id(part) in graphed else self._solo(part) for part in parts]
@@ -356,7 +357,7 @@ class ModelEngine:
         return self.ragged and self.graph is None
 
     def close(self, request_id: str) -> bool:
-        """Free the session; one not open (yet) is remembered, and its open refused (specmesh.engine.closed_sessions)."""
+        """Free the session; one not open (yet) is remembered, and its open refused (engine.closed_sessions)."""
         self.kv.release(request_id)  # its KV room, held from admission (admit)
         if self.sessions.pop(request_id, None) is not None:
             return True

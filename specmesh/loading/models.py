@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from specmesh.loading.embedded import (EMBEDDED_MODELS, ModelIntegrityError, ModelNotFoundError, get_embedded, resolve_embedded)
+from specmesh.loading.embedded import (EMBEDDED_MODELS, ModelIntegrityError, ModelNotFoundError, get_embedded,
+                                       resolve_embedded)
 
 if TYPE_CHECKING:
     import torch

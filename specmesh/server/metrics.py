@@ -173,7 +173,7 @@ class ServiceMetrics:
 
     @classmethod
     def for_engine(cls, service: str, engine, registry: CollectorRegistry | None = None) -> "ServiceMetrics":
-        """Metrics of a service over `engine` (a specmesh.engine.model_engine.ModelEngine), its gauges read at scrape time."""
+        """Metrics of a service over `engine` (a specmesh.engine ModelEngine), its gauges read at scrape time."""
         metrics = cls(service, engine.config.model_name, registry)
         metrics.sessions_open.labels(**metrics.labels).set_function(lambda: len(engine.sessions))
         metrics.queued_rows.labels(**metrics.labels).set_function(lambda: engine.scheduler.queued_rows)

@@ -21,12 +21,14 @@ from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_argumen
 from specmesh.heap import freeze_start_up_heap
 from specmesh.engine.model_engine import EngineConfig, ModelEngine
 from specmesh.engine.graph_steps import GRAPH_STEPS_CHOICES
-from specmesh.engine.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory, parse_kv_cache_memory)
+from specmesh.engine.kv_budget import (DEFAULT_MAX_WAITING_SESSIONS, KV_CACHE_MEMORY_HELP, KVCacheMemory,
+                                       parse_kv_cache_memory)
 from specmesh.server.metrics import ServiceMetrics, serve_metrics
 from specmesh.loading.cpu_linear import KERNEL_CHOICES, KERNEL_HELP
 from specmesh.loading.precision import DTYPE_CHOICES, DTYPE_HELP, load_model_in
 from specmesh.roles import DRAFT, TARGET, role
-from specmesh.server.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments, add_server_tls_arguments, internal_token_from_args, server_tls_from_args)
+from specmesh.server.security import (SecurityConfigError, TLSConfig, add_internal_token_arguments,
+                                      add_server_tls_arguments, internal_token_from_args, server_tls_from_args)
 from specmesh.server.grpc_server import serve_until_signal, stop_server
 from specmesh.engine.step_log import StepLog
 from specmesh.server.telemetry import make_tracer_provider
@@ -62,10 +64,10 @@ class ServiceOptions:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S  # on SIGTERM: how long in-flight work may run on
     max_step_tokens: int = EngineConfig.max_step_tokens  # rows one batched step may feed
     prefill_slowdown: float | None = None  # a prefill chunk's step costs <= this x decode alone; None: the role's
-    kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (specmesh.engine.kv_budget); None: device default
+    kv_cache_memory: KVCacheMemory | None = None  # draft/target KV budget (engine.kv_budget); None: device default
     max_waiting_sessions: int = DEFAULT_MAX_WAITING_SESSIONS  # opens that may queue for KV room
     trust_remote_code: bool = False  # run the checkpoint's own modeling code (specmesh.loading.models.load_model)
-    graph_steps: str = EngineConfig.graph_steps  # decode steps as CUDA graphs over preallocated KV (specmesh.engine.graph_steps)
+    graph_steps: str = EngineConfig.graph_steps  # decode steps as CUDA graphs over preallocated KV (engine.graph_steps)
 
 
 @dataclass(frozen=True)
