@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
+from orchestrator.control.draft_training import DraftTrainer
 from orchestrator.control.options import PoolsOptions
 from orchestrator.control.pools import Pools
 from orchestrator.decoding.request import LoopConfig
@@ -107,21 +108,22 @@ async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, 
     backends = await backends_for(tokenizer, target, draft, draft_info, loop)
     for pool in pools.pools.values():  # every health check's report keeps the step costs current
         pool.on_info = backends.step_reports.update
-    servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider))
-    servicer.pools = pools
-    start_online_distillation(pools, servicer)
+    trainer = draft_trainer(pools)
+    servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider), pools=pools,
+                                  on_served=trainer.served if trainer is not None else None)
+    if trainer is not None:
+        trainer.start()
     return servicer
 
 
-def start_online_distillation(pools: Pools, servicer: GenerationServicer) -> None:
-    """With `online_distill` set and a draft pool this orchestrator owns: the online loop, fed by every
-    finished request."""
+def draft_trainer(pools: Pools) -> DraftTrainer | None:
+    """With `online_distill` set and a draft pool this orchestrator owns: the online loop (not started yet),
+    to be fed every finished request; the pools stop it with themselves."""
     options = pools.options.online_distill
     if options is None:
-        return
+        return None
     if "draft" not in pools.controllers:
         log.warning("online distillation is on but this orchestrator owns no draft pool: it stays off")
-        return
+        return None
     pools.online = options.trainer(pools=pools, metrics=pools.metrics)
-    servicer.on_served = pools.online.served
-    pools.online.start()
+    return pools.online

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import grpc
 from opentelemetry import trace
@@ -45,7 +46,8 @@ class Backends:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, tokenizer: PreTrainedTokenizerBase, backends: Backends, config: LoopConfig,
                  metrics: OrchestratorMetrics | None = None, tracer: trace.Tracer | None = None,
-                 switch: SpeculationSwitch | None = None):
+                 switch: SpeculationSwitch | None = None, *, pools=None,
+                 on_served: Callable[[Sequence[int], int], None] | None = None):
         self.tokenizer = tokenizer
         self.backends = backends
         self.config = config
@@ -55,8 +57,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.adaptive = Speculation(costs=RoundCosts(backends.step_reports, config.decode_ahead))
         # Earlier and running requests' sequences, for suffix proposals (orchestrator.decoding.suffix_index).
         self.history = SuffixIndex(config.suffix_index_bytes) if config.suffix_index else None
-        self.pools = None  # orchestrator.control.pools.Pools when serving from replica pools
-        self.on_served = None  # (prompt token ids, completion tokens) of each finished completion, or None
+        self.pools = pools  # orchestrator.control.pools.Pools when serving from replica pools, else None
+        self.on_served = on_served  # (prompt token ids, completion tokens) of each finished completion, or None
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt) if prompt else []
