@@ -16,7 +16,7 @@ from orchestrator.decoding.request import LoopConfig
 from orchestrator.control.build import OrchestratorOptions
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
 from orchestrator.control.options import PoolsOptions
-from orchestrator.serving.pool import ReplicaPool, fixed_replicas
+from orchestrator.serving.pool import PoolHooks, ReplicaPool, fixed_replicas
 from orchestrator.control.pools import Pools
 from orchestrator.control.build import servicer_over_pools
 from orchestrator.serving.step_reports import StepReports
@@ -282,14 +282,15 @@ async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(
     engines = {"target": make_engine(tiny_llama_dir), "draft": make_engine(tiny_llama_perturbed_dir, role_name="draft")}
     servers, pools = {}, None
     try:
-        replica_pools = {}
+        replica_pools, step_reports = {}, StepReports()
         for role, engine in engines.items():
             engine.calibrate()
             servers[role], port = await start_model_server(role, engine)
             client = TargetClient if role == "target" else DraftClient
             replica_pools[role] = ReplicaPool(role, fixed_replicas({f"{role}-0": f"127.0.0.1:{port}"}), client,
-                                              check_interval_s=3600)  # checks only when the test refreshes
-        pools = Pools(replica_pools, options=PoolsOptions(start_timeout_s=30))
+                                              check_interval_s=3600,  # checks only when the test refreshes
+                                              hooks=PoolHooks(on_info=step_reports.update))
+        pools = Pools(replica_pools, options=PoolsOptions(start_timeout_s=30), step_reports=step_reports)
         _, tokenizer = load(str(tiny_llama_dir), "cpu")
         reports = (await servicer_over_pools(tokenizer, pools, LoopConfig())).backends.step_reports
         assert reports.target.cost(1) == engines["target"].costs.cost(1)

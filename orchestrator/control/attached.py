@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Iterable, Sequence
 
 from orchestrator.control.options import PoolsOptions
-from orchestrator.serving.pool import ReplicaPool, fixed_replicas, new_pool
+from orchestrator.serving.pool import PoolHooks, ReplicaPool, fixed_replicas, new_pool
 from orchestrator.control.config_error import ConfigError
 from specmesh.errors import NotManagedHere
 from specmesh.server.security import add_internal_token_arguments, internal_token_from_args, token_interceptors
@@ -120,12 +120,13 @@ def replica_names(role: str, addresses: Sequence[str]) -> dict[str, str]:
     return {f"{role}-ext-{index}": address for index, address in enumerate(addresses)}
 
 
-def attached_pools(options: PoolsOptions, interceptors: Sequence = ()) -> dict[str, ReplicaPool]:
+def attached_pools(options: PoolsOptions, interceptors: Sequence = (),
+                   hooks: PoolHooks = PoolHooks()) -> dict[str, ReplicaPool]:
     """A pool over each attached role's fixed addresses. `interceptors`: those of every channel to them (tracing);
     the attached services' token is added here."""
     interceptors = [*interceptors, *token_interceptors(options.attached_token)]
     return {role: new_pool(role, fixed_replicas(replica_names(role, addresses)), options.check_interval_s,
-                           interceptors, options.channel_tls)
+                           interceptors, options.channel_tls, hooks)
             for role, addresses in options.attached.items()}
 
 

@@ -8,7 +8,6 @@ nothing of how it was built.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -82,10 +81,8 @@ async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
                                  tracer_provider: TracerProvider | None = None, metrics=None):
     """The Generation servicer over pools; `options` is an OrchestratorOptions with `pools` set."""
     tracing = client_interceptors(tracer_provider)
-    pools = Pools.from_options(options.pools, [*tracing, *token_interceptors(options.internal_token)], tracing)
-    for pool in pools.pools.values():  # clients are made as replicas appear
-        pool.make_client = functools.partial(pool.make_client,
-                                             **client_options(options.loop.round_calls, tracer_provider))
+    pools = Pools.from_options(options.pools, [*tracing, *token_interceptors(options.internal_token)], tracing,
+                               client_options(options.loop.round_calls, tracer_provider))
     return await servicer_over_pools(tokenizer, pools, options.loop, tracer_provider=tracer_provider,
                                      metrics=metrics)
 
@@ -105,9 +102,7 @@ async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, 
     draft_info = None
     if draft is not None and draft.pool.routable():
         draft_info = await draft.model_info(STARTUP_TIMEOUT_S)
-    backends = await backends_for(tokenizer, target, draft, draft_info, loop)
-    for pool in pools.pools.values():  # every health check's report keeps the step costs current
-        pool.on_info = backends.step_reports.update
+    backends = await backends_for(tokenizer, target, draft, draft_info, loop, pools.step_reports)
     trainer = draft_trainer(pools)
     servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider), pools=pools,
                                   on_served=trainer.served if trainer is not None else None)

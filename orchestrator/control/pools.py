@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from grpc_health.v1 import health_pb2
 
 from orchestrator.control.draft_training import DraftTrainer
 from orchestrator.control.attached import attached_pools, not_managed, wait_for_attached
 from orchestrator.control.options import BACKENDS, PoolsOptions
-from orchestrator.serving.pool import PoolSpec, ReplicaPool, new_pool
+from orchestrator.serving.pool import PoolHooks, PoolSpec, ReplicaPool, new_pool
 from orchestrator.control.ray_controller import PoolController, ray_discovery
 from orchestrator.control.rollout import Rollout
 from orchestrator.control.supervisor import LocalPoolController
 from orchestrator.decoding.background import spawn_background
+from orchestrator.serving.step_reports import StepReports
 from specmesh.errors import InvalidArgument, NotManagedHere, RolloutInProgress
 from specmesh.v1 import admin_pb2, common_pb2
 
@@ -50,11 +52,14 @@ class Pools:
     """This orchestrator's pools, and their controllers where it owns the replicas."""
 
     def __init__(self, pools: dict[str, ReplicaPool], controllers: dict | None = None,
-                 options: PoolsOptions = PoolsOptions()):
+                 options: PoolsOptions = PoolsOptions(), step_reports: StepReports | None = None):
         self.pools = pools  # "target" (always) and "draft" (unless target-only)
         self.controllers = controllers or {}  # LocalPoolController or PoolController, by role
         self.options = options
         self.failed: set[str] = set()  # roles with no replica up: each crash-looping or given up
+        # What each replica's forward steps cost, as its health checks report them (the pools' on_info hook);
+        # the servicer's backends read it.
+        self.step_reports = StepReports() if step_reports is None else step_reports
         self.metrics = None  # specmesh.server.metrics.OrchestratorMetrics, once the servicer has one
         self.target_info = None  # the target's ModelInfo(timeout), once the servicer has a target client
         self.rollout: Rollout | None = None  # the draft pool's latest rollout
@@ -63,37 +68,38 @@ class Pools:
         self._serving_names: tuple[str, ...] = ()
 
     @classmethod
-    def from_options(cls, options: PoolsOptions, interceptors=(), tracing=()) -> "Pools":
+    def from_options(cls, options: PoolsOptions, interceptors=(), tracing=(), client_options=None) -> "Pools":
         """`interceptors`: of the channels to this orchestrator's replicas (tracing and its internal token);
-        `tracing`: of those to attached services, which get their own token (`options.attached_token`)."""
+        `tracing`: of those to attached services, which get their own token (`options.attached_token`);
+        `client_options`: keyword arguments of every replica's client (orchestrator.serving.clients)."""
         if options.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {options.backend!r}")
+        pools = cls({}, options=options)
+        # Ray restarts actors itself: a restart shows as a replica back at a new address. The local
+        # supervisor counts its own (on_restart), also those the pool never saw serving.
+        hooks = PoolHooks(client_options or {}, on_info=pools.step_reports.update, on_serving=pools._serving_changed,
+                          on_restarted=pools._replica_restarted)
         if not options.manage:
-            pools = cls({role: new_pool(role, ray_discovery(role, options.namespace), options.check_interval_s,
-                                        interceptors, options.channel_tls) for role in ("target", "draft")},
-                        options=options)
-        else:
-            pools = cls({}, options=options)
-            for spec in (options.target, options.draft):
-                if spec is not None:
-                    pools.controllers[spec.role] = pools._controller(spec, interceptors)
-                    pools.pools[spec.role] = pools.controllers[spec.role].pool
-            pools.pools.update(attached_pools(options, tracing))
-        for role, pool in pools.pools.items():
-            pool.on_serving = pools._serving_changed
-            if not isinstance(pools.controllers.get(role), LocalPoolController):
-                # Ray restarts actors itself: a restart shows as a replica back at a new address. The
-                # local supervisor counts its own, also those the pool never saw serving.
-                pool.on_restarted = pools._replica_restarted
+            for role in ("target", "draft"):
+                pools.pools[role] = new_pool(role, ray_discovery(role, options.namespace), options.check_interval_s,
+                                             interceptors, options.channel_tls, hooks)
+            return pools
+        for spec in (options.target, options.draft):
+            if spec is not None:
+                pools.controllers[spec.role] = pools._controller(spec, interceptors, hooks)
+                pools.pools[spec.role] = pools.controllers[spec.role].pool
+        pools.pools.update(attached_pools(options, tracing, hooks))
         return pools
 
-    def _controller(self, spec: PoolSpec, interceptors):
+    def _controller(self, spec: PoolSpec, interceptors, hooks: PoolHooks):
         options = self.options
         if options.backend == "local":
             return LocalPoolController(spec, options.restart_policy, options.check_interval_s, interceptors,
                                        options.channel_tls, on_role_failed=self._role_failed,
-                                       on_restart=self._replica_restarted)
-        return PoolController(spec, options.namespace, options.check_interval_s, interceptors, options.channel_tls)
+                                       on_restart=self._replica_restarted,
+                                       hooks=replace(hooks, on_restarted=PoolHooks().on_restarted))
+        return PoolController(spec, options.namespace, options.check_interval_s, interceptors, options.channel_tls,
+                              hooks)
 
     async def start(self) -> None:
         """Start every pool; raises RuntimeError when a replica this orchestrator owns fails to start."""

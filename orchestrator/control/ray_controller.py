@@ -17,7 +17,8 @@ import logging
 import time
 
 from orchestrator.serving.load import Load
-from orchestrator.serving.pool import Discover, PoolSpec, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
+from orchestrator.serving.pool import (Discover, PoolHooks, PoolSpec, ReplicaGone, ReplicaStartFailed, Resolve,
+                                       new_pool)
 from orchestrator.control.ray_replica import ReplicaActor
 from specmesh.loading import openmp
 from specmesh.roles import role
@@ -65,14 +66,15 @@ def ray_discovery(role: str, namespace: str) -> Discover:
 
 
 class PoolController:
-    def __init__(self, spec: PoolSpec, namespace: str, check_interval_s: float = 1.0, interceptors=(), tls=None):
+    def __init__(self, spec: PoolSpec, namespace: str, check_interval_s: float = 1.0, interceptors=(), tls=None,
+                 hooks: PoolHooks = PoolHooks()):
         self.spec = spec
         self.namespace = namespace
         self.actors: dict[str, object] = {}  # live and draining replicas, by actor name
         self.draining: dict[str, asyncio.Task] = {}
         self.desired = spec.replicas
         self.rolling = False  # a rollout is replacing the replicas: no autoscaling meanwhile
-        self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
+        self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls, hooks)
         self._index = 0
         self._last_scaled = 0.0
         self._task: asyncio.Task | None = None

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from orchestrator.control.options import RestartPolicy
-from orchestrator.serving.pool import PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
+from orchestrator.serving.pool import PoolHooks, PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.control.replicas import create_model_server
 from specmesh.loading import openmp
 from specmesh.roles import START_TIMEOUT_S, role
@@ -243,7 +243,7 @@ class LocalPoolController:
     def __init__(self, spec: PoolSpec, policy: RestartPolicy = RestartPolicy(), check_interval_s: float = 1.0,
                  interceptors=(), tls=None,
                  on_role_failed: Callable[[str, bool], None] = lambda role, failed: None,
-                 on_restart: Callable[[str], None] = lambda role: None):
+                 on_restart: Callable[[str], None] = lambda role: None, hooks: PoolHooks = PoolHooks()):
         self.spec = spec
         self.policy = policy
         self.replicas: dict[str, LocalReplica] = {}
@@ -251,7 +251,7 @@ class LocalPoolController:
         self.desired = spec.replicas
         self.failed = False
         self.rolling = False  # a rollout is replacing the replicas (serving.Pools refuses to scale meanwhile)
-        self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls)
+        self.pool = new_pool(spec.role, self._discover, check_interval_s, interceptors, tls, hooks)
         self._on_role_failed = on_role_failed  # (role, failed) each time that changes
         self._on_restart = on_restart
         self._index = 0

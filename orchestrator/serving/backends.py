@@ -38,8 +38,9 @@ def check_vocabularies(tokenizer_fingerprint: str, target: common_pb2.ModelInfo,
 
 
 async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_info: common_pb2.ModelInfo | None,
-                       loop: LoopConfig) -> Backends:
-    """Check the target (and the draft's info, when known) against the tokenizer; return the backends."""
+                       loop: LoopConfig, step_reports: StepReports | None = None) -> Backends:
+    """Check the target (and the draft's info, when known) against the tokenizer; return the backends.
+    `step_reports`: those the pools' health checks keep current, if any."""
     target_info = await target.model_info(timeout=STARTUP_TIMEOUT_S)
     check_vocabularies(models.vocab_fingerprint(tokenizer), target_info, draft_info)
     pipelined = pipeline_enabled(loop.pipeline, target_info, draft_info)
@@ -49,7 +50,7 @@ async def backends_for(tokenizer: PreTrainedTokenizerBase, target, draft, draft_
                  target_info.host, target_info.device, where)
     limits = ModelLimits(vocab_size=target_info.vocab_size, context_window=target_info.context_window,
                          default_num_speculative_tokens=loop.num_speculative_tokens)
-    step_reports = StepReports()  # from start-up on; pools' health checks keep it current (control.build)
+    step_reports = StepReports() if step_reports is None else step_reports
     step_reports.update("target", target_info)
     step_reports.update("draft", draft_info)
     return Backends(target=target, draft=draft, eos_token_ids=set(target_info.eos_token_ids), limits=limits,

@@ -16,10 +16,11 @@ instead of waiting out their deadlines on a stalled link or a hung replica.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -121,25 +122,41 @@ class Replica:
             watch.reschedule(now)
 
 
+def _ignore(*args) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class PoolHooks:
+    """What a pool is built with besides its replicas: how it makes each replica's client, and whom it tells
+    what its checks find (each hook gets the pool's role first)."""
+
+    client_options: Mapping[str, object] = field(default_factory=dict)  # keyword arguments of every client
+    # Every ModelInfo a health check got (step costs: orchestrator.serving.step_reports).
+    on_info: Callable[[str, common_pb2.ModelInfo], None] = _ignore
+    # Whether any replica serves, each time that changes: a stopped or hung replica fails its checks without
+    # dying, and only this tells health about it.
+    on_serving: Callable[[str, bool], None] = _ignore
+    on_restarted: Callable[[str], None] = _ignore  # a replica came back at a new address
+
+
 class ReplicaPool:
     def __init__(self, role: str, discover: Discover, make_client: Callable[[grpc.aio.Channel], object],
-                 check_interval_s: float = 1.0, interceptors: Sequence = (), tls=None):
+                 check_interval_s: float = 1.0, interceptors: Sequence = (), tls=None, hooks: PoolHooks = PoolHooks()):
         self.role = role
         self.discover = discover
-        self.make_client = make_client
+        options = hooks.client_options
+        self.make_client = functools.partial(make_client, **options) if options else make_client
         self.check_interval_s = check_interval_s
         self.interceptors = interceptors
         self.tls = tls  # specmesh.server.security.TLSConfig of the channels to replicas; None = plaintext
         self.replicas: dict[str, Replica] = {}
         self.withheld: set[str] = set()  # serving replicas that get no sessions yet (a rollout checks them first)
         self.failed = False  # set by a supervisor while no replica is up (each crash-looping or given up)
-        self.on_restarted: Callable[[str], None] = lambda role: None  # a replica came back at a new address
-        # (role, any replica serving) each time that changes: a stopped or hung replica fails its
-        # checks without dying, and only this tells health about it.
-        self.on_serving: Callable[[str, bool], None] = lambda role, serving: None
+        self.on_restarted = hooks.on_restarted
+        self.on_serving = hooks.on_serving
         self.serving = True  # as far as health is concerned: until a refresh finds otherwise
-        # Every ModelInfo a health check got, with the pool's role (step costs: orchestrator.serving.step_reports).
-        self.on_info: Callable[[str, common_pb2.ModelInfo], None] = lambda role, info: None
+        self.on_info = hooks.on_info
         self._task: asyncio.Task | None = None
 
     # ---- routing
@@ -347,8 +364,9 @@ class PoolSpec:
         return low, high
 
 
-def new_pool(role: str, discover: Discover, check_interval_s: float, interceptors=(), tls=None) -> ReplicaPool:
-    return ReplicaPool(role, discover, CLIENTS[role], check_interval_s, interceptors, tls)
+def new_pool(role: str, discover: Discover, check_interval_s: float, interceptors=(), tls=None,
+             hooks: PoolHooks = PoolHooks()) -> ReplicaPool:
+    return ReplicaPool(role, discover, CLIENTS[role], check_interval_s, interceptors, tls, hooks)
 
 
 def fixed_replicas(addresses: dict[str, str]) -> Discover:
