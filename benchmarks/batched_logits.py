@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from specmesh.batching import Part
-from specmesh.engine import EngineConfig, ModelEngine, Session
-from specmesh.precision import DTYPE_CHOICES, load_model_in
-from specmesh.sampling import SamplingParams
+from specmesh.engine.batching import Part
+from specmesh.engine.model_engine import EngineConfig, ModelEngine, Session
+from specmesh.loading.precision import DTYPE_CHOICES, load_model_in
+from specmesh.engine.sampling_params import SamplingParams
 
 PREFILL_EVERY = 4  # every 4th session prefills its prompt inside the first batched step
 NOISE_BOUND = 1e-4  # fp32 reordered sums (tests/test_batching.py's MAX_ABS_LOGIT_DELTA)

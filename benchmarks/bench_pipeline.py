@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.deployment.launch import ProcessGroup, run_orchestrator, run_service
-from orchestrator.frontend.options import FrontendOptions
+from orchestrator.control.launch import ProcessGroup, run_orchestrator, run_service
+from orchestrator.serving.options import FrontendOptions
 from specmesh.roles import START_TIMEOUT_S
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
+from orchestrator.control.build import OrchestratorOptions
 from orchestrator.decoding.timing import PARTS
-from specmesh.precision import DTYPE_CHOICES
-from specmesh.service import ReplicaConfig, ServiceOptions, parse_cpu_list
+from specmesh.loading.precision import DTYPE_CHOICES
+from specmesh.server.service import ReplicaConfig, ServiceOptions, parse_cpu_list
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPTS = [

@@ -32,9 +32,9 @@ import grpc
 import httpx
 
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
-from orchestrator.frontend.options import FrontendOptions
-from specmesh.service import ServiceOptions
+from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.serving.options import FrontendOptions
+from specmesh.server.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPT = "The quick brown fox"

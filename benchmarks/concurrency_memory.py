@@ -12,7 +12,7 @@ It passes when: every request is answered (completed, or refused RESOURCE_EXHAUS
 its job) and the peak RSS of each service is what its KV budget allows; the after-load RSS shows
 whether the sessions' memory was given back.
 
---target-option and --draft-option set fields of each service's ServiceOptions (specmesh.service),
+--target-option and --draft-option set fields of each service's ServiceOptions (specmesh.server.service),
 e.g. `--target-option max_sessions=32`; `--kv-cache-memory SIZE` sets both services' KV budget
 (the services' own flag, e.g. 1GiB or 0.2).
 
@@ -40,11 +40,11 @@ import grpc
 import psutil
 
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
-from orchestrator.frontend.options import FrontendOptions
-from specmesh.kv_budget import parse_kv_cache_memory
-from specmesh.models import load_tokenizer
-from specmesh.service import ServiceOptions
+from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.serving.options import FrontendOptions
+from specmesh.engine.kv_budget import parse_kv_cache_memory
+from specmesh.loading.models import load_tokenizer
+from specmesh.server.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 SAMPLE_INTERVAL_S = 0.05

@@ -18,9 +18,9 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specmesh.cpu_linear import use_onednn
-from specmesh.hf_compat import cache_kwargs
-from specmesh.precision import load_model_in
+from specmesh.loading.cpu_linear import use_onednn
+from specmesh.loading.hf_compat import cache_kwargs
+from specmesh.loading.precision import load_model_in
 
 PROMPTS = ["def quicksort(arr):", "Write a short poem about the sea.", "Explain what a hash map is."]
 

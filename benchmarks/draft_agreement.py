@@ -21,8 +21,8 @@ from benchmarks.stack_checks import print_header
 from orchestrator.distill import teacher
 from orchestrator.distill.acceptance import measure_acceptance
 from orchestrator.distill.examples import load_examples
-from specmesh.models import eos_token_ids, load_tokenizer
-from specmesh.precision import DTYPE_CHOICES, load_model_in
+from specmesh.loading.models import eos_token_ids, load_tokenizer
+from specmesh.loading.precision import DTYPE_CHOICES, load_model_in
 
 MODULE = "benchmarks.draft_agreement"
 

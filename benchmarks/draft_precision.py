@@ -23,8 +23,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specmesh.hf_compat import cache_kwargs
-from specmesh.precision import load_model_in
+from specmesh.loading.hf_compat import cache_kwargs
+from specmesh.loading.precision import load_model_in
 
 PROMPTS = ["def quicksort(arr):", "Write a short poem about the sea.", "Explain what a hash map is.",
            "Fix the bug: for i in range(len(xs)) print(xs[i])"]
@@ -58,7 +58,7 @@ def agreement(model, continuations: list[tuple[int, torch.Tensor]]) -> float:
 
 def cut_head(model, tokens: int) -> None:
     """Keep the output head's rows of the first `tokens` ids only (an int8 head or a float Linear)."""
-    from specmesh.precision import Int8WeightLinear
+    from specmesh.loading.precision import Int8WeightLinear
     head = model.get_output_embeddings()
     tokens = min(tokens, head.out_features)
     if isinstance(head, Int8WeightLinear):

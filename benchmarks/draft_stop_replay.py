@@ -35,10 +35,10 @@ from transformers import DynamicCache
 from benchmarks.forward_cost import CONTEXT, forward_ms
 from benchmarks.prompt_lookup_replay import greedy, prompt_ids
 from benchmarks.stack_checks import print_header
-from orchestrator.bench.prompts import KINDS, prompt_pool, select_prompts
-from specmesh.hf_compat import cache_kwargs
-from specmesh.models import eos_token_ids
-from specmesh.precision import load_model_in
+from orchestrator.prompts.sets import KINDS, prompt_pool, select_prompts
+from specmesh.loading.hf_compat import cache_kwargs
+from specmesh.loading.models import eos_token_ids
+from specmesh.loading.precision import load_model_in
 
 TIMED_STEPS = 5  # forwards timed per row count (their median)
 

@@ -24,13 +24,15 @@ import time
 
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
-from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.ray_cli import init_ray
-from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
-from orchestrator.deployment.options import RestartPolicy
-from specmesh.models import load_tokenizer
-from specmesh.sampling import SamplingParams
-from specmesh.service import ReplicaConfig, ServiceOptions
+from orchestrator.serving.pool import PoolSpec
+from orchestrator.control.ray_cli import init_ray
+from orchestrator.control.pools import Pools
+from orchestrator.control.options import PoolsOptions
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.control.options import RestartPolicy
+from specmesh.loading.models import load_tokenizer
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 
 PROMPT = "The quick brown fox"
 RECOVERY_TIMEOUT_S = 300.0

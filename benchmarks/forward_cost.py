@@ -2,7 +2,7 @@
 
 Speculative decoding pays off when verifying k+1 tokens costs little more than
 one: this prints that curve for a model on this machine, which is how the row
-padding in specmesh.engine and the default k were chosen.
+padding in specmesh.engine.model_engine and the default k were chosen.
 
     python -m benchmarks.forward_cost qwen2.5-coder-1.5b --dtype float32 --rows 1 2 3 4 5 6 7 8
 """
@@ -16,8 +16,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from specmesh.hf_compat import cache_kwargs
-from specmesh.precision import DTYPE_CHOICES, load_model_in, resolve_dtype
+from specmesh.loading.hf_compat import cache_kwargs
+from specmesh.loading.precision import DTYPE_CHOICES, load_model_in, resolve_dtype
 
 CONTEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
 

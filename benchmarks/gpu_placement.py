@@ -34,8 +34,8 @@ class StepTimer:
         import torch
         from transformers import DynamicCache
 
-        from specmesh.hf_compat import cache_kwargs
-        from specmesh.precision import load_model_in
+        from specmesh.loading.hf_compat import cache_kwargs
+        from specmesh.loading.precision import load_model_in
 
         self.torch, self.device = torch, device
         self.model, _ = load_model_in(model_dir, device, dtype, trust_remote_code=trust)

@@ -148,7 +148,7 @@ def bench(args: argparse.Namespace, serve, target: Path, draft: Path, concurrenc
     """One `specmesh bench` against the running server at one concurrency; its result.json (with where a
     round's time goes, from the server's /metrics: the RPCs' share at GPU step times)."""
     prompts = prompt_count(args, concurrency)
-    command = [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--endpoint",
+    command = [sys.executable, "-m", "orchestrator.cli.main", "bench", "--endpoint",
                f"127.0.0.1:{serve.grpc_port}", "--metrics-url", f"http://127.0.0.1:{serve.metrics_port}/metrics",
                "--tokenizer", str(target), "--prompt-file", str(args.work / "prompts.jsonl"), "--temperature", "0",
                "--max-tokens", str(args.max_tokens), "--num-prompts", str(prompts), "--max-concurrency",

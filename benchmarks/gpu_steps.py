@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu_steps --model DIR --trust-remote-code --json steps.json
 
-Loads the model once, then for each mode (specmesh.graph_steps "on": static steps over preallocated
+Loads the model once, then for each mode (specmesh.engine.graph_steps "on": static steps over preallocated
 KV, replayed as CUDA graphs on CUDA; "off": the eager ragged step over growing caches) opens
 `sessions` sessions of CONTEXT_TOKENS cached tokens and times the engine's step of `rows` rows for
 each of them (a decode is 1 row, a verification of k drafts k + 1), rolled back after each step so
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from specmesh.batching import Part
-from specmesh.engine import EngineConfig, ModelEngine
-from specmesh.kv_budget import KVCacheMemory
-from specmesh.precision import load_model_in
-from specmesh.sampling import SamplingParams
+from specmesh.engine.batching import Part
+from specmesh.engine.model_engine import EngineConfig, ModelEngine
+from specmesh.engine.kv_budget import KVCacheMemory
+from specmesh.loading.precision import load_model_in
+from specmesh.engine.sampling_params import SamplingParams
 
 CONTEXT_TOKENS = 128
 SHAPES = [(1, 1), (1, 5), (1, 8), (16, 1), (16, 5), (64, 1)]  # (sessions, rows)

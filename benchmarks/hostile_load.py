@@ -36,7 +36,7 @@ import grpc
 import httpx
 
 from benchmarks.serve_process import ServeProcess, start_serve
-from specmesh.connections import raise_file_limit
+from specmesh.server.connections import raise_file_limit
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]  # the attackers run as `python -m benchmarks.hostile_load` from it

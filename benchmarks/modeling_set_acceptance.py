@@ -116,7 +116,7 @@ def emulated_step_ms(profile: dict, rows: int, sessions: int) -> float:
 
 def step_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None, segments) -> tuple[int, int]:
     """(rows, sessions) of a forward: every input row, padding included; the session segments of a
-    ragged step (specmesh.ragged passes `segments`; padding segments have no cache), else the batch."""
+    ragged step (specmesh.engine.ragged passes `segments`; padding segments have no cache), else the batch."""
     shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]  # [batch, seq]
     if segments is not None:
         return shape.numel(), sum(segment.cache is not None for segment in segments)

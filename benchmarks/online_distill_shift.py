@@ -48,8 +48,8 @@ from benchmarks.shift_pairs import Served, paired, paired_line, to_replay
 from benchmarks.shift_timeline import add_intervals, rate, sample_row, summarise, summary_lines, write_files
 from benchmarks.stack_checks import print_header
 from orchestrator.bench.clients import GrpcClient, RequestParams
-from orchestrator.bench.prompts import BenchPrompt, load_jsonl
-from specmesh.models import load_tokenizer
+from orchestrator.prompts.sets import BenchPrompt, load_jsonl
+from specmesh.loading.models import load_tokenizer
 
 MODULE = "benchmarks.online_distill_shift"
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""A draft and a target on the same cores, by OpenMP spin count (specmesh.openmp).
+"""A draft and a target on the same cores, by OpenMP spin count (specmesh.loading.openmp).
 
 For each GOMP_SPINCOUNT: a target process (float32, `--target-rows` rows a step) and a draft
 process (`--draft-dtype`, int8 on these CPUs; one row a step) load one after the other, each
@@ -34,10 +34,10 @@ def child(model: str, dtype: str, rows: int, seconds: float) -> None:
     import torch
     from transformers import DynamicCache
 
-    from specmesh.cpu_linear import choose_cpu_linear
-    from specmesh.engine import EngineConfig, ModelEngine, Session
-    from specmesh.precision import load_model_in
-    from specmesh.sampling import SamplingParams
+    from specmesh.loading.cpu_linear import choose_cpu_linear
+    from specmesh.engine.model_engine import EngineConfig, ModelEngine, Session
+    from specmesh.loading.precision import load_model_in
+    from specmesh.engine.sampling_params import SamplingParams
 
     loaded, tokenizer = load_model_in(model, "cpu", dtype)
     choose_cpu_linear(loaded, "auto", "cpu")

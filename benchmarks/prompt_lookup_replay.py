@@ -18,9 +18,9 @@ from collections import defaultdict
 
 import torch
 
-from orchestrator.bench.prompts import KINDS, BenchPrompt, prompt_pool, select_prompts
+from orchestrator.prompts.sets import KINDS, BenchPrompt, prompt_pool, select_prompts
 from orchestrator.decoding.lookup import PromptLookup
-from specmesh.models import load_model
+from specmesh.loading.models import load_model
 
 
 def prompt_ids(tokenizer, prompt: BenchPrompt) -> list[int]:

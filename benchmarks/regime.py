@@ -56,7 +56,7 @@ SMALL = Sweep(profiles=("h100-8b",), alphas=(0.8,), rtts_ms=(5.0,), bandwidths=(
 def run_bench(stack: RegimeStack, concurrency: int, temperature: float, sweep: Sweep, ab: bool, log: Path) -> dict:
     """One `specmesh bench` configuration against the stack, in this process; its result.json."""
     from orchestrator.bench.app import run
-    from orchestrator.frontend.cli import build_parser
+    from orchestrator.cli.main import build_parser
 
     prompts = sweep.prompts_c1 if concurrency == 1 else 2 * concurrency
     result_dir = log.with_suffix("")

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.gpu_profiles import StepTable
 from benchmarks.regime_bound import pipelined_bound, sequential_bound
-from orchestrator.frontend.stats_view import fetch_metrics
+from orchestrator.cli.stats_view import fetch_metrics
 
 ORCHESTRATOR_COUNTERS = {  # what a cell reads of the orchestrator's /metrics
     "rounds": ("specmesh_round_time_seconds_count", {"part": "draft_busy"}),

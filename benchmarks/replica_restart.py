@@ -8,11 +8,11 @@ A replica is started the two ways the serving path starts one:
 
 - process: `python -m target_service --model M --port P`, as an operator or a pod runs it (the way
   benchmarks.serve_process.start_logged starts services: this repository on PYTHONPATH, unbuffered);
-- supervised: a `specmesh serve` replica, started by orchestrator.deployment.supervisor.LocalReplica as a
+- supervised: a `specmesh serve` replica, started by orchestrator.control.supervisor.LocalReplica as a
   spawned child (run_replica). Each trial opens a session and a VerifyRounds stream on it, SIGKILLs the
   child once a round is answered (mid-stream), and times the supervisor's replacement from its process's
   start (/proc/PID/stat) on. The spawned child imports this module as its __mp_main__ (only the standard
-  library at its top); under `specmesh serve` it imports orchestrator.frontend.cli instead, which the
+  library at its top); under `specmesh serve` it imports orchestrator.cli.main instead, which the
   import-time report below measures too.
 
 Marks, in seconds from the process's start (the spawn):
@@ -21,7 +21,7 @@ Marks, in seconds from the process's start (the spawn):
                  and its flags parsed (the no-internal-token warning; this benchmark passes no token);
                  supervised: the first log record, which is the model's "loaded" (run_replica logs
                  nothing before it), so the split is process mode's
-  loaded         specmesh.models' "loaded MODEL" line: weights and tokenizer in memory
+  loaded         specmesh.loading.models' "loaded MODEL" line: weights and tokenizer in memory
   calibrated     the "step costs" line: kernels chosen, KV budget sized, warm-up and step-cost table done
   heap frozen    specmesh.heap's gc.freeze line (a full collection of start-up's garbage first)
   serving        process: the "target listening on" line; supervised: the supervisor learns the port
@@ -34,7 +34,7 @@ inflates far less than the wall times. It prints a table of
 medians (and min/max) per way and writes every trial with --out as JSON, with the import-time report:
 one more process-mode start under `python -X importtime` (PYTHONPROFILEIMPORTTIME), its 15 modules of
 the largest cumulative import time and its import time by top-level package, and the same for the
-modules a spawned `specmesh serve` child imports besides (orchestrator.frontend.cli and the supervisor).
+modules a spawned `specmesh serve` child imports besides (orchestrator.cli.main and the supervisor).
 The bar: a replaced replica serves within TARGET_S of its process's start on an idle machine of
 this kind (2-core x86 VM); the table says how the run compares, and the JSON records the load average.
 """
@@ -78,7 +78,7 @@ MARKS = ("first output", "imports done", "loaded", "calibrated", "heap frozen", 
 IMPORTTIME = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)")
 # What a spawned `specmesh serve` child imports besides the replica's own modules: its parent's main module
 # (multiprocessing's spawn runs it as __mp_main__) and the supervisor, whose run_replica it unpickles.
-SPAWN_EXTRA = "import orchestrator.frontend.cli, orchestrator.deployment.supervisor"
+SPAWN_EXTRA = "import orchestrator.cli.main, orchestrator.control.supervisor"
 
 
 def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -282,10 +282,10 @@ async def kill_mid_stream(address: str, pid: int, request_id: str) -> float:
 
 
 async def supervised_trials(model: str, trials: int) -> list[dict]:
-    from orchestrator.deployment.options import RestartPolicy
-    from orchestrator.deployment.supervisor import LocalReplica
+    from orchestrator.control.options import RestartPolicy
+    from orchestrator.control.supervisor import LocalReplica
     from specmesh.roles import TARGET
-    from specmesh.service import ReplicaConfig, ServiceOptions
+    from specmesh.server.service import ReplicaConfig, ServiceOptions
     config = ReplicaConfig(TARGET.name, ServiceOptions(model=model))
     replica = LocalReplica("target-0", config, RestartPolicy(max_restarts=trials + 1), on_change=lambda: None,
                            on_restart=lambda: None)

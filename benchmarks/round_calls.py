@@ -4,7 +4,7 @@
     python -m benchmarks.round_calls --model /tmp/gpu/pair/target --trust-remote-code --device cuda --dtype bfloat16
 
 Starts one model service (`python -m target_service` or `draft_service`), then, with the orchestrator's
-own client (orchestrator.deployment.clients), runs blocks of rounds on fresh sessions, unary and
+own client (orchestrator.serving.clients), runs blocks of rounds on fresh sessions, unary and
 stream blocks taking turns (ABBA), so the host's drift favours neither. A round is a Verify of two
 draft tokens (target) or a Propose of two tokens (draft); its cost beyond the forward is its wall time
 minus the forward time the response reports. Prints each block's median and the medians over blocks.
@@ -23,8 +23,8 @@ import sys
 import time
 
 from orchestrator.bench.report import machine_info
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
-from specmesh.sampling import SamplingParams
+from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
+from specmesh.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(10, 40))
 READY_TIMEOUT_S = 300.0

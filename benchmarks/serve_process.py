@@ -32,7 +32,7 @@ class ServeProcess:
 
 
 def serve_command(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.frontend.cli", "serve", *flags]
+    return [sys.executable, "-m", "orchestrator.cli.main", "serve", *flags]
 
 
 def start_serve(flags: list[str], log_path: Path, timeout_s: float = 600.0, http: bool = False,

@@ -40,10 +40,10 @@ import grpc
 from benchmarks.concurrency_memory import MIB, mixed_requests, service_processes, tiny_pair
 from benchmarks.stack_checks import StackLog, print_header, stop_stack, wait_closed
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
-from orchestrator.frontend.options import FrontendOptions
-from specmesh.models import load_tokenizer
-from specmesh.service import ServiceOptions
+from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.serving.options import FrontendOptions
+from specmesh.loading.models import load_tokenizer
+from specmesh.server.service import ServiceOptions
 from specmesh.v1 import generation_pb2_grpc
 
 GROWTH_LIMIT = 0.10

@@ -20,8 +20,8 @@ import time
 
 from benchmarks.bench_pipeline import scrape, total
 from orchestrator.bench.report import machine_info
-from orchestrator.deployment.supervisor import STOP_GRACE_S
-from specmesh.drain import DEFAULT_SHUTDOWN_GRACE_S
+from orchestrator.control.supervisor import STOP_GRACE_S
+from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S
 
 OPEN_GAUGES = {"orchestrator": ("specmesh_requests_running", "specmesh_requests_waiting"),
                "draft": ("specmesh_sessions_open",), "target": ("specmesh_sessions_open",)}

@@ -6,14 +6,14 @@ import argparse
 import asyncio
 import logging
 
-from specmesh import openmp
+from specmesh.loading import openmp
 from specmesh.roles import DRAFT
 
-openmp.set_spin_count(DRAFT)  # before torch loads OpenMP (specmesh.service imports it)
+openmp.set_spin_count(DRAFT)  # before torch loads OpenMP (specmesh.server.service imports it)
 
 from draft_service.server import create_replica_server  # noqa: E402
-from specmesh.service import (ReplicaConfig, add_service_arguments, announce, load_engine,  # noqa: E402
-                              options_from_args, run_model_service)
+from specmesh.server.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args,
+                                     run_model_service)
 
 
 def main() -> None:

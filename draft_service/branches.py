@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from specmesh.engine import Session
+from specmesh.engine.model_engine import Session
 
 
 @dataclass

@@ -20,12 +20,13 @@ from typing import AsyncIterator, Callable, Sequence
 import torch
 
 from draft_service.branches import Branch, DraftState, adopt_longest_prefix, common_prefix, plan_extra_branches
-from specmesh.commit import committed_sequence
-from specmesh.distributions import decode_distribution, encode_distribution
-from specmesh.engine import ModelEngine, Session
+from specmesh.engine.commit import committed_sequence
+from specmesh.engine.distributions import decode_distribution, encode_distribution
+from specmesh.engine.model_engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
 from specmesh.roles import MAX_DRAFT_TOKENS
-from specmesh.sampling import SamplingParams, generator_at, logits_to_probs, sample_token
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import generator_at, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
 
 
@@ -88,7 +89,7 @@ class DraftEngine:
         session.enter_round(round_number)
         # Its next call follows the target's verification of this round: steps do not wait for it
         # as for a call on its way, only a moment when drafts released together arrive apart
-        # (specmesh.batching, stragglers); stepped one step behind the rest, a request's draft
+        # (specmesh.engine.batching, stragglers); stepped one step behind the rest, a request's draft
         # reached the target a draft step late and waited a whole target step of its own.
         session.back_soon = False
         return session, state.calls
@@ -114,7 +115,7 @@ class DraftEngine:
 
     def _propose(self, session: Session, commit: CommitSpec | None, position: int, num_tokens: int,
                  stop_below: float):
-        """A job (specmesh.batching) -> Proposal."""
+        """A job (specmesh.engine.batching) -> Proposal."""
         if commit is not None:
             self._apply_commit(session, commit)
         if position != len(session.token_ids):

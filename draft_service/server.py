@@ -13,11 +13,11 @@ from grpc_health.v1.health import aio as health_aio
 
 from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
-from specmesh.engine import ModelEngine
-from specmesh.metrics import ServiceMetrics
-from specmesh.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
-from specmesh.server import start_server
-from specmesh.service import ReplicaConfig
+from specmesh.engine.model_engine import ModelEngine
+from specmesh.server.metrics import ServiceMetrics
+from specmesh.server.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
+from specmesh.server.grpc_server import start_server
+from specmesh.server.service import ReplicaConfig
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
@@ -43,7 +43,7 @@ async def create_replica_server(config: ReplicaConfig, engine: ModelEngine, *,
                                 tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
                                 max_concurrent_rpcs: int | None = None,
                                 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """The draft server of a replica config (specmesh.service.ReplicaServerFactory), at its host and port."""
+    """The draft server of a replica config (specmesh.server.service.ReplicaServerFactory), at its host and port."""
     options = config.service
     return await create_server(engine, f"{options.host}:{options.port}", tracer_provider=tracer_provider,
                                metrics=metrics, max_concurrent_rpcs=max_concurrent_rpcs, tls=options.tls,

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from draft_service.engine import CommitSpec, DraftEngine
-from specmesh.metrics import ServiceMetrics
-from specmesh.sampling import sampling_from_pb
-from specmesh.security import caller_of
-from specmesh.server import answer_in_order
-from specmesh.telemetry import PROPOSE_ROUNDS, annotate_current_span
+from specmesh.server.metrics import ServiceMetrics
+from specmesh.engine.sampling_params import sampling_from_pb
+from specmesh.server.security import caller_of
+from specmesh.server.grpc_server import answer_in_order
+from specmesh.server.telemetry import PROPOSE_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)

@@ -14,17 +14,17 @@ import argparse
 import logging
 import sys
 
-from orchestrator.deployment.launch import Ready, run_orchestrator
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.ray_cli import init_ray
-from orchestrator.deployment.options import PoolsOptions
+from orchestrator.control.launch import Ready, run_orchestrator
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.ray_cli import init_ray
+from orchestrator.control.options import PoolsOptions
 from orchestrator.decoding.options import add_loop_arguments, loop_config
-from specmesh.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
-                               add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
-                               client_tls_from_args, internal_token_from_args, server_tls_from_args)
-from specmesh.drain import add_shutdown_arguments
-from orchestrator.frontend.options import FrontendOptions
-from specmesh.service import add_request_limit_argument, add_telemetry_arguments, announce
+from specmesh.server.security import (SecurityConfigError, add_api_key_arguments, add_client_tls_arguments,
+                                      add_internal_token_arguments, add_server_tls_arguments, api_key_from_args,
+                                      client_tls_from_args, internal_token_from_args, server_tls_from_args)
+from specmesh.server.drain import add_shutdown_arguments
+from orchestrator.serving.options import FrontendOptions
+from specmesh.server.service import add_request_limit_argument, add_telemetry_arguments, announce
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Domain errors raised by engines and mapped to gRPC status codes in one place.
 
-Engines and servicers raise these; `specmesh.server.ErrorInterceptor` turns them
+Engines and servicers raise these; `specmesh.server.grpc_server.ErrorInterceptor` turns them
 into statuses, so a bad request never becomes INTERNAL and never kills a server.
 """
 
@@ -72,7 +72,7 @@ class NotManagedHere(SpecmeshError):
 
 
 class ShuttingDown(SpecmeshError):
-    """The server is draining (specmesh.drain): new work is refused, late work cut off."""
+    """The server is draining (specmesh.server.drain): new work is refused, late work cut off."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -26,7 +26,7 @@ class Role:
     # step is a small part of a round, so a draft's chunk may be dearer (figures: docs/design/tuning.md).
     prefill_slowdown: float
     # GOMP_SPINCOUNT its processes start with (None: libgomp's own), so that beside the other role
-    # on the same cores its idle OpenMP threads give the cores back soon (specmesh.openmp).
+    # on the same cores its idle OpenMP threads give the cores back soon (specmesh.loading.openmp).
     openmp_spin_count: str | None = None
 
 

@@ -7,8 +7,8 @@ import asyncio
 import logging
 
 from specmesh.roles import TARGET
-from specmesh.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args,
-                              run_model_service)
+from specmesh.server.service import (ReplicaConfig, add_service_arguments, announce, load_engine, options_from_args,
+                                     run_model_service)
 from target_service.disagreements import add_disagreement_log_arguments, disagreement_log_settings
 from target_service.server import create_replica_server
 

@@ -6,7 +6,7 @@ position is the target's token, a row fed for that alternative, seeing the draft
 position, already holds the target's logits after it: its argmax commits one more token for
 the price of a row (VerifyRequest.alternatives). The rows form a tree: the chain of the last
 committed tokens and the drafts, then each alternative as a child of the row before its draft
-(specmesh.ragged.tree_ancestry). Greedy only: what is committed is the target's argmax at every
+(specmesh.engine.ragged.tree_ancestry). Greedy only: what is committed is the target's argmax at every
 position either way, so the output is the one the target alone makes.
 """
 
@@ -18,7 +18,7 @@ from typing import Collection, Sequence
 import torch
 
 from specmesh.errors import InvalidArgument
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import target_pb2
 
 

@@ -7,12 +7,13 @@ from typing import Sequence
 
 import torch
 
-from specmesh.commit import committed_tokens
-from specmesh.distributions import decode_distribution
-from specmesh.engine import ModelEngine, Session
+from specmesh.engine.commit import committed_tokens
+from specmesh.engine.distributions import decode_distribution
+from specmesh.engine.model_engine import ModelEngine, Session
 from specmesh.errors import InvalidArgument, PositionMismatch
 from specmesh.roles import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS
-from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import logits_to_probs, make_generator, sample_token
 from specmesh.v1 import common_pb2, target_pb2
 from target_service.alternatives import (Alternative, after_alternative, check_alternatives, taken_alternative,
                                          tree_parents)
@@ -77,7 +78,7 @@ class TargetEngine:
         return Opened(-1, len(committed), forward_ns)
 
     def _prefill(self, session: Session):
-        """A job (specmesh.batching): the prompt, chunked as the steps allow -> Opened."""
+        """A job (specmesh.engine.batching): the prompt, chunked as the steps allow -> Opened."""
         token_id, logprobs, forward_ns = yield from self._decode_step(session, chunkable=True)
         return Opened(token_id, len(session.token_ids), forward_ns, logprobs[0] if logprobs else None)
 
@@ -124,7 +125,7 @@ class TargetEngine:
             checked = []  # verified as drafts alone: an alternative only ever adds a chance
         session.enter_round(round_number)
         # A round that drafted will most likely draft again: its next Verify follows a draft round, and
-        # steps (a prefill chunk above all) should not wait for it (specmesh.batching). Prompt lookup's
+        # steps (a prefill chunk above all) should not wait for it (specmesh.engine.batching). Prompt lookup's
         # tokens come from the orchestrator itself: the next Verify comes at once, as after a decode step.
         session.back_soon = not draft_token_ids or not from_draft_model
         return await self.engine.submit(
@@ -146,7 +147,7 @@ class TargetEngine:
     def _verify(self, session: Session, draft_ids: list[int],
                 draft_distributions: Sequence[common_pb2.TokenDistribution], alternatives: list[Alternative],
                 decode_ahead: int = 0):
-        """A job (specmesh.batching): one forward of the last committed token, the drafts and any alternatives
+        """A job (specmesh.engine.batching): one forward of the last committed token, the drafts and any alternatives
         (target_service.alternatives), then decode_ahead steps of the target alone -> Verification."""
         k = len(draft_ids)
         draft_probs = self._decode_draft_probs(draft_distributions)  # [k, V] or None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specmesh.sampling import sample_token
+from specmesh.engine.sampling import sample_token
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
-from specmesh.engine import ModelEngine
-from specmesh.metrics import ServiceMetrics
-from specmesh.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
-from specmesh.server import start_server
-from specmesh.service import ReplicaConfig
+from specmesh.engine.model_engine import ModelEngine
+from specmesh.server.metrics import ServiceMetrics
+from specmesh.server.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
+from specmesh.server.grpc_server import start_server
+from specmesh.server.service import ReplicaConfig
 from specmesh.v1 import target_pb2, target_pb2_grpc
 from target_service.disagreements import DisagreementLog
 from target_service.engine import TargetEngine
@@ -44,7 +44,7 @@ async def create_replica_server(config: ReplicaConfig, engine: ModelEngine, *,
                                 tracer_provider: TracerProvider | None = None, metrics: ServiceMetrics | None = None,
                                 max_concurrent_rpcs: int | None = None,
                                 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """The target server of a replica config (specmesh.service.ReplicaServerFactory), at its host and port."""
+    """The target server of a replica config (specmesh.server.service.ReplicaServerFactory), at its host and port."""
     options = config.service
     disagreements = DisagreementLog(*config.disagreement_log) if config.disagreement_log else None
     return await create_server(engine, f"{options.host}:{options.port}", tracer_provider=tracer_provider,

@@ -12,17 +12,18 @@ from grpc_health.v1.health import aio as health_aio
 
 from harness import WORK_TIMEOUT_S, load, make_engine, serve_config
 from orchestrator.decoding.options import loop_config
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.options import PoolsOptions
-from orchestrator.deployment.pool import ReplicaPool
-from orchestrator.deployment.replicas import create_model_server
-from orchestrator.frontend.cli import build_parser, metrics_ports_of, serve_pools_options
-from orchestrator.frontend.server import SERVICE_NAME, create_servicer, serve_grpc
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.options import PoolsOptions
+from orchestrator.serving.pool import ReplicaPool
+from orchestrator.control.replicas import create_model_server
+from orchestrator.cli.main import build_parser, metrics_ports_of, serve_pools_options
+from orchestrator.serving.server import SERVICE_NAME, serve_grpc
+from orchestrator.control.build import create_servicer
 from pools import MAX_TOKENS
-from specmesh.drain import drain_of
-from specmesh.engine import ModelEngine
-from specmesh.security import Security
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.drain import drain_of
+from specmesh.engine.model_engine import ModelEngine
+from specmesh.server.security import Security
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 TOKEN = "attached-t0ken"
@@ -50,7 +51,7 @@ async def start_service(role: str, model_dir, token: str | None = TOKEN) -> Serv
     engine = make_engine(model_dir, role_name=role)
     options = ServiceOptions(model=str(model_dir), internal_token=token)
     server, port, health = await create_model_server(ReplicaConfig(role, options), engine)
-    drain_of(server).hold_sessions(lambda: len(engine.sessions))  # as specmesh.service.start_model_service does
+    drain_of(server).hold_sessions(lambda: len(engine.sessions))  # as specmesh.server.service.start_model_service does
     return Service(engine, server, port, health)
 
 

@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.engine import CommitSpec, DraftEngine
-from specmesh.engine import ModelEngine, Session
-from specmesh.sampling import SamplingParams
+from specmesh.engine.model_engine import ModelEngine, Session
+from specmesh.engine.sampling_params import SamplingParams
 
 
 def feed_uncached(engine: ModelEngine, session: Session, extra: Sequence[int] = (),

@@ -12,12 +12,13 @@ from grpc_status import rpc_status
 
 from benchmarks.tiny_models import TINY_PROMPTS
 from harness import WORK_TIMEOUT_S, Stack, load, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.clients import open_channel
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.frontend.server import create_servicer, serve_grpc
-from orchestrator.frontend.servicer import GenerationServicer
-from specmesh.security import bearer_metadata
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.clients import open_channel
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.control.build import create_servicer
+from orchestrator.serving.server import serve_grpc
+from orchestrator.serving.servicer import GenerationServicer
+from specmesh.server.security import bearer_metadata
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}

@@ -14,20 +14,20 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from benchmarks.links import DelayLine, LinkSpec
-from orchestrator.deployment.clients import open_channel
+from orchestrator.serving.clients import open_channel
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.replicas import create_model_server
-from orchestrator.frontend.server import create_server as create_orchestrator_server
-from specmesh.engine import EngineConfig, ModelEngine
-from specmesh.kv_budget import KVCacheMemory
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.cpu_linear import choose_cpu_linear
-from specmesh.precision import load_model_in
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.replicas import create_model_server
+from orchestrator.control.build import create_server as create_orchestrator_server
+from specmesh.engine.model_engine import EngineConfig, ModelEngine
+from specmesh.engine.kv_budget import KVCacheMemory
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.loading.cpu_linear import choose_cpu_linear
+from specmesh.loading.precision import load_model_in
 from specmesh.roles import role
-from specmesh.security import TLSConfig, bearer_metadata, token_interceptors
-from specmesh.service import ReplicaConfig, ServiceOptions
-from specmesh.step_costs import StepCosts
+from specmesh.server.security import TLSConfig, bearer_metadata, token_interceptors
+from specmesh.server.service import ReplicaConfig, ServiceOptions
+from specmesh.engine.step_costs import StepCosts
 from specmesh.v1 import common_pb2, draft_pb2_grpc, generation_pb2, generation_pb2_grpc, target_pb2_grpc
 
 # The deadline of a wait on work finishing (a generation, a session closing, a server stopping):
@@ -123,13 +123,13 @@ class TargetHold:
 def load(model_dir: str, device: str, dtype: str = "float32", cpu_linear: str = "torch",
          trust_remote_code: bool = False):
     """Models are read-only once loaded, so tests share them across stacks. `dtype`: a --dtype name;
-    `cpu_linear`: the kernel of float32 Linear layers (specmesh.cpu_linear; tests pick one, never auto)."""
+    `cpu_linear`: the kernel of float32 Linear layers (specmesh.loading.cpu_linear; tests pick one, never auto)."""
     model, tokenizer = load_model_in(model_dir, device, dtype, trust_remote_code=trust_remote_code)
     choose_cpu_linear(model, cpu_linear, device)
     return model, tokenizer
 
 
-# Graph steps over preallocated KV slots (specmesh.graph_steps), eager on a CPU, in a small budget.
+# Graph steps over preallocated KV slots (specmesh.engine.graph_steps), eager on a CPU, in a small budget.
 GRAPH_STEPS = dict(graph_steps="on", max_sessions=8, kv_cache_memory=KVCacheMemory(bytes=2**23))
 # On CUDA every engine preallocates its KV budget (graph steps): tests that open several engines at once
 # would otherwise each take 0.8 of the free memory.

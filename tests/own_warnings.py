@@ -6,7 +6,7 @@ frame its ``stacklevel`` names. Libraries name the wrong frame for some of the c
 make. transformers' renamed-argument warning (``past_key_values`` -> ``cache``) names the
 caller of the model's ``forward``, which is torch's ``Module.__call__``, not the code that
 called the model; a deprecated property warns with stacklevel 1 and names itself. So the
-warning that ``model(..., past_key_values=...)`` in specmesh/engine.py raised read as
+warning that ``model(..., past_key_values=...)`` in specmesh/engine/model_engine.py raised read as
 torch's, and a filter on our modules never saw it.
 
 ``install`` puts a hook where the interpreter hands a warning that passed the filters to

@@ -15,8 +15,9 @@ from harness import load, make_engine, start_model_server
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats
-from orchestrator.deployment.clients import TargetClient, open_channel
-from specmesh.sampling import SamplingParams, logits_to_probs
+from orchestrator.serving.clients import TargetClient, open_channel
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import logits_to_probs
 
 MAX_TOKENS = 32  # the greedy parity tests' generation length
 PROMPT = "def add(a, b):"  # the sampled parity tests' prompt, whose second token they count

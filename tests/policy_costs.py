@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.policy import Speculation
-from specmesh.step_costs import StepCosts
-from specmesh.step_model import StepModel
+from specmesh.engine.step_costs import StepCosts
+from specmesh.engine.step_model import StepModel
 
 SIZES = tuple(range(1, 9)) + (12, 16, 24, 32, 48, 64)
 

@@ -12,13 +12,15 @@ import grpc
 from harness import WORK_TIMEOUT_S, eventually, load, make_engine, start_model_server
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
-from orchestrator.deployment.clients import DraftClient, TargetClient
-from orchestrator.deployment.options import RestartPolicy
-from orchestrator.deployment.pool import PoolSpec, ReplicaPool, fixed_replicas
-from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.sampling import SamplingParams
-from specmesh.service import ReplicaConfig, ServiceOptions
+from orchestrator.serving.clients import DraftClient, TargetClient
+from orchestrator.control.options import RestartPolicy
+from orchestrator.serving.pool import PoolSpec, ReplicaPool, fixed_replicas
+from orchestrator.control.pools import Pools
+from orchestrator.control.options import PoolsOptions
+from orchestrator.control.build import servicer_over_pools
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 48

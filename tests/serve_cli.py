@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def specmesh(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.frontend.cli", *args]
+    return [sys.executable, "-m", "orchestrator.cli.main", *args]
 
 
 def start_serve(*args: str, expect_metrics: bool = False,

@@ -21,10 +21,10 @@ from orchestrator.decoding.policy import DraftLength, Speculation
 from orchestrator.decoding.request import RoundTiming
 from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
 from policy_costs import speculation
-from specmesh.batching import Part
+from specmesh.engine.batching import Part
 from specmesh.errors import InvalidArgument
-from specmesh.ragged import tree_ancestry
-from specmesh.sampling import SamplingParams
+from specmesh.engine.ragged import tree_ancestry
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import target_pb2
 from target_service.alternatives import Alternative, taken_alternative, tree_parents
 from target_service.engine import TargetEngine

@@ -28,15 +28,16 @@ from attached import (ACQUIRE_TIMEOUT_S, Orchestrator, Service, TOKEN, pools_of,
                       token_file_in)
 from harness import WORK_TIMEOUT_S, eventually, load, serve_config
 from orchestrator.decoding.options import loop_config
-from orchestrator.deployment.attached import AttachedUnavailable, parse_endpoints
-from orchestrator.deployment.serving import Pools, servicer_over_pools
-from orchestrator.frontend.cli import build_parser, main, metrics_ports_of, pools_description, serve_pools_options
-from orchestrator.frontend.config_file import ConfigError
+from orchestrator.control.attached import AttachedUnavailable, parse_endpoints
+from orchestrator.control.pools import Pools
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.cli.main import build_parser, main, metrics_ports_of, pools_description, serve_pools_options
+from orchestrator.control.config_error import ConfigError
 from parity import target_greedy
 from pools import MAX_TOKENS, PROMPT, generation, placed
 from serve_cli import ROOT, specmesh, start_serve
-from specmesh.security import Security
-from specmesh.server import stop_server
+from specmesh.server.security import Security
+from specmesh.server.grpc_server import stop_server
 from specmesh.v1 import admin_pb2
 from benchmarks.tiny_models import TINY_PROMPTS
 
@@ -201,7 +202,7 @@ async def test_a_draining_attached_target_finishes_its_session_while_new_ones_go
                 tokens.extend(await stream.__anext__())
             draining = placed(backends.target, gen)
             (other,) = set(targets) - {draining}
-            # SIGTERM's drain (specmesh.server.serve_until_signal): health NOT_SERVING, new sessions refused
+            # SIGTERM's drain (specmesh.server.grpc_server.serve_until_signal): health NOT_SERVING, new sessions refused
             stopping = asyncio.ensure_future(stop_server(targets[draining].server, targets[draining].health,
                                                          WORK_TIMEOUT_S))
             await eventually(lambda: pool.replicas[draining].serving, False)

@@ -15,8 +15,8 @@ import torch
 from engine_helpers import next_logits_fresh, session_over
 from harness import eventually, load, make_engine, start_stack
 from parity import target_greedy
-from specmesh.batching import Part
-from specmesh.sampling import SamplingParams
+from specmesh.engine.batching import Part
+from specmesh.engine.sampling_params import SamplingParams
 from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_ABS_LOGIT_DELTA = 1e-4  # fp32: batched kernels reorder sums, nothing more (measured 6.2e-6: docs/design/continuous-batching.md)
@@ -54,7 +54,7 @@ def test_a_ragged_step_equals_each_session_alone(request, model_fixture, device,
 
 
 def test_an_engine_on_cuda_takes_attention_off_cudnn(tiny_llama_dir, device):
-    """cuDNN attention plans every new attention shape, and decoding meets one every step (specmesh.ragged:
+    """cuDNN attention plans every new attention shape, and decoding meets one every step (specmesh.engine.ragged:
     3x slower steps on an H100): an engine on CUDA turns it off for its process; on a CPU nothing changes."""
     torch.backends.cuda.enable_cudnn_sdp(True)
     make_engine(tiny_llama_dir, device)
@@ -115,7 +115,7 @@ async def test_concurrent_mixed_requests_are_lossless_and_batched(tiny_llama_dir
                                                                   cpu_linear):
     """Greedy requests of mixed prompts, lengths and draft lengths, with seeded sampled ones among
     them: each greedy output is the target's own generate (torch's kernels); each seeded one is what
-    it was alone. On either CPU linear kernel (specmesh.cpu_linear)."""
+    it was alone. On either CPU linear kernel (specmesh.loading.cpu_linear)."""
     if cpu_linear == "onednn" and device != "cpu":
         pytest.skip("oneDNN linear is a CPU kernel")
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, device=device, cpu_linear=cpu_linear)

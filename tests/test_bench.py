@@ -17,17 +17,17 @@ from harness import load, start_stack
 from orchestrator.bench import sweep
 from orchestrator.bench.clients import RunClient
 from orchestrator.bench.metrics import percentile
-from orchestrator.bench.prompts import BUILTIN, KINDS, PromptFileError, load_jsonl, select_prompts
+from orchestrator.prompts.sets import BUILTIN, KINDS, PromptFileError, load_jsonl, select_prompts
 from orchestrator.bench.report import standing_line
 from orchestrator.bench.modes import DEFAULT, OFF, request_speculation
 from orchestrator.bench.round_parts import RoundParts
 from orchestrator.bench.runner import (MAX_PASSES, Configuration, LoadSettings, wants_another_pass, arrival_times,
                                        run_modes, warm_up)
-from orchestrator.frontend.cli import main as specmesh_main
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.cli.main import main as specmesh_main
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.build import create_servicer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = {"command", "started_at", "finished_at", "config", "server", "machine", "prompts", "configurations",
@@ -155,7 +155,7 @@ def test_bench_self_started_ab_peer_jsonl(tmp_path, tiny_llama_dir, tiny_llama_p
     prompt_file.write_text("\n".join(json.dumps(line) for line in JSONL) + "\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--target", str(tiny_llama_dir),
+        [sys.executable, "-m", "orchestrator.cli.main", "bench", "--target", str(tiny_llama_dir),
          "--draft", str(tiny_llama_perturbed_dir), "--num-speculative-tokens", "3",
          "--speculation-policy", "fixed", "--prompt-file", str(prompt_file),
          "--num-prompts", "4", "--max-concurrency", "1", "2", "--ab", "--peer-k", "1", "2", "--num-warmups", "1",

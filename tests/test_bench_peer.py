@@ -11,7 +11,7 @@ from orchestrator.bench.metrics import RequestRecord, aggregate, aggregate_by_ki
 from orchestrator.bench.report import (PEER_NOTE, concurrency_table, configuration_table, kind_table, output_lines,
                                        print_report, summary_table)
 from orchestrator.bench.sweep import best_k
-from orchestrator.frontend.cli import build_parser
+from orchestrator.cli.main import build_parser
 
 pytestmark = pytest.mark.unit
 

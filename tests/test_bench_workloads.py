@@ -12,13 +12,13 @@ import pytest
 from harness import WORK_TIMEOUT_S, load, start_stack
 from orchestrator.bench.clients import GrpcClient, HttpClient, RequestParams, _Timer, read_chunk
 from orchestrator.bench.metrics import RequestRecord, aggregate
-from orchestrator.bench.prompts import BUILTIN, BenchPrompt, load_jsonl, select_prompts
-from orchestrator.bench.workloads import SAMPLES_N
+from orchestrator.prompts.sets import BUILTIN, BenchPrompt, load_jsonl, select_prompts
+from orchestrator.prompts.workloads import SAMPLES_N
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.cli import main as specmesh_main
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.cli.main import main as specmesh_main
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.control.build import create_servicer
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 
 

@@ -61,7 +61,7 @@ def test_openmp_contention_takes_turns_as_the_sequential_loop_does(tiny_llama_di
 
 
 def test_random_pair_builds_two_unrelated_models_that_load_with_one_vocabulary(tmp_path):
-    from specmesh.models import load_model, vocab_fingerprint
+    from specmesh.loading.models import load_model, vocab_fingerprint
     built = load_script("random_pair").main([str(tmp_path / "pair"), "--small"])
     loaded = {role: load_model(str(path)) for role, path in built.items()}  # what `--target DIR` loads
     models = {role: model for role, (model, _) in loaded.items()}

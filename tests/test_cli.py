@@ -57,7 +57,7 @@ def test_unknown_model_fails_fast(tmp_path):
 def test_the_client_commands_load_neither_torch_nor_transformers():
     """`specmesh generate` and the other client commands start in about a second, not the ten that
     importing the serving code takes; `serve` still parses its whole set of flags."""
-    code = ("import sys\nfrom orchestrator.frontend.cli import CLIENT_COMMANDS, main\n"
+    code = ("import sys\nfrom orchestrator.cli.main import CLIENT_COMMANDS, main\n"
             "for command in CLIENT_COMMANDS:\n"
             "    try:\n        main([command, '--help'])\n    except SystemExit as exit_:\n"
             "        assert exit_.code == 0, command\n"

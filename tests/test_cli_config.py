@@ -15,18 +15,19 @@ import yaml
 
 from harness import serve_config
 from orchestrator.decoding.options import loop_config
-from orchestrator.deployment import ray_cli
-from orchestrator.deployment.attached import parse_endpoints
-from orchestrator.deployment.launch import local_pools_options
-from orchestrator.deployment.online_distill import fraction
-from orchestrator.frontend.cli import build_parser, frontend_options, main, metrics_ports_of
-from orchestrator.frontend.config_file import ConfigError, settings_by_key
-from orchestrator.frontend.serve_args import serve_settings
-from specmesh.connections import ConnectionLimits, positive_seconds
-from specmesh.cpu_linear import KERNEL_CHOICES
-from specmesh.kv_budget import parse_kv_cache_memory
-from specmesh.security import Security
-from specmesh.service import add_service_arguments, parse_cpu_list, positive_int
+from orchestrator.control import ray_cli
+from orchestrator.control.attached import parse_endpoints
+from orchestrator.control.launch import local_pools_options
+from orchestrator.distill.online import fraction, online_distill_options
+from orchestrator.cli.main import build_parser, frontend_options, main, metrics_ports_of, serve_pools_options
+from orchestrator.control.config_error import ConfigError
+from orchestrator.cli.config_file import settings_by_key
+from orchestrator.cli.serve_args import serve_settings
+from specmesh.server.connections import ConnectionLimits, positive_seconds
+from specmesh.loading.cpu_linear import KERNEL_CHOICES
+from specmesh.engine.kv_budget import parse_kv_cache_memory
+from specmesh.server.security import Security
+from specmesh.server.service import add_service_arguments, parse_cpu_list, positive_int
 
 pytestmark = pytest.mark.unit
 
@@ -116,7 +117,9 @@ def options_land_where_they_are_used(args: argparse.Namespace) -> None:
     assert (restarts.max_restarts, restarts.window_s, local.max_replica_failures) == (3, 0.25, 3)
     assert (restarts.crash_loop_backoff_s, restarts.max_crash_loop_backoff_s) == (0.25, 0.25)
     assert (local.target.replicas, local.draft.replicas) == (3, 3)
-    online = local.online_distill
+    online = online_distill_options(args)
+    started = argparse.Namespace(**{**vars(args), "target_endpoints": None, "draft_endpoints": None})
+    assert serve_pools_options(started, security, metrics_ports_of(args.metrics_port))[0].online_distill == online
     assert online.directory == Path("value-of-online-distill-dir").resolve() and online.distill_args == (
         "value-of-online-distill-args",)
     assert (online.max_bytes, online.tokens, online.interval_s, online.sample, online.cpus, online.gpus) == (
@@ -124,7 +127,7 @@ def options_land_where_they_are_used(args: argparse.Namespace) -> None:
     assert (online.device, online.timeout_s, online.rollback_margin, online.rollback_window) == (
         "value-of-online-distill-device", 0.25, 0.25, 7)
     ray = ray_cli.pools_options(args, security, "token")
-    assert ray.namespace == "value-of-ray-namespace" and ray.online_distill == online
+    assert ray.namespace == "value-of-ray-namespace"
     for spec in (ray.target, ray.draft):
         assert (spec.num_cpus, spec.num_gpus, spec.resources) == (0.25, 0.25, {"specmesh_pool": 1})
         assert (spec.load_per_replica, spec.drain_grace_s, spec.replica.service.max_step_tokens) == (0.25, 0.25, 7)

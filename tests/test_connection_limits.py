@@ -15,11 +15,12 @@ import httpx
 import pytest
 
 from harness import load, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.frontend.server import create_servicer, serve_grpc
-from specmesh.connections import ConnectionLimits, RateLimitedFilter, quiet_accept_errors
-from specmesh.security import bearer_metadata
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.control.build import create_servicer
+from orchestrator.serving.server import serve_grpc
+from specmesh.server.connections import ConnectionLimits, RateLimitedFilter, quiet_accept_errors
+from specmesh.server.security import bearer_metadata
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 API_KEY = "limits-key"

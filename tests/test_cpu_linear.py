@@ -1,4 +1,4 @@
-"""specmesh.cpu_linear: oneDNN's linear computes what torch's does, and the kernel choice is the service's."""
+"""specmesh.loading.cpu_linear: oneDNN's linear computes what torch's does, and the kernel choice is the service's."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh import cpu_linear
-from specmesh.cpu_linear import CHUNK_ROWS, OneDnnLinear, choose_cpu_linear, onednn_usable, time_kernels
-from specmesh.precision import load_model_in, quantize_int8_weights
+from specmesh.loading import cpu_linear
+from specmesh.loading.cpu_linear import CHUNK_ROWS, OneDnnLinear, choose_cpu_linear, onednn_usable, time_kernels
+from specmesh.loading.precision import load_model_in, quantize_int8_weights
 
 pytestmark = pytest.mark.skipif(not onednn_usable("cpu"), reason="this torch has no oneDNN")
 
@@ -120,7 +120,7 @@ def test_auto_times_both_kernels_and_keeps_a_working_model(tiny_qwen2_dir, caplo
     reference, _ = load_model_in(str(tiny_qwen2_dir), "cpu", "float32")
     totals = time_kernels(model)
     assert set(totals) == {"torch", "onednn"} and all(seconds > 0 for seconds in totals.values())
-    with caplog.at_level(logging.INFO, logger="specmesh.cpu_linear"):
+    with caplog.at_level(logging.INFO, logger="specmesh.loading.cpu_linear"):
         chosen = choose_cpu_linear(model, "auto", "cpu")
     assert "one pass at rows" in caplog.text
     assert chosen == ("onednn" if isinstance(model.get_output_embeddings(), OneDnnLinear) else "torch")
@@ -140,7 +140,7 @@ def test_bad_kernel_names_and_devices_are_refused(tiny_qwen2_dir):
 
 @pytest.mark.unit
 def test_a_service_loads_its_model_on_the_kernel_its_options_name(tiny_qwen2_dir):
-    from specmesh.service import ServiceOptions, load_engine
+    from specmesh.server.service import ServiceOptions, load_engine
 
     engine = load_engine(ServiceOptions(model=str(tiny_qwen2_dir), cpu_linear="onednn"), "target")
     assert isinstance(engine.model.get_output_embeddings(), OneDnnLinear)

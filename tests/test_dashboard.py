@@ -2,7 +2,7 @@
 query names series the services really export.
 
 The exported names come from a real scrape: a target, a draft and an orchestrator started the way a
-deployment starts them (specmesh.service.start_model_service serves each service's /metrics; the
+deployment starts them (specmesh.server.service.start_model_service serves each service's /metrics; the
 orchestrator's registry is served the same way), one request through them so the labelled series
 exist, then the three /metrics texts parsed with prometheus_client's own parser. A renamed metric, a
 changed suffix or a label a panel filters on that the series lack fails here instead of showing an
@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import specmesh.service
+import specmesh.server.service
 from benchmarks.tiny_models import TINY_PROMPTS
 from harness import WORK_TIMEOUT_S, eventually, load, make_engine
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.clients import open_channel
-from orchestrator.deployment.replicas import create_model_server
-from orchestrator.frontend.server import create_server as create_orchestrator_server
-from orchestrator.frontend.stats_view import fetch_metrics
-from specmesh.metrics import OrchestratorMetrics, serve_metrics
-from specmesh.service import ReplicaConfig, ServiceOptions, start_model_service
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.clients import open_channel
+from orchestrator.control.replicas import create_model_server
+from orchestrator.control.build import create_server as create_orchestrator_server
+from orchestrator.cli.stats_view import fetch_metrics
+from specmesh.server.metrics import OrchestratorMetrics, serve_metrics
+from specmesh.server.service import ReplicaConfig, ServiceOptions, start_model_service
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "specmesh-dashboard.json"
@@ -228,7 +228,7 @@ async def scraped(tiny_llama_dir, tiny_llama_perturbed_dir, device) -> list[str]
     services, server, channel = {}, None, None
     # A test process is no service process: its heap is not frozen (gc.freeze) as a service's is.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(specmesh.service, "freeze_start_up_heap", lambda process: 0)
+        patch.setattr(specmesh.server.service, "freeze_start_up_heap", lambda process: 0)
         try:
             for role, directory in (("target", tiny_llama_dir), ("draft", tiny_llama_perturbed_dir)):
                 options = ServiceOptions(model=str(directory), device=device, metrics_port=0, trace_exporter="none")

@@ -15,7 +15,7 @@ from orchestrator.decoding.decode_ahead import AHEAD_SHARE
 from parity import target_greedy
 from specmesh.errors import InvalidArgument
 from specmesh.roles import MAX_DECODE_AHEAD
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine
 

@@ -15,8 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.frontend.cli import build_parser
-from specmesh.drain import STOP_MARGIN_S, stop_bound_s
+from orchestrator.cli.main import build_parser
+from specmesh.server.drain import STOP_MARGIN_S, stop_bound_s
 
 pytestmark = pytest.mark.unit
 

@@ -18,9 +18,9 @@ from orchestrator.distill.draft_length import choose_k, position_rates, relative
 from orchestrator.distill.early_stopping import EarlyStopping
 from orchestrator.distill.examples import DistillInputError, Example, check_token_ids, load_examples, split_examples
 from orchestrator.distill.training import bucket_divergence
-from orchestrator.frontend import cli
+from orchestrator.cli import main as cli
 from parity import target_greedy
-from specmesh.models import eos_token_ids, load_model, vocab_fingerprint
+from specmesh.loading.models import eos_token_ids, load_model, vocab_fingerprint
 from target_service.disagreements import DisagreementLog, context_hash
 from workloads import word_prompts
 
@@ -314,7 +314,7 @@ def test_early_stopping_keeps_the_best_weights_and_cuts_the_rate_before_stopping
 def test_the_teacher_on_onednn_gives_the_same_reference_continuations(tiny_llama_dir):
     """distill puts the float32 teacher on the services' faster kernel where it is faster: the held-out
     reference (what greedy serving commits) must not change with the kernel."""
-    from specmesh.cpu_linear import OneDnnLinear, choose_cpu_linear, onednn_usable
+    from specmesh.loading.cpu_linear import OneDnnLinear, choose_cpu_linear, onednn_usable
 
     if not onednn_usable("cpu"):
         pytest.skip("no oneDNN on this CPU")

@@ -25,12 +25,12 @@ from orchestrator.decoding.costs import BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
 from parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, target_greedy, total_variation
 from policy_costs import cpu_target, gpu_target, speculation, table
-from specmesh.sampling import SamplingParams
-from specmesh.step_costs import MEASURED_ROWS
-from specmesh.step_model import StepModel, StepShape
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.step_costs import MEASURED_ROWS
+from specmesh.engine.step_model import StepModel, StepShape
 from specmesh.v1 import generation_pb2
 
 K_MAX = 8

@@ -1,4 +1,4 @@
-"""Graceful drain (specmesh.drain): in-flight streams finish, new requests are refused, late ones
+"""Graceful drain (specmesh.server.drain): in-flight streams finish, new requests are refused, late ones
 are cut off with a clear status, health says NOT_SERVING.
 
 In process, a stream is held in flight by occupying the target engine's one worker thread with a
@@ -22,13 +22,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, serve_config, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.frontend.server import ADMIN_SERVICE_NAME, SERVICE_NAME, create_servicer, serve_grpc
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.serving.server import ADMIN_SERVICE_NAME, SERVICE_NAME, serve_grpc
+from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from serve_cli import start_serve
-from specmesh.drain import drain_of
-from specmesh.server import stop_server
+from specmesh.server.drain import drain_of
+from specmesh.server.grpc_server import stop_server
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from target_service.server import SERVICE_NAME as TARGET_SERVICE_NAME
 from target_service.server import create_server as create_target_server
@@ -175,7 +176,7 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
     orchestrator's in-flight stream, only turn new sessions away."""
     engine = make_engine(tiny_llama_dir)
     target, target_port, target_health = await create_target_server(engine)
-    drain_of(target).hold_sessions(lambda: len(engine.sessions))  # as specmesh.service.run_model_service does
+    drain_of(target).hold_sessions(lambda: len(engine.sessions))  # as specmesh.server.service.run_model_service does
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     servicer = await create_servicer(tokenizer, OrchestratorOptions(f"127.0.0.1:{target_port}", None))
     server, port, _ = await serve_grpc(servicer)

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from specmesh import embedded
-from specmesh.embedded import (EMBEDDED_MODELS, EmbeddedModel, EmbeddedPartsMissingError,
-                               ModelIntegrityError, ModelNotFoundError, assemble_parts,
-                               resolve_embedded, stamp_path, verify_or_reassemble)
-from specmesh.models import (context_window, eos_token_ids, load_model, load_tokenizer,
-                             resolve_spec, vocab_fingerprint)
+from specmesh.loading import embedded
+from specmesh.loading.embedded import (EMBEDDED_MODELS, EmbeddedModel, EmbeddedPartsMissingError, ModelIntegrityError,
+                                       ModelNotFoundError, assemble_parts, resolve_embedded, stamp_path,
+                                       verify_or_reassemble)
+from specmesh.loading.models import (context_window, eos_token_ids, load_model, load_tokenizer, resolve_spec,
+                                     vocab_fingerprint)
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ from benchmarks.modeling_set_acceptance import emulated_step_ms, step_shape
 from benchmarks.regime_bound import E, pipelined_bound, sequential_bound
 from benchmarks.set_acceptance_pair import build_pair
 from harness import start_stack
-from specmesh.ragged import Segment
+from specmesh.engine.ragged import Segment
 
 PROFILE = "h100-8b"
 PROMPTS = ["def add(a, b):", "the quick brown fox"]

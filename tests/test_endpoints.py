@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from orchestrator.decoding.endpoints import BranchStream, DraftEndpoint, TargetEndpoint
-from orchestrator.deployment.clients import DraftClient, TargetClient
-from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient, _NoBranches
+from orchestrator.serving.clients import DraftClient, TargetClient
+from orchestrator.serving.failover import PooledDraftClient, PooledTargetClient, _NoBranches
 
 pytestmark = pytest.mark.unit
 

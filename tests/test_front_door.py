@@ -13,10 +13,10 @@ import pytest
 
 from front_door import assert_openai_error, bad_request_fields, open_front_door
 from harness import serve_config, start_stack
-from orchestrator.frontend import http_api
-from orchestrator.frontend.cli import build_parser
-from orchestrator.frontend.config_file import ConfigError
-from orchestrator.frontend.request_limits import request_size_limit
+from orchestrator.serving import http_api
+from orchestrator.cli.main import build_parser
+from orchestrator.control.config_error import ConfigError
+from orchestrator.serving.request_limits import request_size_limit
 from specmesh.v1 import generation_pb2
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -1,4 +1,4 @@
-"""Graph steps over preallocated KV (specmesh.graph_steps, specmesh.slot_cache), checked eagerly on the CPU.
+"""Graph steps over preallocated KV (specmesh/engine/: graph_steps, slot_cache), checked eagerly on the CPU.
 
 On CUDA the same static steps are captured and replayed (`pytest --device cuda` runs these there);
 what these tests hold on any device is the layout: writes in place at each session's length,
@@ -20,12 +20,12 @@ from transformers import DynamicCache
 from engine_helpers import feed_uncached, next_logits_fresh
 from harness import GRAPH_STEPS, eventually, make_engine, start_stack
 from parity import MAX_TOKENS, target_greedy
-from specmesh.batching import Part
+from specmesh.engine.batching import Part
 from specmesh.errors import CapacityExhausted, InvalidArgument
-from specmesh.graph_steps import MAX_ROWS, slot_shape
-from specmesh.kv_budget import KVCacheMemory
-from specmesh.sampling import SamplingParams
-from specmesh.slot_cache import SlotCache
+from specmesh.engine.graph_steps import MAX_ROWS, slot_shape
+from specmesh.engine.kv_budget import KVCacheMemory
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.slot_cache import SlotCache
 from benchmarks.tiny_models import TINY_PROMPTS
 
 

@@ -43,7 +43,7 @@ async def test_greedy_parity(request, device, k, target_name, draft_name, relati
 @pytest.mark.parametrize("k", [2, 5])
 @pytest.mark.parametrize("target_name, draft_name, relation", CASES[1:])
 async def test_greedy_parity_on_onednn_kernels(request, device, k, target_name, draft_name, relation):
-    """Both services on oneDNN's linear (specmesh.cpu_linear): still the target's own `generate`
+    """Both services on oneDNN's linear (specmesh.loading.cpu_linear): still the target's own `generate`
     (torch's kernels), token for token."""
     if device != "cpu":
         pytest.skip("oneDNN linear is a CPU kernel")

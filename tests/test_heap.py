@@ -8,7 +8,7 @@ import sys
 
 AFTER_START_UP = """
 import gc, weakref
-import specmesh.service  # what a service imports: torch, transformers, grpc
+import specmesh.server.service  # what a service imports: torch, transformers, grpc
 from specmesh.heap import freeze_start_up_heap
 
 frozen = freeze_start_up_heap("test")

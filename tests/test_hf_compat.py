@@ -1,4 +1,4 @@
-"""The KV cache goes to a model's forward under the name that forward declares (specmesh/hf_compat.py)."""
+"""The KV cache goes to a model's forward under the name that forward declares (specmesh/loading/hf_compat.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from harness import load
-from specmesh.hf_compat import NEW_CACHE_KEYWORD, OLD_CACHE_KEYWORD, cache_keyword, cache_kwargs
+from specmesh.loading.hf_compat import NEW_CACHE_KEYWORD, OLD_CACHE_KEYWORD, cache_keyword, cache_kwargs
 
 pytestmark = pytest.mark.unit
 

@@ -9,11 +9,11 @@ import openai
 import pytest
 
 from harness import TargetHold, eventually, load, start_stack
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.server import create_servicer
-from specmesh.metrics import OrchestratorMetrics
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.build import create_servicer
+from specmesh.server.metrics import OrchestratorMetrics
 from benchmarks.tiny_models import TINY_PROMPTS
 
 

@@ -28,14 +28,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from draft_service.server import create_server as create_draft_server
 from front_door import generate_with
 from harness import load, serve_config, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from serve_cli import ROOT, start_serve
-from specmesh.engine import EngineConfig, ModelEngine
-from specmesh.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_metadata, internal_token_from_args,
-                               token_interceptors)
-from specmesh.service import add_service_arguments, options_from_args
+from specmesh.engine.model_engine import EngineConfig, ModelEngine
+from specmesh.server.security import (INTERNAL_TOKEN_ENV, SecurityConfigError, bearer_metadata,
+                                      internal_token_from_args, token_interceptors)
+from specmesh.server.service import add_service_arguments, options_from_args
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.server import create_server as create_target_server
 from benchmarks.tiny_models import TINY_PROMPTS

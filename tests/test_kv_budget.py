@@ -15,16 +15,16 @@ import pytest
 from engine_helpers import feed_uncached
 from front_door import assert_openai_error, open_front_door
 from harness import WORK_TIMEOUT_S, TargetHold, eventually, load, make_engine, start_model_server, start_stack
-from orchestrator.deployment.failover import PooledTargetClient
+from orchestrator.serving.failover import PooledTargetClient
 from parity import target_greedy
 from pools import MAX_TOKENS as FAILOVER_MAX_TOKENS, PROMPT as FAILOVER_PROMPT, Replicas, generation, placed
-from specmesh.engine import EngineConfig, ModelEngine
-from specmesh.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token,
-                                parse_kv_cache_memory)
-from specmesh.metrics import ServiceMetrics
+from specmesh.engine.model_engine import EngineConfig, ModelEngine
+from specmesh.engine.kv_budget import (KVBudget, KVCacheMemory, available_memory, kv_bytes_per_token,
+                                       parse_kv_cache_memory)
+from specmesh.server.metrics import ServiceMetrics
 from specmesh.roles import MAX_DRAFT_TOKENS
-from specmesh.sampling import SamplingParams
-from specmesh.service import add_service_arguments
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.service import add_service_arguments
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -34,12 +34,12 @@ from harness import WORK_TIMEOUT_S, eventually, load
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
-from orchestrator.deployment.failover import PooledTargetClient
-from orchestrator.deployment.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool,
-                                          fixed_replicas)
+from orchestrator.serving.failover import PooledTargetClient
+from orchestrator.serving.pool import (CHECK_TIMEOUT_S, UNREACHABLE_AFTER_FAILED_CHECKS, Replica, ReplicaPool,
+                                       fixed_replicas)
 from parity import target_greedy
 from pools import placed
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2, generation_pb2, generation_pb2_grpc, target_pb2
 
 PROMPT = "The quick brown fox"  # the tiny target runs it 40 tokens without an EOS

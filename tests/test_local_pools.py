@@ -19,12 +19,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness import eventually, load
-from orchestrator.deployment.serving import pool_health_name, same_gpu
-from orchestrator.deployment.options import RestartPolicy
-from orchestrator.frontend.server import serve_grpc
+from orchestrator.control.pools import pool_health_name, same_gpu
+from orchestrator.control.options import RestartPolicy
+from orchestrator.serving.server import serve_grpc
 from parity import target_greedy
 from pools import LocalDeployment, MAX_TOKENS, PROMPT, RESTART_WAIT_S
-from specmesh import openmp
+from specmesh.loading import openmp
 from specmesh.roles import DRAFT
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
@@ -63,7 +63,7 @@ def start_environment(pid: int) -> dict[str, str]:
 
 
 async def test_the_draft_replica_starts_with_a_short_openmp_spin_and_the_target_with_libgomps_own(deployment):
-    """Each replica must have its role's GOMP_SPINCOUNT when it loads torch (specmesh.openmp): from the
+    """Each replica must have its role's GOMP_SPINCOUNT when it loads torch (specmesh.loading.openmp): from the
     environment it was spawned with. The spawning process's own environment is left as it was."""
     for role in ("draft", "target"):
         await asyncio.wait_for(deployment.replica(role).resolve(), RESTART_WAIT_S)

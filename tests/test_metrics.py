@@ -8,7 +8,7 @@ import json
 import torch
 
 from harness import load, metric, start_stack
-from specmesh.metrics import OrchestratorMetrics
+from specmesh.server.metrics import OrchestratorMetrics
 from target_service.disagreements import Disagreement, DisagreementLog
 from benchmarks.tiny_models import TINY_PROMPTS
 
@@ -106,7 +106,7 @@ def test_disagreement_log_is_rate_limited(tmp_path):
 
 def test_prompt_class_labels_are_bounded():
     """A client inventing classes cannot grow the series without bound: past the limit they are "other"."""
-    from specmesh.metrics import MAX_PROMPT_CLASS_LABELS, OrchestratorMetrics
+    from specmesh.server.metrics import MAX_PROMPT_CLASS_LABELS, OrchestratorMetrics
     metrics = OrchestratorMetrics()
     labels = [metrics.prompt_class_label(f"class-{index}") for index in range(MAX_PROMPT_CLASS_LABELS + 8)]
     assert labels[:MAX_PROMPT_CLASS_LABELS] == [f"class-{index}" for index in range(MAX_PROMPT_CLASS_LABELS)]

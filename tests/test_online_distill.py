@@ -24,18 +24,19 @@ import pytest
 
 from harness import eventually, load
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.online_cycle import CycleResult, DistillJob, distill_command, result_of
-from orchestrator.deployment.online_distill import (MAX_CONTINUATION, OnlineDistiller, OnlineDistillOptions,
-                                                    continuation_args)
-from orchestrator.deployment.online_evidence import EvidenceStore, served_length
-from orchestrator.deployment.options import RestartPolicy
-from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
+from orchestrator.distill.online_cycle import CycleResult, DistillJob, distill_command, result_of
+from orchestrator.distill.online import MAX_CONTINUATION, OnlineDistiller, OnlineDistillOptions, continuation_args
+from orchestrator.distill.online_evidence import EvidenceStore, served_length
+from orchestrator.control.options import RestartPolicy
+from orchestrator.serving.pool import PoolSpec
+from orchestrator.control.pools import Pools
+from orchestrator.control.options import PoolsOptions
+from orchestrator.control.build import servicer_over_pools
 from orchestrator.distill.examples import load_examples
 from parity import target_greedy
 from pools import RESTART_WAIT_S
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import generation_pb2
 from workloads import word_prompts
 
@@ -93,7 +94,7 @@ def test_evidence_keeps_each_served_completions_length_beside_its_prompt(tmp_pat
 # ---- the loop over a stand-in for the pools
 
 class StandInPools:
-    """What the online loop uses of orchestrator.deployment.serving.Pools; a rollout is a recorded call."""
+    """What the online loop uses of orchestrator.control.pools.Pools; a rollout is a recorded call."""
 
     def __init__(self, draft: str):
         spec = lambda model, log=None: SimpleNamespace(spec=SimpleNamespace(replica=SimpleNamespace(  # noqa: E731

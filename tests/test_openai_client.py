@@ -6,9 +6,9 @@ import openai
 import pytest
 
 from harness import load, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.control.build import create_servicer
 from specmesh.v1 import generation_pb2
 from benchmarks.tiny_models import TINY_PROMPTS
 

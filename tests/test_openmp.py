@@ -1,4 +1,4 @@
-"""A draft service starts with a short OpenMP spin, a target with libgomp's own (specmesh.openmp).
+"""A draft service starts with a short OpenMP spin, a target with libgomp's own (specmesh.loading.openmp).
 
 libgomp reads GOMP_SPINCOUNT once, when torch loads it: what counts is the environment at the
 moment `import torch` runs, which each entry point, imported in a fresh interpreter, reports here.
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from specmesh import openmp
+from specmesh.loading import openmp
 from specmesh.roles import DRAFT
 
 # Imports the entry point and prints GOMP_SPINCOUNT as torch's import begins, then exits: what

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specmesh.hf_compat import NEW_CACHE_KEYWORD
+from specmesh.loading.hf_compat import NEW_CACHE_KEYWORD
 
 pytestmark = pytest.mark.unit
 

@@ -19,12 +19,12 @@ from draft_service.server import create_server as create_draft_server
 from harness import load, make_engine, start_stack
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
-from orchestrator.deployment.clients import DraftClient, open_channel
-from orchestrator.deployment.failover import PooledTargetClient
+from orchestrator.serving.clients import DraftClient, open_channel
+from orchestrator.serving.failover import PooledTargetClient
 from parity import reference_processors
 from pools import Replicas
-from specmesh.penalties import penalize_logits
-from specmesh.sampling import SamplingParams
+from specmesh.engine.penalties import penalize_logits
+from specmesh.engine.sampling_params import SamplingParams
 from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 24

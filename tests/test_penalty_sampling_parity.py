@@ -17,7 +17,8 @@ from transformers import LogitsProcessorList
 
 from harness import load, start_stack
 from parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, reference_processors, total_variation
-from specmesh.sampling import SamplingParams, logits_to_probs
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import logits_to_probs
 
 SAMPLES = 1000
 PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 1.0, "frequency_penalty": 1.0, "logit_bias": {7: 3.0}}

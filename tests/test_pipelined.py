@@ -16,8 +16,9 @@ import torch
 from draft_service.engine import DraftEngine
 from harness import WORK_TIMEOUT_S, draft_stub, load, metric, start_stack
 from parity import expected_sampling_tv, target_greedy, total_variation
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.sampling import SamplingParams, logits_to_probs
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import logits_to_probs
 from specmesh.v1 import draft_pb2
 from orchestrator.decoding.timing import PARTS
 from benchmarks.tiny_models import TINY_PROMPTS

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from harness import WORK_TIMEOUT_S, load
-from orchestrator.deployment.clients import UpstreamError
+from orchestrator.serving.clients import UpstreamError
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
-from orchestrator.deployment.ray_cli import replica_device
-from orchestrator.deployment.failover import PooledDraftClient, PooledTargetClient
+from orchestrator.control.ray_cli import replica_device
+from orchestrator.serving.failover import PooledDraftClient, PooledTargetClient
 from parity import target_greedy
 from pools import MAX_TOKENS, PROMPT, Replicas, generation, placed
-from specmesh import models
+from specmesh.loading import models
 
 ALTERNATIVES_PROMPT = "def fibonacci(n):"  # where the draft's second choice is sometimes the target's token
 

@@ -17,15 +17,15 @@ from contextlib import asynccontextmanager
 import pytest
 
 from harness import WORK_TIMEOUT_S, make_engine, start_model_server
-from orchestrator.deployment.clients import TargetClient, open_channel
-from orchestrator.deployment.failover import PooledTargetClient
-from orchestrator.deployment.load import KV_FULL, ROWS_PER_SESSION, Load, replica_load
-from orchestrator.deployment import pool as pool_module
-from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
-from orchestrator.deployment.ray_cli import add_serve_arguments
-from orchestrator.deployment.ray_controller import autoscale
-from orchestrator.deployment.serving import Pools
-from specmesh.sampling import SamplingParams
+from orchestrator.serving.clients import TargetClient, open_channel
+from orchestrator.serving.failover import PooledTargetClient
+from orchestrator.serving.load import KV_FULL, ROWS_PER_SESSION, Load, replica_load
+from orchestrator.serving import pool as pool_module
+from orchestrator.serving.pool import ReplicaPool, fixed_replicas
+from orchestrator.control.ray_cli import add_serve_arguments
+from orchestrator.control.ray_controller import autoscale
+from orchestrator.control.pools import Pools
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2
 from target_service.servicer import TargetServicer
 

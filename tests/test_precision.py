@@ -1,4 +1,4 @@
-"""int8 draft weights (specmesh.precision): close to the layer they replace, every row independent of
+"""int8 draft weights (specmesh.loading.precision): close to the layer they replace, every row independent of
 the others in a step, and served losslessly (the target still decides every token)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from engine_helpers import session_over
 from harness import make_engine, start_model_server, start_stack
 from orchestrator.bench.peer import PeerPair
 from parity import target_greedy
-from specmesh.batching import Part
-from specmesh.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, loaded_as, native_bf16,
-                                one_row_step_s, quantize_int8_weights, resolve_precision)
+from specmesh.engine.batching import Part
+from specmesh.loading.precision import (Int8WeightLinear, Precision, int8_if_faster, load_model_in, loaded_as,
+                                        native_bf16, one_row_step_s, quantize_int8_weights, resolve_precision)
 from specmesh.v1 import common_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -13,8 +13,8 @@ from harness import make_engine
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.pipelined import Predraft, extra_branches, pipeline_enabled, separate_compute
 from orchestrator.decoding.timing import RoundClock
-from specmesh.sampling import SamplingParams
-from specmesh.service import parse_cpu_list
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.service import parse_cpu_list
 from specmesh.v1 import common_pb2, draft_pb2
 
 pytestmark = pytest.mark.unit

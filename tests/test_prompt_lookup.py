@@ -12,8 +12,8 @@ from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.lookup import PromptLookup
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.policy import MARGIN, Speculation
-from specmesh.step_costs import MEASURED_ROWS, StepCosts
-from specmesh.step_model import StepModel, StepShape
+from specmesh.engine.step_costs import MEASURED_ROWS, StepCosts
+from specmesh.engine.step_model import StepModel, StepShape
 
 pytestmark = pytest.mark.unit
 

@@ -20,11 +20,11 @@ import torch
 from front_door import bad_request_fields
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.clients import TargetClient, open_channel
+from orchestrator.serving.clients import TargetClient, open_channel
 from parity import assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.sampling import SamplingParams
-from specmesh.step_costs import MEASURED_ROWS
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.step_costs import MEASURED_ROWS
 from specmesh.v1 import target_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -24,9 +24,9 @@ from orchestrator.decoding.policy import MARGIN, DraftLength, Speculation, suffi
 from orchestrator.decoding.proposals import LOOKUP, SUFFIX, FreeProposal
 from parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, target_greedy, total_variation
 from policy_costs import cpu_target
-from specmesh.distributions import decode_distribution
-from specmesh.sampling import SamplingParams
-from specmesh.step_costs import MEASURED_ROWS, StepCosts
+from specmesh.engine.distributions import decode_distribution
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.step_costs import MEASURED_ROWS, StepCosts
 from specmesh.v1 import common_pb2, draft_pb2
 
 TARGET_S, TARGET_ROW_S, DRAFT_S = 0.3, 0.01, 0.05  # a target step, each row more, a draft step (seconds)

@@ -24,18 +24,20 @@ ray = pytest.importorskip("ray")
 
 from harness import WORK_TIMEOUT_S, load  # noqa: E402
 from orchestrator.decoding.request import LoopConfig  # noqa: E402
-from orchestrator.deployment.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
+from orchestrator.control.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
 from parity import target_greedy  # noqa: E402
-from specmesh.service import ReplicaConfig  # noqa: E402
-from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools  # noqa: E402
-from orchestrator.frontend.server import serve_grpc  # noqa: E402
-from specmesh import openmp  # noqa: E402
-from specmesh.metrics import OrchestratorMetrics  # noqa: E402
+from specmesh.server.service import ReplicaConfig  # noqa: E402
+from orchestrator.control.pools import Pools  # noqa: E402
+from orchestrator.control.options import PoolsOptions
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.serving.server import serve_grpc  # noqa: E402
+from specmesh.loading import openmp  # noqa: E402
+from specmesh.server.metrics import OrchestratorMetrics  # noqa: E402
 from specmesh.roles import DRAFT  # noqa: E402
-from specmesh.security import token_interceptors  # noqa: E402
-from orchestrator.deployment.online_cycle import DistillJob, run_on_ray  # noqa: E402
-from orchestrator.deployment.ray_replica import ReplicaActor  # noqa: E402
-from specmesh.service import ServiceOptions  # noqa: E402
+from specmesh.server.security import token_interceptors  # noqa: E402
+from orchestrator.distill.online_cycle import DistillJob, run_on_ray  # noqa: E402
+from orchestrator.control.ray_replica import ReplicaActor  # noqa: E402
+from specmesh.server.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
 from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402
 from benchmarks.tiny_models import TINY_PROMPTS  # noqa: E402
@@ -154,7 +156,7 @@ async def test_replicas_bind_the_host_and_refuse_calls_without_the_token(ray_sta
 
 
 async def test_draft_replicas_start_with_a_short_openmp_spin_and_targets_with_libgomps_own(ray_stack):
-    """In each actor's environment before it loaded torch: its role's runtime_env (specmesh.openmp)."""
+    """In each actor's environment before it loaded torch: its role's runtime_env (specmesh.loading.openmp)."""
     if any(name in os.environ for name in openmp.USER_SETTINGS):
         pytest.skip("this environment sets OpenMP's wait itself, which the replicas keep")
     read_spin = lambda actor: __import__("os").environ.get("GOMP_SPINCOUNT")  # noqa: E731  runs in the actor

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.sampling import SamplingParams, logits_to_probs, make_generator, sample_token
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import logits_to_probs, make_generator, sample_token
 from target_service.rejection_sampler import verify_greedy, verify_sampled
 
 

@@ -15,9 +15,9 @@ from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.renamed_repeats import MAX_NAME_TOKENS, rename, renaming
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.decoding.suffix_index import TOKEN_BYTES, SuffixIndex
-from orchestrator.deployment.clients import TargetClient, open_channel
+from orchestrator.serving.clients import TargetClient, open_channel
 from parity import VerifyAllSuffixes, target_greedy
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from benchmarks.tiny_models import TINY_PROMPTS
 
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 12, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]

@@ -31,19 +31,19 @@ NOT_AT_START = {
     "openai": "the tests' client",
     "orchestrator.bench": "specmesh bench",
     "orchestrator.distill": "specmesh distill (online distillation runs it as a child process)",
-    "orchestrator.frontend.http_api": "the orchestrator's HTTP API",
-    "opentelemetry.sdk": "tracing, loaded where a service traces (specmesh.telemetry)",
-    "opentelemetry.instrumentation": "tracing, loaded where a service traces (specmesh.telemetry)",
+    "orchestrator.serving.http_api": "the orchestrator's HTTP API",
+    "opentelemetry.sdk": "tracing, loaded where a service traces (specmesh.server.telemetry)",
+    "opentelemetry.instrumentation": "tracing, loaded where a service traces (specmesh.server.telemetry)",
     "opentelemetry.exporter": "tracing, loaded where a service exports spans",
 }
 
 ENTRY_POINTS = {
     # `python -m target_service|draft_service`, and the servers every deployment creates
     "model services": ["target_service.__main__", "draft_service.__main__", "target_service.server",
-                       "draft_service.server", "orchestrator.deployment.replicas"],
+                       "draft_service.server", "orchestrator.control.replicas"],
     # a `specmesh serve` replica: a spawned child that imports its parent's main module (the CLI) as
     # __mp_main__ and the supervisor, whose run_replica it unpickles
-    "supervised replica": ["orchestrator.frontend.cli", "orchestrator.deployment.supervisor"],
+    "supervised replica": ["orchestrator.cli.main", "orchestrator.control.supervisor"],
 }
 
 
@@ -65,11 +65,11 @@ def unwanted(imported: set[str]) -> dict[str, str]:
 @pytest.mark.parametrize("case", list(ENTRY_POINTS))
 def test_a_replica_start_imports_no_tool_modules(case):
     imported = modules_after_importing(ENTRY_POINTS[case])
-    assert {"torch", "grpc", "specmesh.service"} <= imported  # the listing is the serving path's
+    assert {"torch", "grpc", "specmesh.server.service"} <= imported  # the listing is the serving path's
     assert unwanted(imported) == {}
 
 
 def test_the_check_finds_a_module_and_its_submodules():
     assert unwanted({"torch", "matplotlib.pyplot", "opentelemetry.sdk.trace", "orchestrator.distill"}) == {
         name: NOT_AT_START[name] for name in ("matplotlib", "opentelemetry.sdk", "orchestrator.distill")}
-    assert unwanted({"torch", "rayon", "opentelemetry.trace", "orchestrator.deployment.online_cycle"}) == {}
+    assert unwanted({"torch", "rayon", "opentelemetry.trace", "orchestrator.distill.online_cycle"}) == {}

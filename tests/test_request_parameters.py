@@ -12,9 +12,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from front_door import bad_request_field
 from harness import load, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.clients import open_channel
-from orchestrator.frontend.server import create_servicer
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.clients import open_channel
+from orchestrator.control.build import create_servicer
 from specmesh.v1 import common_pb2, generation_pb2, target_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.deployment.options import RestartPolicy, doubling
-from orchestrator.deployment.supervisor import LocalReplica
-from specmesh.service import ReplicaConfig, ServiceOptions
+from orchestrator.control.options import RestartPolicy, doubling
+from orchestrator.control.supervisor import LocalReplica
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 
 pytestmark = pytest.mark.unit
 

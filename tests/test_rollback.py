@@ -10,8 +10,8 @@ import torch
 from draft_service.engine import CommitSpec, DraftEngine
 from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
 from harness import GRAPH_STEPS, make_engine
-from specmesh.commit import committed_sequence, committed_tokens
-from specmesh.sampling import SamplingParams
+from specmesh.engine.commit import committed_sequence, committed_tokens
+from specmesh.engine.sampling_params import SamplingParams
 from target_service.engine import TargetEngine
 
 pytestmark = pytest.mark.unit

@@ -22,15 +22,17 @@ import pytest
 from front_door import bad_request_fields
 from harness import eventually, load
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.options import RestartPolicy
-from orchestrator.deployment.pool import PoolSpec
-from orchestrator.deployment.serving import Pools, PoolsOptions, servicer_over_pools
-from orchestrator.frontend import cli
-from orchestrator.frontend.server import serve_grpc
+from orchestrator.control.options import RestartPolicy
+from orchestrator.serving.pool import PoolSpec
+from orchestrator.control.pools import Pools
+from orchestrator.control.options import PoolsOptions
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.cli import main as cli
+from orchestrator.serving.server import serve_grpc
 from parity import target_greedy
 from pools import LocalDeployment, MAX_TOKENS, PROMPT, RESTART_WAIT_S
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.service import ReplicaConfig, ServiceOptions
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.server.service import ReplicaConfig, ServiceOptions
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 DRAFT_REPLICAS = 2

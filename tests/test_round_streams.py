@@ -20,15 +20,15 @@ from opentelemetry.trace import SpanKind
 
 from harness import TargetHold, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions, connect_backends
-from orchestrator.deployment.clients import TargetClient, UpstreamError, open_channel
-from orchestrator.deployment.round_streams import _broken_as_unavailable
+from orchestrator.control.build import OrchestratorOptions, connect_backends
+from orchestrator.serving.clients import TargetClient, UpstreamError, open_channel
+from orchestrator.serving.round_streams import _broken_as_unavailable
 from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
-from specmesh.drain import drain_of
-from specmesh.server import INTERNAL_DETAILS_PREFIX
-from specmesh.sampling import SamplingParams
-from specmesh.security import token_interceptors
-from specmesh.telemetry import VERIFY_ROUNDS
+from specmesh.server.drain import drain_of
+from specmesh.server.grpc_server import INTERNAL_DETAILS_PREFIX
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.server.security import token_interceptors
+from specmesh.server.telemetry import VERIFY_ROUNDS
 from specmesh.v1 import target_pb2
 from target_service.server import create_server
 from benchmarks.tiny_models import TINY_PROMPTS

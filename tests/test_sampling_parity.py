@@ -17,7 +17,7 @@ import torch
 from benchmarks.links import LinkSpec
 from harness import start_stack
 from parity import PROMPT, SAMPLES, exact_second_token_marginal, expected_sampling_tv, total_variation
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 
 GIGABIT = LinkSpec(rtt_ms=2.0, bandwidth_bps=1e9)
 CASES = [  # (sampling, the draft proposes point masses, the link between the orchestrator and each service)

@@ -16,16 +16,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from front_door import generate_with
 from harness import load, serve_config, start_stack
-from orchestrator.frontend.cli import build_parser, main as cli_main
-from orchestrator.deployment.clients import open_channel
-from orchestrator.frontend.http_api import create_app, start_http_server, stop_http_server
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.frontend.server import create_servicer
+from orchestrator.cli.main import build_parser, main as cli_main
+from orchestrator.serving.clients import open_channel
+from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.control.build import create_servicer
 from parity import target_greedy
 from pki import make_pki
 from serve_cli import start_serve
-from specmesh.security import SecurityConfigError, TLSConfig, security_from_args
-from specmesh.service import ServiceOptions, add_service_arguments
+from specmesh.server.security import SecurityConfigError, TLSConfig, security_from_args
+from specmesh.server.service import ServiceOptions, add_service_arguments
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -12,8 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from front_door import bad_request_field
 from harness import TargetHold, eventually, load, make_engine, start_model_server, start_stack
-from orchestrator.deployment.backends import OrchestratorOptions, TokenizerMismatch
-from orchestrator.frontend.server import create_server
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.backends import TokenizerMismatch
+from orchestrator.control.build import create_server
 from parity import target_greedy
 from specmesh.v1 import generation_pb2
 from benchmarks.tiny_models import TINY_PROMPTS

@@ -14,12 +14,12 @@ import pytest
 
 from harness import WORK_TIMEOUT_S, draft_stub, eventually, make_engine, start_stack
 from orchestrator.decoding.loop import close_after
-from orchestrator.deployment.clients import CLOSE_ATTEMPTS, DraftClient
-from specmesh.closed_sessions import ClosedSessions
-from specmesh.cpu_linear import onednn_usable
-from specmesh.drain import drain_of
+from orchestrator.serving.clients import CLOSE_ATTEMPTS, DraftClient
+from specmesh.engine.closed_sessions import ClosedSessions
+from specmesh.loading.cpu_linear import onednn_usable
+from specmesh.server.drain import drain_of
 from specmesh.errors import SessionClosed
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, generation_pb2
 from benchmarks.tiny_models import TINY_PROMPTS
 

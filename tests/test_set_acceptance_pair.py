@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harness import start_stack
-from specmesh.models import ModelNotFoundError, load_model
+from specmesh.loading.models import ModelNotFoundError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def add(a, b):", "class Counter:", "the quick brown fox"]
@@ -106,7 +106,7 @@ async def test_served_greedy_output_is_the_targets_at_the_set_acceptance(pair):
 
 def test_specmesh_bench_serves_and_assists_with_the_pair_only_with_trust_remote_code(pair, tmp_path):
     """The flag reaches both services (child processes) and the in-process peer."""
-    command = [sys.executable, "-m", "orchestrator.frontend.cli", "bench", "--target", str(pair["target"]),
+    command = [sys.executable, "-m", "orchestrator.cli.main", "bench", "--target", str(pair["target"]),
                "--draft", str(pair["draft-0.8"]), "--num-speculative-tokens", str(K), "--speculation-policy",
                "fixed", "--kinds", "code", "--num-prompts", "2", "--max-tokens", "24", "--max-concurrency", "1",
                "--temperature", "0", "--peer-k", str(K), "--num-warmups", "0", "--result-dir", str(tmp_path / "out")]

@@ -7,11 +7,11 @@ import contextlib
 import grpc
 
 from harness import load, start_stack
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
+from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, SpeculationSwitch
 from parity import target_greedy
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import admin_pb2, admin_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
 

@@ -1,6 +1,6 @@
 """`specmesh stats`: derived figures from a real registry served over HTTP on 127.0.0.1.
 
-The registry is the orchestrator's own (specmesh/metrics.py), so a renamed series or a
+The registry is the orchestrator's own (specmesh/server/metrics.py), so a renamed series or a
 changed suffix breaks these tests rather than silently showing zeros in the view.
 """
 
@@ -13,9 +13,9 @@ import socket
 
 import pytest
 
-from orchestrator.frontend.stats_view import (CLEAR_SCREEN, add_parser, fetch_metrics, histogram_quantile, metrics_url,
-                                     render, run, summarize)
-from specmesh.metrics import OrchestratorMetrics, serve_metrics
+from orchestrator.cli.stats_view import (CLEAR_SCREEN, add_parser, fetch_metrics, histogram_quantile, metrics_url,
+                                         render, run, summarize)
+from specmesh.server.metrics import OrchestratorMetrics, serve_metrics
 
 MODEL = "tiny-target"
 # prompt_class -> (requests, rounds, draft tokens, accepted, generated, target passes, fallbacks, per-position)

@@ -1,4 +1,4 @@
-"""The step-cost model (specmesh.step_model): a linear law fitted to a service's decode steps.
+"""The step-cost model (specmesh.engine.step_model): a linear law fitted to a service's decode steps.
 
     seconds = scale * planned(rows) + per_session * (sessions - 1) + per_kilo_attended * attended / 1000
 
@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from specmesh.step_costs import StepCosts
-from specmesh.step_model import BOUNDS, DECAY, PRIOR, StepModel, StepShape
+from specmesh.engine.step_costs import StepCosts
+from specmesh.engine.step_model import BOUNDS, DECAY, PRIOR, StepModel, StepShape
 from specmesh.v1 import common_pb2
 
 pytestmark = pytest.mark.unit
@@ -173,7 +173,7 @@ def test_garbage_in_a_reported_model_is_brought_within_bounds(scale, per_session
 def test_the_plain_float_solver_agrees_with_numpy_on_the_systems_the_fit_builds(seed):
     """_solve_linear stands in for numpy.linalg.solve on 1x1 to 3x3 ridge systems (symmetric, positive
     definite, scales as far apart as seconds and thousands of attended pairs)."""
-    from specmesh.step_model import _solve_linear
+    from specmesh.engine.step_model import _solve_linear
     rng = np.random.default_rng(seed)
     for n in (1, 2, 3):
         features = rng.random((20, n)) * np.array([0.5, 15.0, 20.0])[:n]  # [steps, n]

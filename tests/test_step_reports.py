@@ -1,5 +1,5 @@
-"""Step costs: the start-up table and the model fitted to decode steps (specmesh.step_costs,
-specmesh.step_model), reported over GetModelInfo and /metrics, and kept by the orchestrator per role
+"""Step costs: the start-up table and the model fitted to decode steps (specmesh.engine.step_costs,
+specmesh.engine.step_model), reported over GetModelInfo and /metrics, and kept by the orchestrator per role
 (at start-up, and from every pool health check)."""
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from prometheus_client import CollectorRegistry
 
 from harness import load, make_engine, start_model_server
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.backends import OrchestratorOptions
-from orchestrator.deployment.clients import DraftClient, TargetClient, open_channel
-from orchestrator.deployment.options import PoolsOptions
-from orchestrator.deployment.pool import ReplicaPool, fixed_replicas
-from orchestrator.deployment.serving import Pools, servicer_over_pools
-from orchestrator.deployment.step_reports import StepReports
-from orchestrator.frontend.server import create_servicer
-from specmesh.metrics import ServiceMetrics
-from specmesh.sampling import SamplingParams
-from specmesh.step_costs import MAX_REPORTED_SIZES, MEASURED_ROWS, OUTLIER_FACTOR, StepCosts
-from specmesh.step_model import BOUNDS, PRIOR, StepShape
+from orchestrator.control.build import OrchestratorOptions
+from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
+from orchestrator.control.options import PoolsOptions
+from orchestrator.serving.pool import PoolHooks, ReplicaPool, fixed_replicas
+from orchestrator.control.pools import Pools
+from orchestrator.control.build import servicer_over_pools
+from orchestrator.serving.step_reports import StepReports
+from orchestrator.control.build import create_servicer
+from specmesh.server.metrics import ServiceMetrics
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.step_costs import MAX_REPORTED_SIZES, MEASURED_ROWS, OUTLIER_FACTOR, StepCosts
+from specmesh.engine.step_model import BOUNDS, PRIOR, StepShape
 from specmesh.v1 import common_pb2
 
 # 2 and 3 rows pad to 4 (5 % dearer than one row, where 2 and 3 cost twice as much); nothing else pads.
@@ -36,7 +37,7 @@ def _coefficients(reported: common_pb2.StepCostModel) -> tuple[float, float, flo
 
 
 def _info(costs: StepCosts, **fields) -> common_pb2.ModelInfo:
-    """What a service running `costs` reports (specmesh.engine.ModelEngine.describe)."""
+    """What a service running `costs` reports (specmesh.engine.model_engine.ModelEngine.describe)."""
     return common_pb2.ModelInfo(step_costs=costs.to_proto(), planned_step_costs=costs.planned_to_proto(),
                                 step_model=costs.model.to_proto(), **fields)
 
@@ -99,7 +100,7 @@ def test_a_disturbance_at_start_up_inflates_no_size(monkeypatch):
     def forward_rows(rows: int) -> None:
         calls.append(rows)
         clock[0] += rows * 0.01 * (10 if len(calls) <= 3 else 1)
-    monkeypatch.setattr("specmesh.step_costs.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("specmesh.engine.step_costs.time.perf_counter", lambda: clock[0])
     costs = StepCosts.measure(forward_rows, sizes=(1, 2, 4, 8), repeats=2)
     assert costs.measured == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
     assert calls == [1, 2, 4, 8] * 2
@@ -281,14 +282,15 @@ async def test_pools_keep_the_orchestrators_costs_current_at_every_health_check(
     engines = {"target": make_engine(tiny_llama_dir), "draft": make_engine(tiny_llama_perturbed_dir, role_name="draft")}
     servers, pools = {}, None
     try:
-        replica_pools = {}
+        replica_pools, step_reports = {}, StepReports()
         for role, engine in engines.items():
             engine.calibrate()
             servers[role], port = await start_model_server(role, engine)
             client = TargetClient if role == "target" else DraftClient
             replica_pools[role] = ReplicaPool(role, fixed_replicas({f"{role}-0": f"127.0.0.1:{port}"}), client,
-                                              check_interval_s=3600)  # checks only when the test refreshes
-        pools = Pools(replica_pools, options=PoolsOptions(start_timeout_s=30))
+                                              check_interval_s=3600,  # checks only when the test refreshes
+                                              hooks=PoolHooks(on_info=step_reports.update))
+        pools = Pools(replica_pools, options=PoolsOptions(start_timeout_s=30), step_reports=step_reports)
         _, tokenizer = load(str(tiny_llama_dir), "cpu")
         reports = (await servicer_over_pools(tokenizer, pools, LoopConfig())).backends.step_reports
         assert reports.target.cost(1) == engines["target"].costs.cost(1)
@@ -356,7 +358,7 @@ def test_services_on_one_machine_take_turns_to_calibrate():
     import tempfile
     from pathlib import Path
 
-    from specmesh.service import CALIBRATION_LOCK, calibration_turn
+    from specmesh.server.service import CALIBRATION_LOCK, calibration_turn
 
     def try_to_calibrate() -> bool:
         with open(Path(tempfile.gettempdir()) / CALIBRATION_LOCK, "a") as other:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specmesh.batching import Feed, Part, StepPlanner, StepScheduler
-from specmesh.step_costs import ChunkSteering, StepCosts
+from specmesh.engine.batching import Feed, Part, StepPlanner, StepScheduler
+from specmesh.engine.step_costs import ChunkSteering, StepCosts
 
 pytestmark = pytest.mark.unit
 
@@ -253,7 +253,7 @@ def test_chunk_steering_shrinks_chunks_that_run_dearer_than_the_table_says_and_g
 
 async def test_the_step_log_writes_one_line_per_step_in_order(tmp_path, monkeypatch):
     import json
-    from specmesh.step_log import ENV, StepLog
+    from specmesh.engine.step_log import ENV, StepLog
     monkeypatch.setenv(ENV, str(tmp_path / "not-yet" / "steps-{role}.jsonl"))  # its folder made for it
     log = StepLog.from_environment("target")
     steps = Steps()

@@ -20,9 +20,9 @@ from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.suffix_index import SuffixIndex
 from parity import VerifyAllSuffixes, assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
-from specmesh.metrics import OrchestratorMetrics
-from specmesh.sampling import SamplingParams
-from specmesh.step_costs import MEASURED_ROWS
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.step_costs import MEASURED_ROWS
 from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_TOKENS = 48

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.frontend.detokenizer import IncrementalDetokenizer
-from specmesh.distributions import TAIL_MASS, decode_distribution, encode_distribution
-from specmesh.sampling import SamplingParams, logits_to_probs
+from orchestrator.serving.detokenizer import IncrementalDetokenizer
+from specmesh.engine.distributions import TAIL_MASS, decode_distribution, encode_distribution
+from specmesh.engine.sampling_params import SamplingParams
+from specmesh.engine.sampling import logits_to_probs
 from specmesh.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,15 +29,15 @@ from orchestrator.bench.metrics import (RequestRecord, aggregate, aggregate_by_k
 from orchestrator.bench.modes import DEFAULT, OFF, PEER_OFF, peer_modes, served_modes
 from orchestrator.bench.round_parts import RoundParts
 from orchestrator.bench.plots import write_plots
-from orchestrator.bench.prompts import BenchPrompt, PromptFileError, prompt_pool, select_prompts
+from orchestrator.prompts.sets import BenchPrompt, PromptFileError, prompt_pool, select_prompts
 from orchestrator.bench.report import machine_info, print_report, write_json
 from orchestrator.bench.runner import Configuration, LoadSettings, request_temperature, run_modes, warm_up
 from orchestrator.bench.sweep import draft_length_sweep, peer_standing
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, model_service_options, start_stack
+from orchestrator.control.launch import ProcessGroup, StackOptions, model_service_options, start_stack
 from orchestrator.decoding.options import loop_config
-from orchestrator.frontend.options import FrontendOptions
+from orchestrator.serving.options import FrontendOptions
 from specmesh.roles import DRAFT, TARGET
-from specmesh.security import new_internal_token
+from specmesh.server.security import new_internal_token
 
 # (configuration, mode) -> (records, seconds of each pass over the prompts)
 Runs = dict[tuple[str, str], tuple[list[RequestRecord], list[float]]]
@@ -123,7 +123,7 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
                      metrics_url: str | None = None) -> tuple[Runs, Rounds]:
     tokenizer = None
     if args.protocol == "grpc" and any(p.messages is not None for p in prompts):
-        from specmesh.models import load_tokenizer
+        from specmesh.loading.models import load_tokenizer
         tokenizer = load_tokenizer(args.tokenizer or args.target)
     client = make_client(args.protocol, endpoint, tokenizer, peer, metrics_url)
     runs: Runs = {}

@@ -6,8 +6,8 @@ import argparse
 import math
 
 from orchestrator.bench.modes import DEFAULT_SWEEP
-from orchestrator.bench.prompts import ALL_KINDS, KIND_HELP, KINDS
-from orchestrator.deployment.launch import add_model_arguments
+from orchestrator.prompts.sets import ALL_KINDS, KIND_HELP, KINDS
+from orchestrator.control.launch import add_model_arguments
 from specmesh.roles import MAX_DRAFT_TOKENS
 
 EPILOG = """examples:

@@ -20,9 +20,9 @@ import httpx
 
 from orchestrator.bench.metrics import COUNTED, RequestRecord, token_digest
 from orchestrator.bench.modes import is_peer_mode
-from orchestrator.bench.prompts import BenchPrompt
+from orchestrator.prompts.sets import BenchPrompt
 from orchestrator.bench.round_parts import ByMode, RoundParts, scrape_round_parts
-from specmesh.models import chat_token_ids
+from specmesh.loading.models import chat_token_ids
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 

@@ -31,10 +31,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from orchestrator.bench.metrics import RequestRecord, token_digest
 from orchestrator.bench.clients import RequestParams
-from orchestrator.bench.prompts import BenchPrompt
+from orchestrator.prompts.sets import BenchPrompt
 from orchestrator.bench.round_parts import RoundParts
-from specmesh import models
-from specmesh.precision import load_model_in
+from specmesh.loading import models
+from specmesh.loading.precision import load_model_in
 
 
 class ForwardClock:
@@ -115,8 +115,8 @@ class PeerPair:
     def load(cls, target: str, draft: str | None, device: str, draft_device: str | None,
              target_dtype: str, draft_dtype: str, target_cpu_linear: str = "auto", draft_cpu_linear: str = "auto",
              trust_remote_code: bool = False) -> "PeerPair":
-        """The pair in the precisions the --dtype names give (specmesh.precision) and on the CPU
-        kernels --cpu-linear names (specmesh.cpu_linear). Given what the services report running
+        """The pair in the precisions the --dtype names give (specmesh.loading.precision) and on the CPU
+        kernels --cpu-linear names (specmesh.loading.cpu_linear). Given what the services report running
         (ModelInfo's precision and cpu_linear), it runs the same: `auto` timed again here could
         choose otherwise."""
         target_model, tokenizer = load_model_in(target, device, target_dtype, target_cpu_linear, trust_remote_code)

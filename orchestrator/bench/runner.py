@@ -25,7 +25,7 @@ from tqdm import tqdm
 from orchestrator.bench.clients import RequestParams
 from orchestrator.bench.metrics import RequestRecord
 from orchestrator.bench.modes import DEFAULT, OFF, request_speculation
-from orchestrator.bench.prompts import BenchPrompt
+from orchestrator.prompts.sets import BenchPrompt
 
 
 DEFAULT_MAX_TOKENS = 128

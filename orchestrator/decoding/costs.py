@@ -5,9 +5,9 @@ one target step over their k + 1 rows each (and any prompt-lookup rows):
 
     round_s(k) = k * draft_step(n sessions, n rows) + target_step(n sessions, n (k + 1) rows)
 
-Each step is priced by the service that runs it (specmesh.step_costs: its start-up table
+Each step is priced by the service that runs it (specmesh.engine.step_costs: its start-up table
 by rows, corrected by a model fitted to the steps it runs, with their sessions and cached
-context; reported in ModelInfo and collected in orchestrator.deployment.step_reports). What
+context; reported in ModelInfo and collected in orchestrator.serving.step_reports). What
 the services cannot see shows in the wall clock, in two parts, where the round knows the
 forward time its calls reported:
 
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from orchestrator.decoding.decode_ahead import tokens_ahead, tokens_per_call
 from specmesh.ewma import Ewma
 from specmesh.roles import MAX_DECODE_AHEAD
-from specmesh.step_costs import StepCosts
-from specmesh.step_model import StepShape
+from specmesh.engine.step_costs import StepCosts
+from specmesh.engine.step_model import StepShape
 
 RATIO_WEIGHT = 0.2  # of a round in a step's correction or forward time: one odd round must not swing it
 RATIO_BOUNDS = (0.02, 1000.0)  # a pipelined pre-draft makes the wait almost nothing; a busy service, long
@@ -80,7 +80,7 @@ class RoundCosts:
     """Predicted draft and target seconds of a round, shared by every request of an orchestrator."""
 
     def __init__(self, reports=None, decode_ahead: int = MAX_DECODE_AHEAD):
-        self.reports = reports  # orchestrator.deployment.step_reports.StepReports, or None
+        self.reports = reports  # orchestrator.serving.step_reports.StepReports, or None
         self.decode_ahead = decode_ahead  # LoopConfig.decode_ahead: the most a target-only Verify decodes ahead
         self.draft_ratio = Ewma(RATIO_WEIGHT)
         self.target_ratio = Ewma(RATIO_WEIGHT)

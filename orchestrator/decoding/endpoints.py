@@ -1,8 +1,8 @@
 """What the speculative loop asks of its draft and its target, whoever answers.
 
 The loop (orchestrator.decoding.loop, .pipelined) is handed either a single service's gRPC
-client (orchestrator.deployment.clients) or a pool of replicas behind one client that moves
-sessions when a replica dies (orchestrator.deployment.failover); both are these. Timeouts are
+client (orchestrator.serving.clients) or a pool of replicas behind one client that moves
+sessions when a replica dies (orchestrator.serving.failover); both are these. Timeouts are
 seconds; positions are absolute and 0-based.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
-from specmesh.sampling import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 

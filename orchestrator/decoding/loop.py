@@ -37,7 +37,7 @@ from orchestrator.decoding.request import (DraftLengthPolicy, GenerationRequest,
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
-from specmesh.commit import committed_tokens
+from specmesh.engine.commit import committed_tokens
 from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -420,7 +420,7 @@ def _proposer(k: int, free: FreeProposal | None) -> str:
 
 async def close_after(opening: asyncio.Task | None, endpoint: DraftEndpoint, session_id: str) -> None:
     """Close the session once its open has ended, whichever way: a close sent beside a cancelled open
-    could reach the service first (the service refuses such an open too: specmesh.closed_sessions)."""
+    could reach the service first (the service refuses such an open too: specmesh.engine.closed_sessions)."""
     if opening is not None:
         await asyncio.wait([opening])
     await endpoint.close(session_id)

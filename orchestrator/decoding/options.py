@@ -7,7 +7,7 @@ import argparse
 from orchestrator.decoding.request import ROUND_CALLS, LoopConfig
 from orchestrator.decoding.pipelined import PIPELINE_MODES
 from specmesh.roles import MAX_DECODE_AHEAD
-from specmesh.service import positive_int
+from specmesh.server.service import positive_int
 
 
 def add_loop_arguments(parser: argparse.ArgumentParser) -> None:

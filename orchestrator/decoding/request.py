@@ -9,7 +9,7 @@ from typing import Protocol
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
 from specmesh.roles import MAX_DECODE_AHEAD
-from specmesh.sampling_params import SamplingParams
+from specmesh.engine.sampling_params import SamplingParams
 
 ROUND_CALLS = ("unary", "stream")  # LoopConfig.round_calls
 

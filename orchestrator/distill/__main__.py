@@ -1,7 +1,7 @@
 """`python -m orchestrator.distill FLAGS`: `specmesh distill FLAGS`, reading its flags first.
 
 `specmesh` itself imports torch, transformers and every other command's options before it parses a
-flag. The online distillation child (orchestrator.deployment.online_cycle) starts here: it runs at
+flag. The online distillation child (orchestrator.distill.online_cycle) starts here: it runs at
 nice 19, and on a busy node a bad flag took minutes to be reported instead of failing at once.
 """
 

@@ -33,8 +33,8 @@ from orchestrator.distill.early_stopping import EarlyStopping
 from orchestrator.distill.examples import DistillInputError, Example, check_token_ids, load_examples, split_examples
 from orchestrator.distill.report import build_report, format_report, improved, write_report
 from orchestrator.distill.training import TrainingSettings, finish_training, make_trainable, train
-from specmesh.cpu_linear import choose_cpu_linear
-from specmesh.models import ModelNotFoundError, eos_token_ids, load_model, load_tokenizer, vocab_fingerprint
+from specmesh.loading.cpu_linear import choose_cpu_linear
+from specmesh.loading.models import ModelNotFoundError, eos_token_ids, load_model, load_tokenizer, vocab_fingerprint
 
 
 @dataclass

@@ -32,7 +32,7 @@ def resolve_dtype(name: str, device: str) -> str:
     """'auto' is bfloat16 where the device computes it natively (faster), else float32."""
     if name != "auto":
         return name
-    from specmesh.precision import native_bf16  # torch: not at import, the CLI's flags read this module
+    from specmesh.loading.precision import native_bf16  # torch: not at import, the CLI's flags read this module
 
     return "bfloat16" if native_bf16(device) else "float32"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from orchestrator.decoding.acceptance import DEFAULT_ACCEPTANCE, PRIOR_TOKENS, PositionCounts, expected_tokens
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.distill.acceptance import AcceptanceStats
-from specmesh.precision import one_row_step_s
+from specmesh.loading.precision import one_row_step_s
 
 SERVER_MAX_K = LoopConfig.num_speculative_tokens  # `specmesh serve`'s default most draft tokens a round
 

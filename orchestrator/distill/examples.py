@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.bench.prompts import PromptFileError, json_object, load_jsonl
+from orchestrator.prompts.sets import PromptFileError, json_object, load_jsonl
 from orchestrator.distill.defaults import HELD_OUT_MAX, VALIDATION_FRACTION, VALIDATION_MAX
-from specmesh.models import chat_token_ids
+from specmesh.loading.models import chat_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from specmesh.hf_compat import cache_kwargs
+from specmesh.loading.hf_compat import cache_kwargs
 
 dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 cfg = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,

@@ -10,7 +10,7 @@ draft step), times one step four ways on the same caches:
 - concatenated: the rows of every session in one padding-free sequence over the sessions'
   caches concatenated into one, with a block mask (the services' first ragged design);
 - ragged: the same padding-free rows, attention per session over its own cache
-  (specmesh.ragged, what the services run).
+  (specmesh.engine.ragged, what the services run).
 
 Prints the median milliseconds per layout and N, and each layout's time relative to sequential.
 Tiny random models by default; --model for a real one (e.g. qwen2.5-coder-1.5b). From the repository
@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from specmesh import models
-from specmesh.batching import Part
-from specmesh.engine import EngineConfig, ModelEngine, Session
-from specmesh.hf_compat import cache_kwargs
-from specmesh.sampling import SamplingParams
+from specmesh.loading import models
+from specmesh.engine.batching import Part
+from specmesh.engine.model_engine import EngineConfig, ModelEngine, Session
+from specmesh.loading.hf_compat import cache_kwargs
+from specmesh.engine.sampling_params import SamplingParams
 
 
 def tiny_model(root: Path) -> str:

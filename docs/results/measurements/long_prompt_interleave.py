@@ -45,10 +45,10 @@ from pathlib import Path
 import grpc
 
 from orchestrator.decoding.request import LoopConfig
-from orchestrator.deployment.launch import ProcessGroup, StackOptions, start_stack
-from orchestrator.frontend.options import FrontendOptions
-from specmesh.models import load_tokenizer
-from specmesh.service import ServiceOptions
+from orchestrator.control.launch import ProcessGroup, StackOptions, start_stack
+from orchestrator.serving.options import FrontendOptions
+from specmesh.loading.models import load_tokenizer
+from specmesh.server.service import ServiceOptions
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 STREAM_PROMPTS = ("def quicksort(arr):", "class LinkedList:\n    def __init__(self):",

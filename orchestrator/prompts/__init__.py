@@ -1,0 +1,1 @@
+"""Prompt sets and JSONL prompt files, shared by `specmesh bench` and `specmesh distill`."""
