@@ -1,4 +1,5 @@
-"""An orchestrator's replica pools and their controllers: health, metrics, scaling, rollouts (the Admin calls).
+"""An orchestrator's replica pools and their controllers: health, metrics, scaling, rollouts (the Admin calls;
+`pool_state` shows a pool to it).
 
 Every deployment serves this way: each role is a `ReplicaPool` (routing, health) behind a
 failover client, and a controller per role keeps its replicas running, either as local
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2
 from orchestrator.control.draft_training import DraftTrainer
 from orchestrator.control.attached import attached_pools, not_managed, wait_for_attached
 from orchestrator.control.options import BACKENDS, PoolsOptions
+from orchestrator.control.pool_state import pool_state
 from orchestrator.serving.failover import PooledTargetClient
 from orchestrator.serving.pool import PoolHooks, PoolSpec, ReplicaPool, new_pool
 from orchestrator.control.ray_controller import PoolController, ray_discovery
@@ -30,7 +32,7 @@ from orchestrator.decoding.background import spawn_background
 from orchestrator.serving.step_reports import StepReports
 from specmesh.errors import InvalidArgument, NotManagedHere, RolloutInProgress
 from specmesh.server.metrics import OrchestratorMetrics
-from specmesh.v1 import admin_pb2, common_pb2
+from specmesh.v1 import admin_pb2
 
 log = logging.getLogger(__name__)
 JOIN_DRAFT_WAIT_S = 10.0
@@ -259,33 +261,10 @@ class Pools:
         self.metrics.draft_model_info.labels(model=model).set(1)
 
     def state(self, role: str) -> admin_pb2.PoolState:
-        pool = self.pools[role]
         controller = self.controllers.get(role)
-        low, high = controller.spec.bounds if controller else (0, 0)
-        if low >= high:
-            low = high = 0  # not autoscaling
-        desired = controller.desired if controller else len([r for r in pool.replicas.values() if not r.draining])
-        state = admin_pb2.PoolState(pool=role, desired_replicas=desired, min_replicas=low, max_replicas=high,
-                                    model=controller.spec.replica.service.model if controller else "")
-        if controller is not None and controller.rolling:
-            state.rollout = self.rollout.progress
-        for replica in sorted(pool.replicas.values(), key=lambda r: r.name):
-            draining = replica.draining or bool(controller and replica.name in controller.draining)
-            supervised, retry_in_s = getattr(controller, "replica_state", _unsupervised)(replica.name)
-            shown = ("draining" if draining else supervised or
-                     ("starting" if replica.name in pool.withheld else replica.state))
-            load, info = replica.load, replica.info or common_pb2.ModelInfo()
-            state.replicas.add(name=replica.name, address=replica.address or "", state=shown,
-                               open_sessions=replica.open_sessions, routed_sessions=replica.routed,
-                               model=info.model, precision=info.precision, cpu_linear=info.cpu_linear,
-                               load=load.score, kv_cache_usage=load.kv_cache_usage, has_room=load.has_room,
-                               retry_in_s=retry_in_s)
-        return state
+        rollout = self.rollout if controller is not None and controller.rolling else None
+        return pool_state(role, self.pools[role], controller, rollout)
 
     def list(self) -> admin_pb2.ListReplicasResponse:
         return admin_pb2.ListReplicasResponse(pools=[self.state(role) for role in sorted(self.pools)])
 
-
-def _unsupervised(name: str) -> tuple[None, float]:
-    """Ray restarts its actors itself: the pool's checks are all there is to know of them."""
-    return None, 0.0
