@@ -83,11 +83,10 @@ class LocalDeployment:
         options = PoolsOptions(backend="local", target=spec("target", target_dir),
                                draft=spec("draft", draft_dir), check_interval_s=0.1,
                                acquire_timeout_s=RESTART_WAIT_S, restart_policy=policy)
-        pools, metrics = Pools.from_options(options), OrchestratorMetrics()
+        pools = Pools.from_options(options, metrics=OrchestratorMetrics())
         _, tokenizer = load(str(target_dir), "cpu")
-        servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2),
-                                             metrics=metrics)
-        return cls(pools, servicer, metrics)
+        servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
+        return cls(pools, servicer, pools.metrics)
 
     def replica(self, role: str):
         (replica,) = self.pools.controllers[role].replicas.values()

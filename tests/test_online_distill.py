@@ -231,9 +231,10 @@ async def deployment(tmp_path_factory, tiny_llama_dir, tiny_llama_unrelated_dir)
                            draft=PoolSpec(ReplicaConfig("draft", service(tiny_llama_unrelated_dir)), drain_grace_s=1.0),
                            check_interval_s=0.1, acquire_timeout_s=RESTART_WAIT_S,
                            restart_policy=RestartPolicy(initial_backoff_s=0.05), online_distill=online)
-    pools, metrics = Pools.from_options(options), OrchestratorMetrics()
+    metrics = OrchestratorMetrics()
+    pools = Pools.from_options(options, metrics=metrics)
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=K), metrics=metrics)
+    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=K))
     yield SimpleNamespace(pools=pools, servicer=servicer, metrics=metrics, online=pools.online)
     await pools.stop()
 

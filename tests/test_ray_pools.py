@@ -102,10 +102,9 @@ async def ray_stack(ray_cluster, tiny_llama_dir, tiny_llama_perturbed_dir):
     options = PoolsOptions(namespace=NAMESPACE, target=pool_spec("target", tiny_llama_dir),
                            draft=pool_spec("draft", tiny_llama_perturbed_dir), check_interval_s=0.25,
                            start_timeout_s=2 * WORK_TIMEOUT_S)  # four replica processes start at once
-    pools = Pools.from_options(options, token_interceptors(TOKEN))
+    pools = Pools.from_options(options, token_interceptors(TOKEN), metrics=OrchestratorMetrics())
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2),
-                                         metrics=OrchestratorMetrics())
+    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
     server, port, _ = await serve_grpc(servicer)
     stack = RayStack(pools, servicer, server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"), str(tiny_llama_dir))
     await stack.wait_serving("target", 2)

@@ -54,9 +54,10 @@ async def deployment(tiny_llama_dir, tiny_llama_unrelated_dir):
                                model=str(tiny_llama_dir)))), draft=draft_spec(tiny_llama_unrelated_dir),
                            check_interval_s=0.1, acquire_timeout_s=RESTART_WAIT_S,
                            restart_policy=RestartPolicy(initial_backoff_s=0.05))
-    pools, metrics = Pools.from_options(options), OrchestratorMetrics()
+    metrics = OrchestratorMetrics()
+    pools = Pools.from_options(options, metrics=metrics)
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
-    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2), metrics=metrics)
+    servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
     deployment = LocalDeployment(pools, servicer, metrics)
     await pools.pools["draft"].wait_serving(DRAFT_REPLICAS, RESTART_WAIT_S)
     deployment.server, port, _ = await serve_grpc(servicer)

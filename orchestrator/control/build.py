@@ -8,7 +8,6 @@ nothing of how it was built.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,7 +15,6 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace import TracerProvider
 from transformers import PreTrainedTokenizerBase
 
-from orchestrator.control.draft_training import DraftTrainer
 from orchestrator.control.options import PoolsOptions
 from orchestrator.control.pools import Pools
 from orchestrator.decoding.request import LoopConfig
@@ -28,8 +26,6 @@ from orchestrator.serving.servicer import Backends, GenerationServicer
 from specmesh.server.metrics import OrchestratorMetrics
 from specmesh.server.security import TLSConfig, token_interceptors
 from specmesh.server.telemetry import client_interceptors, tracer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,19 +78,18 @@ async def create_pooled_servicer(tokenizer: PreTrainedTokenizerBase, options, *,
     """The Generation servicer over pools; `options` is an OrchestratorOptions with `pools` set."""
     tracing = client_interceptors(tracer_provider)
     pools = Pools.from_options(options.pools, [*tracing, *token_interceptors(options.internal_token)], tracing,
-                               client_options(options.loop.round_calls, tracer_provider))
-    return await servicer_over_pools(tokenizer, pools, options.loop, tracer_provider=tracer_provider,
-                                     metrics=metrics)
+                               client_options(options.loop.round_calls, tracer_provider), metrics)
+    return await servicer_over_pools(tokenizer, pools, options.loop, tracer_provider=tracer_provider)
 
 
 async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, loop, *,
-                              tracer_provider: TracerProvider | None = None, metrics=None):
-    pools.metrics = metrics = metrics or OrchestratorMetrics()
+                              tracer_provider: TracerProvider | None = None) -> GenerationServicer:
+    """Start `pools` and serve over them; the servicer counts its requests in the pools' metrics. With online
+    distillation, the pools' trainer is fed every finished request and started last."""
     await pools.start()
     failures = pools.options.max_replica_failures
     target = PooledTargetClient(pools.pools["target"], max_replica_failures=failures,
                                 acquire_timeout_s=pools.options.acquire_timeout_s)
-    pools.target_info = target.model_info
     draft = None
     if "draft" in pools.pools:
         draft = PooledDraftClient(pools.pools["draft"], max_replica_failures=failures,
@@ -103,22 +98,9 @@ async def servicer_over_pools(tokenizer: PreTrainedTokenizerBase, pools: Pools, 
     if draft is not None and draft.pool.routable():
         draft_info = await draft.model_info(STARTUP_TIMEOUT_S)
     backends = await backends_for(tokenizer, target, draft, draft_info, loop, pools.step_reports)
-    trainer = draft_trainer(pools)
-    servicer = GenerationServicer(tokenizer, backends, loop, metrics, tracer(tracer_provider), pools=pools,
+    trainer = pools.online
+    servicer = GenerationServicer(tokenizer, backends, loop, pools.metrics, tracer(tracer_provider), pools=pools,
                                   on_served=trainer.served if trainer is not None else None)
     if trainer is not None:
         trainer.start()
     return servicer
-
-
-def draft_trainer(pools: Pools) -> DraftTrainer | None:
-    """With `online_distill` set and a draft pool this orchestrator owns: the online loop (not started yet),
-    to be fed every finished request; the pools stop it with themselves."""
-    options = pools.options.online_distill
-    if options is None:
-        return None
-    if "draft" not in pools.controllers:
-        log.warning("online distillation is on but this orchestrator owns no draft pool: it stays off")
-        return None
-    pools.online = options.trainer(pools=pools, metrics=pools.metrics)
-    return pools.online

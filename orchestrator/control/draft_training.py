@@ -1,8 +1,8 @@
 """What control knows of training the draft in the background while serving: this interface, nothing more.
 
 Online distillation (orchestrator.distill.online) is a tool, above control. The command line puts its
-settings in `PoolsOptions.online_distill`; the builder asks them for a trainer over the pools and feeds it
-every finished request, so no control module imports the tool (tests/test_layering.py).
+settings in `PoolsOptions.online_distill`; the pools ask them for a trainer over themselves once started, the
+builder feeds it every finished request, so no control module imports the tool (tests/test_layering.py).
 """
 
 from __future__ import annotations

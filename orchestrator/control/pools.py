@@ -1,4 +1,5 @@
-"""An orchestrator's replica pools and their controllers: health, metrics, scaling, rollouts (the Admin calls).
+"""An orchestrator's replica pools and their controllers: health, metrics, scaling, rollouts (the Admin calls;
+`pool_state` shows a pool to it).
 
 Every deployment serves this way: each role is a `ReplicaPool` (routing, health) behind a
 failover client, and a controller per role keeps its replicas running, either as local
@@ -21,6 +22,8 @@ from grpc_health.v1 import health_pb2
 from orchestrator.control.draft_training import DraftTrainer
 from orchestrator.control.attached import attached_pools, not_managed, wait_for_attached
 from orchestrator.control.options import BACKENDS, PoolsOptions
+from orchestrator.control.pool_state import pool_state
+from orchestrator.serving.failover import PooledTargetClient
 from orchestrator.serving.pool import PoolHooks, PoolSpec, ReplicaPool, new_pool
 from orchestrator.control.ray_controller import PoolController, ray_discovery
 from orchestrator.control.rollout import Rollout
@@ -28,7 +31,8 @@ from orchestrator.control.supervisor import LocalPoolController
 from orchestrator.decoding.background import spawn_background
 from orchestrator.serving.step_reports import StepReports
 from specmesh.errors import InvalidArgument, NotManagedHere, RolloutInProgress
-from specmesh.v1 import admin_pb2, common_pb2
+from specmesh.server.metrics import OrchestratorMetrics
+from specmesh.v1 import admin_pb2
 
 log = logging.getLogger(__name__)
 JOIN_DRAFT_WAIT_S = 10.0
@@ -52,7 +56,8 @@ class Pools:
     """This orchestrator's pools, and their controllers where it owns the replicas."""
 
     def __init__(self, pools: dict[str, ReplicaPool], controllers: dict | None = None,
-                 options: PoolsOptions = PoolsOptions(), step_reports: StepReports | None = None):
+                 options: PoolsOptions = PoolsOptions(), step_reports: StepReports | None = None,
+                 metrics: OrchestratorMetrics | None = None):
         self.pools = pools  # "target" (always) and "draft" (unless target-only)
         self.controllers = controllers or {}  # LocalPoolController or PoolController, by role
         self.options = options
@@ -60,21 +65,25 @@ class Pools:
         # What each replica's forward steps cost, as its health checks report them (the pools' on_info hook);
         # the servicer's backends read it.
         self.step_reports = StepReports() if step_reports is None else step_reports
-        self.metrics = None  # specmesh.server.metrics.OrchestratorMetrics, once the servicer has one
-        self.target_info = None  # the target's ModelInfo(timeout), once the servicer has a target client
+        # Replica restarts, failed roles, the draft's model; the servicer over these pools counts its requests there too.
+        self.metrics = OrchestratorMetrics() if metrics is None else metrics
         self.rollout: Rollout | None = None  # the draft pool's latest rollout
-        self.online: DraftTrainer | None = None  # with online distillation on (and a draft pool here)
+        # With online distillation on and a draft pool here: the trainer, made by `start()`, to be started by
+        # whoever feeds it the finished requests (orchestrator.control.build).
+        self.online: DraftTrainer | None = None
         self._health = None  # the orchestrator's grpc.health.v1 servicer, once it serves
         self._serving_names: tuple[str, ...] = ()
 
     @classmethod
-    def from_options(cls, options: PoolsOptions, interceptors=(), tracing=(), client_options=None) -> "Pools":
+    def from_options(cls, options: PoolsOptions, interceptors=(), tracing=(), client_options=None,
+                     metrics: OrchestratorMetrics | None = None) -> "Pools":
         """`interceptors`: of the channels to this orchestrator's replicas (tracing and its internal token);
         `tracing`: of those to attached services, which get their own token (`options.attached_token`);
-        `client_options`: keyword arguments of every replica's client (orchestrator.serving.clients)."""
+        `client_options`: keyword arguments of every replica's client (orchestrator.serving.clients);
+        `metrics`: the orchestrator's (None: new ones)."""
         if options.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {options.backend!r}")
-        pools = cls({}, options=options)
+        pools = cls({}, options=options, metrics=metrics)
         # Ray restarts actors itself: a restart shows as a replica back at a new address. The local
         # supervisor counts its own (on_restart), also those the pool never saw serving.
         hooks = PoolHooks(client_options or {}, on_info=pools.step_reports.update, on_serving=pools._serving_changed,
@@ -119,6 +128,18 @@ class Pools:
             self._report(role)
         if "draft" in self.controllers:
             self._draft_model_is(self.controllers["draft"].spec.replica.service.model)
+        self.online = self._draft_trainer()
+
+    def _draft_trainer(self) -> DraftTrainer | None:
+        """With `online_distill` set and a draft pool this orchestrator owns: the online loop over these pools
+        (not started yet); `stop()` stops it first."""
+        training = self.options.online_distill
+        if training is None:
+            return None
+        if "draft" not in self.controllers:
+            log.warning("online distillation is on but this orchestrator owns no draft pool: it stays off")
+            return None
+        return training.trainer(pools=self, metrics=self.metrics)
 
     def _shares_the_targets_gpu(self, role: str) -> bool:
         """Whether `role`'s local replicas run on the target's CUDA device. A service there allocates its KV
@@ -145,8 +166,7 @@ class Pools:
             self._report(role)
 
     def _replica_restarted(self, role: str) -> None:
-        if self.metrics is not None:
-            self.metrics.replica_restarts.labels(role=role).inc()
+        self.metrics.replica_restarts.labels(role=role).inc()
 
     def _role_failed(self, role: str, failed: bool) -> None:
         (self.failed.add if failed else self.failed.discard)(role)
@@ -159,8 +179,7 @@ class Pools:
 
     def _report(self, role: str) -> None:
         failed = role in self.failed
-        if self.metrics is not None:
-            self.metrics.role_failed.labels(role=role).set(int(failed))
+        self.metrics.role_failed.labels(role=role).set(int(failed))
         if self._health is None:
             return
         down = failed or not self.pools[role].serving
@@ -229,44 +248,23 @@ class Pools:
                                  " (or start one with a draft)")
         if self.rollout is not None and self.rollout.running:
             raise RolloutInProgress(f"{self.rollout.progress}; one rollout at a time")
-        self.rollout = Rollout(controller, model.strip(), self.target_info, self.options.start_timeout_s,
+        # The new model's vocabulary is checked against the target's, as any target replica reports it.
+        target = PooledTargetClient(self.pools["target"], max_replica_failures=self.options.max_replica_failures,
+                                    acquire_timeout_s=self.options.acquire_timeout_s)
+        self.rollout = Rollout(controller, model.strip(), target.model_info, self.options.start_timeout_s,
                                self._draft_model_is)
         await asyncio.shield(self.rollout.start())
         return self.state(role)
 
     def _draft_model_is(self, model: str) -> None:
-        if self.metrics is not None:
-            self.metrics.draft_model_info.clear()  # one series: the model new draft replicas serve
-            self.metrics.draft_model_info.labels(model=model).set(1)
+        self.metrics.draft_model_info.clear()  # one series: the model new draft replicas serve
+        self.metrics.draft_model_info.labels(model=model).set(1)
 
     def state(self, role: str) -> admin_pb2.PoolState:
-        pool = self.pools[role]
         controller = self.controllers.get(role)
-        low, high = controller.spec.bounds if controller else (0, 0)
-        if low >= high:
-            low = high = 0  # not autoscaling
-        desired = controller.desired if controller else len([r for r in pool.replicas.values() if not r.draining])
-        state = admin_pb2.PoolState(pool=role, desired_replicas=desired, min_replicas=low, max_replicas=high,
-                                    model=controller.spec.replica.service.model if controller else "")
-        if controller is not None and controller.rolling:
-            state.rollout = self.rollout.progress
-        for replica in sorted(pool.replicas.values(), key=lambda r: r.name):
-            draining = replica.draining or bool(controller and replica.name in controller.draining)
-            supervised, retry_in_s = getattr(controller, "replica_state", _unsupervised)(replica.name)
-            shown = ("draining" if draining else supervised or
-                     ("starting" if replica.name in pool.withheld else replica.state))
-            load, info = replica.load, replica.info or common_pb2.ModelInfo()
-            state.replicas.add(name=replica.name, address=replica.address or "", state=shown,
-                               open_sessions=replica.open_sessions, routed_sessions=replica.routed,
-                               model=info.model, precision=info.precision, cpu_linear=info.cpu_linear,
-                               load=load.score, kv_cache_usage=load.kv_cache_usage, has_room=load.has_room,
-                               retry_in_s=retry_in_s)
-        return state
+        rollout = self.rollout if controller is not None and controller.rolling else None
+        return pool_state(role, self.pools[role], controller, rollout)
 
     def list(self) -> admin_pb2.ListReplicasResponse:
         return admin_pb2.ListReplicasResponse(pools=[self.state(role) for role in sorted(self.pools)])
 
-
-def _unsupervised(name: str) -> tuple[None, float]:
-    """Ray restarts its actors itself: the pool's checks are all there is to know of them."""
-    return None, 0.0

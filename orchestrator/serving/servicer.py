@@ -88,7 +88,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _generate_choice(self, checked: GenerationRequest, index: int, started: float, span: trace.Span):
         """One completion's responses, tagged with its index."""
-        recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class)
+        # The recorder asks for the draft's model only once rounds run, by then of `generation`, made below.
+        recorder = RequestRecorder(self.metrics, self.backends.model, checked.prompt_class,
+                                   draft_model=lambda: self._draft_model_of(generation.session_id))
         recorder.admitted()
         loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
         policy = self._draft_length_policy(checked)
@@ -98,7 +100,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                           self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
                           policy=policy, on_timing=recorder.round_time,
                           history=self.history, on_proposer=recorder.proposer, costs=costs)
-        recorder.draft_model = lambda: self._draft_model_of(generation.session_id)
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 response.index = index
