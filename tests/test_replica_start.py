@@ -72,4 +72,5 @@ def test_a_replica_start_imports_no_tool_modules(case):
 def test_the_check_finds_a_module_and_its_submodules():
     assert unwanted({"torch", "matplotlib.pyplot", "opentelemetry.sdk.trace", "orchestrator.distill"}) == {
         name: NOT_AT_START[name] for name in ("matplotlib", "opentelemetry.sdk", "orchestrator.distill")}
-    assert unwanted({"torch", "rayon", "opentelemetry.trace", "orchestrator.distill.online_cycle"}) == {}
+    assert unwanted({"torch", "rayon", "opentelemetry.trace", "orchestrator.distiller",
+                     "orchestrator.control.pools"}) == {}
