@@ -117,6 +117,12 @@ class ReplicaTemplate:
         process = mp.get_context("forkserver").Process(
             target=_run_forked, args=(environment, self.preload, target, *args), name=name, daemon=False)
         timeout_s = self.fork_timeout_s if warm else self.first_fork_timeout_s
+        try:
+            # A new template takes os.environ as it is now, here in the event loop's thread: a replica spawned
+            # meanwhile changes it for its child (openmp.child_environment), never across this call.
+            forkserver.ensure_running()
+        except OSError as error:
+            return self._failed(name, f"not started: {error}")
         starting = asyncio.ensure_future(asyncio.to_thread(process.start))
         try:
             await asyncio.wait_for(asyncio.shield(starting), timeout_s)
@@ -132,11 +138,13 @@ class ReplicaTemplate:
             raise
         except Exception as error:  # noqa: BLE001 - it died, or never started: spawn this one
             why = f"{type(error).__name__}: {error}"
+        return self._failed(name, why)
+
+    def _failed(self, name: str, why: str) -> None:
         ReplicaTemplate._settings = None
         self.spawn_until = time.monotonic() + self.retry_s
         log.warning("the replica template failed to start %s (%s): spawning it, and replicas for the next %g s",
                     name, why, self.retry_s)
-        return None
 
     async def wait_exit(self, process: mp.Process, pidfd: int | None, grace_s: float) -> None:
         """Until `process` has exited and its exit code is known. A forked replica's exit code comes from
