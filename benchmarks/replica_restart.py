@@ -2,25 +2,26 @@
 
     python -m benchmarks.replica_restart                     # a tiny model built on the fly, 3 trials per way
     python -m benchmarks.replica_restart --model DIR --trials 5 --out restart.json
-    python -m benchmarks.replica_restart --mode supervised   # only the kill-and-replace case
+    python -m benchmarks.replica_restart --mode supervised   # only the kill-and-replace case, both starts
 
-A replica is started the two ways the serving path starts one:
+A replica is started the ways the serving path starts one:
 
 - process: `python -m target_service --model M --port P`, as an operator or a pod runs it (the way
   benchmarks.serve_process.start_logged starts services: this repository on PYTHONPATH, unbuffered);
-- supervised: a `specmesh serve` replica, started by orchestrator.control.supervisor.LocalReplica as a
-  spawned child (run_replica). Each trial opens a session and a VerifyRounds stream on it, SIGKILLs the
+- supervised: a `specmesh serve` replica, started by orchestrator.control.supervisor.LocalReplica (run_replica),
+  one replica forked from the warm template (orchestrator.control.template, "template") and one spawned
+  as a fresh interpreter ("spawn", the way before the template), both running, killed in turn so that
+  both ways see the same load. Each trial opens a session and a VerifyRounds stream on it, SIGKILLs the
   child once a round is answered (mid-stream), and times the supervisor's replacement from its process's
-  start (/proc/PID/stat) on. The spawned child imports this module as its __mp_main__ (only the standard
-  library at its top); under `specmesh serve` it imports orchestrator.cli.main instead, which the
-  import-time report below measures too.
+  start (/proc/PID/stat: the fork, or the spawn) on. A spawned child imports this module as its
+  __mp_main__ (only the standard library at its top); under `specmesh serve` it imports
+  orchestrator.cli.main instead, which the import-time report below measures too.
 
 Marks, in seconds from the process's start (the spawn):
   first output   the first line the process writes (process mode)
   imports done   process mode: the first log record, which main() writes once its modules are imported
                  and its flags parsed (the no-internal-token warning; this benchmark passes no token);
-                 supervised: the first log record, which is the model's "loaded" (run_replica logs
-                 nothing before it), so the split is process mode's
+                 supervised: run_replica's first log record ("its modules imported")
   loaded         specmesh.loading.models' "loaded MODEL" line: weights and tokenizer in memory
   calibrated     the "step costs" line: kernels chosen, KV budget sized, warm-up and step-cost table done
   heap frozen    specmesh.heap's gc.freeze line (a full collection of start-up's garbage first)
@@ -281,40 +282,49 @@ async def kill_mid_stream(address: str, pid: int, request_id: str) -> float:
         return killed
 
 
-async def supervised_trials(model: str, trials: int) -> list[dict]:
+async def supervised_trials(model: str, trials: int, starts: tuple[str, ...]) -> list[dict]:
+    """`trials` kills of a replica per way of starting it (`starts`: "template", "spawn"), in turn."""
     from orchestrator.control.options import RestartPolicy
     from orchestrator.control.supervisor import LocalReplica
+    from orchestrator.control.template import TEMPLATE
     from specmesh.roles import TARGET
     from specmesh.server.service import ReplicaConfig, ServiceOptions
     config = ReplicaConfig(TARGET.name, ServiceOptions(model=model))
-    replica = LocalReplica("target-0", config, RestartPolicy(max_restarts=trials + 1), on_change=lambda: None,
-                           on_restart=lambda: None)
-    replica.start()
+    replicas = {start: LocalReplica(f"target-{start}", config, RestartPolicy(max_restarts=trials + 1),
+                                    on_change=lambda: None, on_restart=lambda: None,
+                                    template=TEMPLATE if start == "template" else None) for start in starts}
     results = []
     try:
-        address = await asyncio.wait_for(replica.resolve(), START_TIMEOUT_S)
+        for replica in replicas.values():  # one at a time: each first start has the machine to itself
+            replica.start()
+            await asyncio.wait_for(replica.resolve(), START_TIMEOUT_S)
         for trial in range(trials):
-            old_pid = replica.process.pid
-            killed = await kill_mid_stream(address, old_pid, f"restart-bench-kill-{trial}")
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while replica.process is None or replica.process.pid == old_pid or replica.process.pid is None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the supervisor started no replacement")
-                await asyncio.sleep(0.002)
-            pid = replica.process.pid
-            noticed = time.time()
-            spawned = process_start_wall(pid) or noticed
-            address = await asyncio.wait_for(replica.resolve(), START_TIMEOUT_S)
-            serving = time.time()
-            healthy = await wait_serving(address, deadline)
-            called = await first_call(address, f"restart-bench-call-{trial}")
-            results.append({"way": "supervised", "pid": pid, "spawned": spawned, "kill to spawn": spawned - killed,
-                            "cpu_s_until_first_call": cpu_seconds(pid),
-                            "marks": {"serving": serving - spawned, "health SERVING": healthy - spawned,
-                                      "first call": called - spawned}})
+            for start, replica in replicas.items():
+                results.append(await replaced(replica, f"supervised ({start})", f"{start}-{trial}"))
     finally:
-        await replica.stop()
+        await asyncio.gather(*(replica.stop() for replica in replicas.values()))
     return results
+
+
+async def replaced(replica, way: str, trial: str) -> dict:
+    """Kill `replica`'s process mid-stream; the marks of its replacement."""
+    old_pid = replica.process.pid
+    killed = await kill_mid_stream(await replica.resolve(), old_pid, f"restart-bench-kill-{trial}")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while replica.process is None or replica.process.pid == old_pid or replica.process.pid is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the supervisor started no replacement")
+        await asyncio.sleep(0.002)
+    pid = replica.process.pid
+    noticed = time.time()
+    spawned = process_start_wall(pid) or noticed
+    address = await asyncio.wait_for(replica.resolve(), START_TIMEOUT_S)
+    serving = time.time()
+    healthy = await wait_serving(address, deadline)
+    called = await first_call(address, f"restart-bench-call-{trial}")
+    return {"way": way, "pid": pid, "spawned": spawned, "kill to spawn": spawned - killed,
+            "cpu_s_until_first_call": cpu_seconds(pid),
+            "marks": {"serving": serving - spawned, "health SERVING": healthy - spawned, "first call": called - spawned}}
 
 
 @contextlib.contextmanager
@@ -346,10 +356,10 @@ def add_log_marks(results: list[dict], log_path: Path) -> None:
                 marks.setdefault(mark, wall - result["spawned"])
 
 
-def run_supervised(model: str, trials: int, log_path: Path) -> list[dict]:
+def run_supervised(model: str, trials: int, starts: tuple[str, ...], log_path: Path) -> list[dict]:
     with stderr_to(log_path):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s bench %(levelname)s %(message)s", force=True)
-        results = asyncio.run(supervised_trials(model, trials))
+        results = asyncio.run(supervised_trials(model, trials, starts))
     add_log_marks(results, log_path)
     return results
 
@@ -454,6 +464,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                       "temporary directory)")
     parser.add_argument("--trials", type=int, default=3, help="starts per way (default: %(default)s)")
     parser.add_argument("--mode", choices=["both", "process", "supervised"], default="both")
+    parser.add_argument("--start", choices=["both", "template", "spawn"], default="both",
+                        help="how the supervised replica is started: forked from the warm template, spawned, "
+                             "or one of each, killed in turn (default)")
     parser.add_argument("--no-importtime", action="store_true", help="skip the import-time report")
     parser.add_argument("--out", type=Path, default=None, help="write every trial and the report as JSON")
     args = parser.parse_args(argv)
@@ -467,9 +480,10 @@ def main(argv: list[str] | None = None) -> dict:
             for trial in range(args.trials):
                 report["trials"].append(process_trial(model, work / f"process-{trial}.log"))
         if args.mode in ("both", "supervised"):
-            report["trials"] += run_supervised(model, args.trials, work / "supervised.log")
-        report["summary"] = {way: summary([r for r in report["trials"] if r["way"] == way])
-                             for way in ("process", "supervised") if any(r["way"] == way for r in report["trials"])}
+            starts = ("template", "spawn") if args.start == "both" else (args.start,)
+            report["trials"] += run_supervised(model, args.trials, starts, work / "supervised.log")
+        ways = dict.fromkeys(r["way"] for r in report["trials"])
+        report["summary"] = {way: summary([r for r in report["trials"] if r["way"] == way]) for way in ways}
         if not args.no_importtime:
             replica = replica_importtime(model, work / "importtime.log")
             report["importtime"] = {"replica": replica,

@@ -210,7 +210,7 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
 
 
 class Serve:
-    """`specmesh serve` on the tiny pair, with the target process's pid (to freeze it)."""
+    """`specmesh serve` on the tiny pair, with the target process (its child, or its replica template's) to freeze it."""
 
     def __init__(self, target_dir, draft_dir, grace_s: float, config_dir):
         self.output: list[str] = []  # what it prints after the ready lines: the drain logs there
@@ -221,7 +221,7 @@ class Serve:
         self.http = re.search(r"OpenAI API (http://[^/\s]+)", "\n".join(lines)).group(1)
         metrics = dict(part.strip().split(" ") for part in lines[-1].removeprefix("metrics: ").split(","))
         target_metrics_port = int(re.search(r":(\d+)/metrics", metrics["target"]).group(1))
-        self.target = next(child for child in psutil.Process(self.process.pid).children()
+        self.target = next(child for child in psutil.Process(self.process.pid).children(recursive=True)
                            if any(c.laddr.port == target_metrics_port and c.status == psutil.CONN_LISTEN
                                   for c in child.net_connections(kind="tcp")))
 

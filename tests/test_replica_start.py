@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.control.template import PRELOAD
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # What a replica's start must not import, each with what it is there for.
@@ -41,9 +43,11 @@ ENTRY_POINTS = {
     # `python -m target_service|draft_service`, and the servers every deployment creates
     "model services": ["target_service.__main__", "draft_service.__main__", "target_service.server",
                        "draft_service.server", "orchestrator.control.replicas"],
-    # a `specmesh serve` replica: a spawned child that imports its parent's main module (the CLI) as
-    # __mp_main__ and the supervisor, whose run_replica it unpickles
+    # a `specmesh serve` replica where it is spawned (the template cannot serve it): a child that imports
+    # its parent's main module (the CLI) as __mp_main__ and the supervisor, whose run_replica it unpickles
     "supervised replica": ["orchestrator.cli.main", "orchestrator.control.supervisor"],
+    # the warm template the supervisor forks its replicas from (orchestrator.control.template.PRELOAD)
+    "replica template": ["orchestrator.control.template", *(name for name in PRELOAD if name != "__main__")],
 }
 
 

@@ -1,10 +1,11 @@
 """Local replicas: each one a child process serving one model service, restarted when it dies.
 
 The local counterpart of `ray_controller.PoolController`: one `LocalPoolController`
-per role starts its replicas as spawned children (`run_replica`, which starts the
-service the one way every deployment does, `specmesh.server.service.run_model_service`),
-learns each one's port from a pipe, and hands the pool a `resolve()` per replica
-that returns the address of its current incarnation. A child that dies is started
+per role starts its replicas as children (`run_replica`, which starts the service the
+one way every deployment does, `specmesh.server.service.run_model_service`), forked from a
+warm template that has imported the serving path (`template.ReplicaTemplate`; spawned
+where it cannot serve them), learns each one's port from a pipe, and hands the pool a
+`resolve()` per replica that returns the address of its current incarnation. A child that dies is started
 again after an exponential backoff and comes back on a new port; the pool's health
 checks find it by resolving again, exactly as with a restarted Ray actor. A replica
 that dies more than `max_restarts` times within `window_s` is crash-looping: it is
@@ -33,7 +34,8 @@ from typing import Callable
 from orchestrator.control.options import RestartPolicy
 from orchestrator.serving.pool import PoolHooks, PoolSpec, Replica, ReplicaGone, ReplicaStartFailed, Resolve, new_pool
 from orchestrator.control.replicas import create_model_server
-from specmesh.loading import openmp
+from orchestrator.control.template import (TEMPLATE, ReplicaTemplate, forked, open_pidfd, readable, spawn,
+                                              stop_template)
 from specmesh.roles import START_TIMEOUT_S, role
 from specmesh.server.service import ReplicaConfig, load_engine, run_model_service
 
@@ -56,6 +58,7 @@ def run_replica(config: ReplicaConfig, report: Connection) -> None:
     _leave_the_terminal_to_the_parent()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {config.role} %(process)d %(levelname)s %(message)s")
+    log.info("%s replica process %d: its modules imported", config.role, os.getpid())
     try:
         engine = load_engine(config.service, config.role)
         asyncio.run(run_model_service(config, engine, create_model_server, lambda port, metrics_port: report.send(
@@ -69,36 +72,26 @@ def _leave_the_terminal_to_the_parent() -> None:
     """Ctrl-C reaches `specmesh serve` alone, which stops its children in order; a parent killed
     outright still takes them down (Linux: SIGTERM on the parent's death)."""
     os.setpgrp()
-    try:
+    try:  # the parent: the supervisor, or the template a replica was forked from (template._run_forked)
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: children outlive a killed parent
         pass
-
-
-async def _readable(*fds: int) -> None:
-    """Wait until one of `fds` is readable (data, EOF, or a process sentinel: its exit)."""
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    for fd in fds:
-        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        for fd in fds:
-            loop.remove_reader(fd)
 
 
 class LocalReplica:
     """One supervised child: its current process, and the address of its current incarnation."""
 
     def __init__(self, name: str, config: ReplicaConfig, policy: RestartPolicy,
-                 on_change: Callable[[], None], on_restart: Callable[[], None]):
+                 on_change: Callable[[], None], on_restart: Callable[[], None],
+                 template: ReplicaTemplate | None = TEMPLATE):
         self.name = name
         self.config = config
         self.policy = policy
+        self.template = template  # None: every incarnation spawned
         self.on_change = on_change  # given up, crash-looping, or up again after crash-looping
         self.on_restart = on_restart  # each start after a death
         self.process: mp.Process | None = None
+        self.pidfd: int | None = None  # of a forked incarnation: its exit, which its sentinel may not be
         self.metrics_port: int | None = None  # of the running incarnation
         self.address: asyncio.Future = asyncio.get_running_loop().create_future()
         self.first_start: asyncio.Future = asyncio.get_running_loop().create_future()  # None or the error
@@ -155,13 +148,17 @@ class LocalReplica:
 
     async def _run_once(self) -> Started:
         """Start the child, publish its address once it reports, return when it has exited."""
-        context = mp.get_context("spawn")
-        receive, send = context.Pipe(duplex=False)
-        self.process = context.Process(target=run_replica, args=(self.config, send),
-                                       name=f"specmesh-{self.name}", daemon=False)
-        with openmp.child_environment(role(self.config.role)):
-            self.process.start()
-        send.close()  # the child holds the only write end: EOF on `receive` means it died
+        receive, send = mp.Pipe(duplex=False)
+        name, replica_role = f"specmesh-{self.name}", role(self.config.role)
+        try:
+            if self.template is None:
+                self.process = spawn(run_replica, (self.config, send), name, replica_role)
+            else:
+                self.process = await self.template.start(run_replica, (self.config, send), name, replica_role,
+                                                         self.config.service.device)
+        finally:
+            send.close()  # the child holds the only write end: EOF on `receive` means it died
+        self.pidfd = open_pidfd(self.process)
         try:
             started = await self._wait_started(receive)
             if not self.first_start.done():
@@ -169,15 +166,22 @@ class LocalReplica:
             if started.port is not None:
                 self.metrics_port = started.metrics_port
                 self.address.set_result(f"{_dial_host(self.config.service.host)}:{started.port}")
-                log.info("%s replica %s serving on %s (pid %d)", self.config.role, self.name,
-                         self.address.result(), self.process.pid)
+                log.info("%s replica %s serving on %s (pid %d, %s)", self.config.role, self.name,
+                         self.address.result(), self.process.pid,
+                         "forked from the template" if forked(self.process) else "spawned")
                 if self.backing_off:
                     self.backing_off = False
                     self.on_change()
-            await _readable(self.process.sentinel)
+            if self.template is None:
+                await readable(self.process.sentinel)
+            else:
+                await self.template.wait_exit(self.process, self.pidfd, STOP_GRACE_S)
             self.process.join()
         finally:
             receive.close()
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+                self.pidfd = None
         if self.address.done():  # the next incarnation gets a fresh address
             self.address = asyncio.get_running_loop().create_future()
         return started
@@ -185,7 +189,7 @@ class LocalReplica:
     async def _wait_started(self, receive: Connection) -> Started:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            await asyncio.wait_for(_readable(receive.fileno(), self.process.sentinel), START_TIMEOUT_S)
+            await asyncio.wait_for(readable(receive.fileno(), self.process.sentinel), START_TIMEOUT_S)
             if receive.poll():
                 try:
                     return receive.recv()
@@ -221,20 +225,20 @@ class LocalReplica:
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         self.stopping = True
+        if self.task is not None:  # first: what waits here on the process below is this method alone
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
         process = self.process
         if process is not None and process.exitcode is None:
             process.terminate()  # SIGTERM: the service stops gracefully
-            try:
-                await asyncio.wait_for(_readable(process.sentinel), grace_s)
-            except asyncio.TimeoutError:
+            if not await _exits(process, grace_s):
                 log.warning("%s replica %s still running %g s after SIGTERM: killed", self.config.role, self.name,
                             grace_s)
                 process.kill()
+                if not await _exits(process, STOP_GRACE_S) and forked(process):
+                    stop_template()  # it reports no exit, not even of a killed replica: it hangs
             await asyncio.to_thread(process.join)
             log.info("%s replica %s stopped: exit code %s", self.config.role, self.name, process.exitcode)
-        if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
 
 
 class LocalPoolController:
@@ -384,6 +388,15 @@ async def _sessions_done(replica: Replica, grace_s: float, poll_s: float) -> Non
     deadline = time.monotonic() + grace_s
     while replica.routed > 0 and time.monotonic() < deadline:
         await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+async def _exits(process: mp.Process, timeout_s: float) -> bool:
+    """Whether `process`'s exit is known within `timeout_s`."""
+    try:
+        await asyncio.wait_for(readable(process.sentinel), timeout_s)
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 def _dial_host(bind_host: str) -> str:
