@@ -183,6 +183,26 @@ def test_dashboard_is_a_grafana_json_model(dashboard):
             assert all(expr.count(a) == expr.count(b) for a, b in ("()", "[]", "{}")), target["expr"]
 
 
+@pytest.mark.unit
+def test_grafanas_own_dashboard_model_reads_it_back(dashboard):
+    """Grafana's Foundation SDK (its dashboard kind, generated from Grafana's schemas) reads the model: every
+    panel as a panel or a row, and writing it back keeps each panel's type, title and queries."""
+    from grafana_foundation_sdk.cog import plugins
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import dashboard as grafana
+
+    plugins.register_default_plugins()
+    read = grafana.Dashboard.from_json(copy.deepcopy(dashboard))
+    assert read.schema_version == SCHEMA_VERSION and read.uid == dashboard["uid"]
+    flat = [p for top in read.panels for p in (top, *(getattr(top, "panels", None) or []))]
+    assert all(isinstance(panel, (grafana.Panel, grafana.RowPanel)) for panel in flat)
+    assert len(flat) == len(panels_of(dashboard))
+
+    def essentials(model: dict) -> list[tuple]:
+        return [(p["type"], p["title"], tuple(t["expr"] for t in p.get("targets", []))) for p in panels_of(model)]
+    assert essentials(json.loads(json.dumps(read, cls=JSONEncoder))) == essentials(dashboard)
+
+
 # ---- The extractor, on its own (so the check below can fail)
 
 def test_metric_names_keep_series_and_drop_the_rest():
