@@ -166,7 +166,9 @@ async def start_server(
     # the public server leaves it unset, so strangers cannot use up its slots.)
     auth = [ApiKeyInterceptor(api_key, names, unauthenticated_message)] if api_key else []
     interceptors = [*auth, *server_interceptors(tracer_provider), ErrorInterceptor(), DrainInterceptor(drain, names)]
-    options = [("grpc.max_receive_message_length", max_request_bytes)]
+    # One server to a port: with grpc's default SO_REUSEPORT a second server (another process of the same user)
+    # binds a port already in use, or port 0 picks one, and clients are dealt between the two (grpc/grpc#10755).
+    options = [("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 0)]
     options += grpc_server_options(connection_limits) if connection_limits else []
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs, options=options)
     register(server)
