@@ -16,6 +16,7 @@ from draft_service.servicer import DraftServicer
 from specmesh.engine.model_engine import ModelEngine
 from specmesh.server.metrics import ServiceMetrics
 from specmesh.server.security import INTERNAL_UNAUTHENTICATED_MESSAGE, TLSConfig
+from specmesh.server.drain import Drain
 from specmesh.server.grpc_server import start_server
 from specmesh.server.service import ReplicaConfig
 from specmesh.v1 import draft_pb2, draft_pb2_grpc
@@ -36,7 +37,10 @@ async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
     return await start_server(lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
                               [SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs,
                               tls=tls, tracer_provider=tracer_provider, api_key=internal_token,
-                              unauthenticated_message=INTERNAL_UNAUTHENTICATED_MESSAGE)
+                              unauthenticated_message=INTERNAL_UNAUTHENTICATED_MESSAGE,
+                              # draining, new sessions are refused and open ones served until their orchestrator
+                              # closes them (or the grace ends)
+                              drain=Drain(open_sessions=lambda: len(engine.sessions)))
 
 
 async def create_replica_server(config: ReplicaConfig, engine: ModelEngine, *,

@@ -17,10 +17,9 @@ from orchestrator.control.options import PoolsOptions
 from orchestrator.serving.pool import ReplicaPool
 from orchestrator.control.replicas import create_model_server
 from orchestrator.cli.main import build_parser, metrics_ports_of, serve_pools_options
-from orchestrator.serving.server import SERVICE_NAME, serve_grpc
+from orchestrator.serving.server import serve_grpc
 from orchestrator.control.build import create_servicer
 from pools import MAX_TOKENS
-from specmesh.server.drain import drain_of
 from specmesh.engine.model_engine import ModelEngine
 from specmesh.server.security import Security
 from specmesh.server.service import ReplicaConfig, ServiceOptions
@@ -51,7 +50,6 @@ async def start_service(role: str, model_dir, token: str | None = TOKEN) -> Serv
     engine = make_engine(model_dir, role_name=role)
     options = ServiceOptions(model=str(model_dir), internal_token=token)
     server, port, health = await create_model_server(ReplicaConfig(role, options), engine)
-    drain_of(server).hold_sessions(lambda: len(engine.sessions))  # as specmesh.server.service.start_model_service does
     return Service(engine, server, port, health)
 
 
@@ -85,8 +83,7 @@ class Orchestrator:
         _, tokenizer = load(str(tokenizer_dir), "cpu")
         options = OrchestratorOptions("", None, loop_config(args), pools=pools_of(args), internal_token="own-token")
         servicer = await create_servicer(tokenizer, options)
-        server, port, health = await serve_grpc(servicer)
-        servicer.pools.attach_health(health, (SERVICE_NAME,))
+        server, port, _ = await serve_grpc(servicer)
         return cls(servicer, server, port)
 
     def pool(self, role: str) -> ReplicaPool:

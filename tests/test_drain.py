@@ -176,7 +176,6 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
     orchestrator's in-flight stream, only turn new sessions away."""
     engine = make_engine(tiny_llama_dir)
     target, target_port, target_health = await create_target_server(engine)
-    drain_of(target).hold_sessions(lambda: len(engine.sessions))  # as specmesh.server.service.run_model_service does
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     servicer = await create_servicer(tokenizer, OrchestratorOptions(f"127.0.0.1:{target_port}", None))
     server, port, _ = await serve_grpc(servicer)

@@ -36,8 +36,7 @@ async def deployment(tiny_llama_dir, tiny_llama_perturbed_dir):
     policy = RestartPolicy(initial_backoff_s=0.05, max_restarts=1, window_s=600.0, crash_loop_backoff_s=2.0,
                            max_crash_loop_backoff_s=4.0)
     deployment = await LocalDeployment.start(tiny_llama_dir, tiny_llama_perturbed_dir, policy)
-    deployment.server, port, health = await serve_grpc(deployment.servicer)
-    deployment.pools.attach_health(health, ("specmesh.v1.Generation",))
+    deployment.server, port, _ = await serve_grpc(deployment.servicer)
     deployment.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     yield deployment
     await deployment.channel.close()

@@ -35,7 +35,7 @@ from orchestrator.control.draft_training import DraftTraining
 from orchestrator.control.options import PoolsOptions, RestartPolicy
 from orchestrator.serving.http_api import create_app, start_http_server, stop_http_server
 from orchestrator.serving.options import FrontendOptions
-from orchestrator.serving.server import SERVICE_NAME, serve_grpc
+from orchestrator.serving.server import serve_grpc
 from orchestrator.control.build import create_servicer
 from specmesh.server.connections import quiet_accept_errors, raise_file_limit
 from specmesh.server.metrics import OrchestratorMetrics, serve_metrics
@@ -205,8 +205,6 @@ async def _serve_orchestrator(tokenizer_spec, options, address, frontend: Fronte
                                                 api_key=frontend.api_key,
                                                 max_request_bytes=frontend.max_request_bytes,
                                                 connection_limits=frontend.connection_limits)
-        if servicer.pools is not None:
-            servicer.pools.attach_health(health, (SERVICE_NAME,))
         if frontend.http_port is not None and frontend.http_port >= 0:
             app = create_app(servicer, frontend.api_key, drain_of(server), frontend.max_request_bytes)
             http = await start_http_server(app, frontend.host, frontend.http_port, frontend.tls,

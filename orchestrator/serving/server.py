@@ -11,7 +11,7 @@ from orchestrator.serving.request_limits import request_size_limit
 from orchestrator.serving.servicer import AdminServicer, GenerationServicer
 from specmesh.server.connections import ConnectionLimits
 from specmesh.server.security import TLSConfig
-from specmesh.server.drain import drain_of
+from specmesh.server.drain import Drain
 from specmesh.server.grpc_server import start_server
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -36,6 +36,8 @@ async def serve_grpc(servicer: GenerationServicer, address: str = "127.0.0.1:0",
         register, [SERVICE_NAME, ADMIN_SERVICE_NAME], address, max_concurrent_rpcs=max_concurrent_rpcs, tls=tls,
         api_key=api_key, tracer_provider=tracer_provider,
         max_request_bytes=request_size_limit(servicer.backends.limits.context_window, max_request_bytes),
-        connection_limits=connection_limits or ConnectionLimits())
-    drain_of(server).wait_also_for(pending_clean_ups)  # a drained stream's sessions are closed before exit
+        connection_limits=connection_limits or ConnectionLimits(),
+        drain=Drain(waits_for=(pending_clean_ups,)))  # a drained stream's sessions are closed before exit
+    if servicer.pools is not None:  # the pools' roles on this server's health service, a target down turning it off
+        servicer.pools.attach_health(health, (SERVICE_NAME,))
     return server, port, health

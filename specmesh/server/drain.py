@@ -52,24 +52,21 @@ def add_shutdown_arguments(parser: argparse.ArgumentParser) -> None:
 class Drain:
     """Refuse new work, let in-flight work finish within a grace, cut off the rest."""
 
-    def __init__(self) -> None:
+    def __init__(self, waits_for: tuple[Callable[[], int], ...] = (),
+                 open_sessions: Callable[[], int] | None = None) -> None:
+        """`waits_for`: work besides the tracked calls that a drain lets finish (it waits until each is 0).
+        `open_sessions`, for a model service: while draining only new sessions are refused, and the drain
+        waits until `open_sessions()` is 0 (their orchestrators close them when their streams end)."""
         self.draining = False
         self.grace_s = 0.0
         self._deadline: float | None = None  # loop time the grace ends at, once draining
         self._calls: dict[object, asyncio.Task] = {}  # one entry per track(): a task may nest them
         self._cut: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # cancelled by the cut-off
         self._refuses: Callable[[str], bool] = lambda method: True
-        self._other_work: list[Callable[[], int]] = []
-
-    def wait_also_for(self, pending: Callable[[], int]) -> None:
-        """Work besides the tracked calls that the drain lets finish: it waits until `pending()` is 0."""
-        self._other_work.append(pending)
-
-    def hold_sessions(self, open_sessions: Callable[[], int]) -> None:
-        """For a model service: while draining, only new sessions are refused, and the drain waits
-        until `open_sessions()` is 0 (their orchestrators close them when their streams end)."""
-        self._refuses = lambda method: method.rsplit("/", 1)[-1] == "OpenSession"
-        self.wait_also_for(open_sessions)
+        self._other_work: list[Callable[[], int]] = list(waits_for)
+        if open_sessions is not None:
+            self._refuses = lambda method: method.rsplit("/", 1)[-1] == "OpenSession"
+            self._other_work.append(open_sessions)
 
     def refuses(self, method: str) -> bool:
         return self.draining and self._refuses(method)

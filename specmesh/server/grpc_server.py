@@ -147,18 +147,19 @@ async def start_server(
     unauthenticated_message: str = UNAUTHENTICATED_MESSAGE,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     connection_limits: ConnectionLimits | None = None,
+    drain: Drain | None = None,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a grpc.aio server on `address` ("host:port", port 0 = any); return (server, port, health).
 
     `tls`: serve TLS (mutual TLS when it has a client CA); None = plaintext. `api_key`: the
     services in `service_names` require it (the API key, or the draft's and target's internal
     token), refusing with `unauthenticated_message`; health and reflection stay open. The server's
-    `Drain` (`drain_of(server)`) refuses and tracks calls to those services. `max_request_bytes`:
+    `Drain` (`drain`, or one that waits for calls only; `drain_of(server)`) refuses and tracks calls to those services. `max_request_bytes`:
     larger request messages get RESOURCE_EXHAUSTED without being read. `connection_limits`: a public
     port's bounds (specmesh.server.connections); None = grpc's defaults, for the internal services.
     """
     names = list(service_names)
-    drain = Drain()
+    drain = drain or Drain()
     # The key check outermost: a stranger's call is refused before a span, a handler or the drain's
     # count is spent on it (a flood of them must cost only themselves). Tracing next, so a span
     # covers the errors mapped below; the drain innermost, so ErrorInterceptor turns its ShuttingDown

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from grpc_health.v1.health import aio as health_aio
-from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments, drain_of
+from specmesh.server.drain import DEFAULT_SHUTDOWN_GRACE_S, add_shutdown_arguments
 from specmesh.heap import freeze_start_up_heap
 from specmesh.engine.model_engine import EngineConfig, ModelEngine
 from specmesh.engine.graph_steps import GRAPH_STEPS_CHOICES
@@ -304,8 +304,6 @@ async def start_model_service(config: ReplicaConfig, engine: ModelEngine,
     metrics = ServiceMetrics.for_engine(config.role, engine)
     metrics_port = serve_metrics(metrics.registry, options.host, options.metrics_port)
     server, port, health = await create_server(config, engine, tracer_provider=provider, metrics=metrics)
-    # On SIGTERM: new sessions refused, open ones served until their orchestrator closes them (or the grace ends).
-    drain_of(server).hold_sessions(lambda: len(engine.sessions))
     reaper = asyncio.ensure_future(reap_idle_sessions(engine, options.session_idle_timeout_s))
     freeze_start_up_heap(config.role)  # start-up is over: the process's long-lived objects are all here
     return RunningService(server, port, metrics_port, health, reaper, provider)
