@@ -86,10 +86,8 @@ class LinkedStack:
         request = GenerationRequest(request_id="faulted", prompt_token_ids=self.tokenizer.encode(PROMPT),
                                     max_tokens=MAX_TOKENS, sampling=sampling, stop=[], num_speculative_tokens=K,
                                     fixed_k=True)
-        # One token a target-only round: a draft that comes back is asked again a few rounds on, and rounds
-        # that decoded ahead (tests below) could end the request first.
         config = LoopConfig(num_speculative_tokens=K, draft_timeout_s=DRAFT_TIMEOUT_S,
-                            target_timeout_s=target_timeout_s, decode_ahead=0)
+                            target_timeout_s=target_timeout_s)
         return loop(request, self.backends.target, self.backends.draft, self.backends.eos_token_ids, config)
 
     async def generate(self) -> tuple[list[int], generation_pb2.GenerationStats, float]:

@@ -42,7 +42,7 @@ from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
-MAX_DRAFT_RETRY_ROUNDS = 32  # longest run of target-only rounds between two tries of an unreachable draft
+MAX_DRAFT_RETRY_TOKENS = 32  # most tokens committed target-only between two tries of an unreachable draft
 
 
 class SpeculativeGeneration:
@@ -87,8 +87,8 @@ class SpeculativeGeneration:
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
         self._draft_opening: asyncio.Task | None = None
         self._draft_asked = False  # the draft's session was opened, or is opening
-        self._draft_back_at_round = 0  # an unreachable draft is asked again from this round on
-        self._draft_retry_rounds = 1
+        self._draft_back_at = 0  # an unreachable draft is asked again once the sequence is this long
+        self._draft_retry_tokens = 1
         self._round = 0
         self._clock = RoundClock()
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
@@ -270,6 +270,8 @@ class SpeculativeGeneration:
         # was on offer) the next round may well take one: decoding ahead would put off either.
         decodes_ahead = target_only and not self._draft_prefilling() and not self._offered
         limit = min(self.tokens_left - 1, self.config.decode_ahead)
+        if self._draft_back_at > len(self.sequence):  # an unreachable draft: ahead no further than its next try
+            limit = min(limit, self._draft_back_at - len(self.sequence) - 1)
         ahead = self.costs.tokens_ahead(self._batch(), limit) if decodes_ahead else 0
         verified = await self.target.verify(
             self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(
@@ -304,7 +306,7 @@ class SpeculativeGeneration:
         return self._draft_opening is not None and not self._draft_opening.done()
 
     def _draft_unavailable(self) -> bool:
-        return self.draft is None or not self.switch.enabled or self._round < self._draft_back_at_round
+        return self.draft is None or not self.switch.enabled or len(self.sequence) < self._draft_back_at
 
     def _fixed_k(self) -> int:
         if self._draft_unavailable():
@@ -371,7 +373,7 @@ class SpeculativeGeneration:
         if not self._proposal_is_sound(proposal, position, k):
             self._abandon_draft("malformed proposal")
             return None
-        self._draft_retry_rounds = 1
+        self._draft_retry_tokens = 1
         return proposal
 
     def _draft_commit(self) -> draft_pb2.Commit:
@@ -386,11 +388,12 @@ class SpeculativeGeneration:
 
     def _pause_draft(self, reason: str) -> None:
         """Target-only for a few rounds; the session is kept (a pooled client moves it when asked again)."""
-        log.warning("request %s: draft unreachable at round %d (%s); target-only for %d rounds",
-                    self.session_id, self._round, reason, self._draft_retry_rounds)
+        log.warning("request %s: draft unreachable at round %d (%s); target-only for %d tokens",
+                    self.session_id, self._round, reason, self._draft_retry_tokens)
         self.stats.draft_fallback = True
-        self._draft_back_at_round = self._round + 1 + self._draft_retry_rounds
-        self._draft_retry_rounds = min(2 * self._draft_retry_rounds, MAX_DRAFT_RETRY_ROUNDS)
+        # Counted in tokens, not rounds: a target-only round that decodes ahead commits several.
+        self._draft_back_at = len(self.sequence) + 1 + self._draft_retry_tokens
+        self._draft_retry_tokens = min(2 * self._draft_retry_tokens, MAX_DRAFT_RETRY_TOKENS)
 
     def _abandon_draft(self, reason: str) -> None:
         log.warning("request %s: draft abandoned at round %d (%s); continuing target-only",
