@@ -181,7 +181,7 @@ async def test_a_draining_target_serves_its_sessions_streams_until_they_close(ti
         first = (await verify_rounds(client, "held", 1))[0]
         drain = drain_of(server)
         drain.begin(grace_s=60)
-        assert drain.in_flight == 1  # the session's open stream
+        assert drain.in_flight == 2  # the session's open stream, and the session (a model service holds its sessions)
         second = await client.verify("held", 2, first.committed_length, [5], [], timeout=30)
         assert second.committed_length > first.committed_length
         with pytest.raises(UpstreamError) as refused:  # new sessions go elsewhere
