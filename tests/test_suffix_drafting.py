@@ -40,7 +40,9 @@ async def test_a_repeated_request_is_proposed_from_the_first_and_stays_the_targe
     metrics = OrchestratorMetrics()
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=4, device=device, adaptive_k=True,
                               calibrate=True, draft_cost_scale=draft_cost_scale, metrics=metrics, pipeline=pipeline,
-                              loop_options={"prompt_lookup": False},  # suffix proposals alone
+                              # suffix proposals alone; target-only rounds of one token, so that a cheap draft
+                              # pays whatever a call costs on this host (decoding ahead amortises it: then not)
+                              loop_options={"prompt_lookup": False, "decode_ahead": 0},
                               target_step_costs={rows: 0.01 for rows in MEASURED_ROWS})
     try:
         first = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
