@@ -192,8 +192,11 @@ def test_what_the_template_does_not_start():
     starter = template.ReplicaTemplate()
     environment = dict(os.environ)
     assert starter._why_not(environment, "cpu") is None  # a target's, on a CPU
+    # Read when used, not at load: a supervisor that called ray.init (which sets it) still forks its replicas.
+    assert starter._why_not(dict(environment, PYTHONBREAKPOINT="ray.util.rpdb._driver_set_trace"), "cpu") is None
     assert starter._why_not(environment, "cuda:0") is not None
     if "GOMP_SPINCOUNT" not in os.environ:
-        assert starter._why_not(dict(environment, GOMP_SPINCOUNT=DRAFT.openmp_spin_count), "cpu") is not None
+        why = starter._why_not(dict(environment, GOMP_SPINCOUNT=DRAFT.openmp_spin_count), "cpu")
+        assert why is not None and why.endswith("read at load: GOMP_SPINCOUNT")  # it names what differs
     starter.spawn_until = float("inf")  # it failed a start
     assert starter._why_not(environment, "cpu") is not None

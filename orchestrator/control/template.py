@@ -52,13 +52,22 @@ PRELOAD = ("__main__", "orchestrator.control.supervisor", "transformers.models.a
 # Environment variables read when a library loads (the template loaded them): a replica whose own differ is spawned.
 LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON", "TORCH", "PYTORCH_", "CUDA_",
                       "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+# ...except those read each time they are used, which a forked replica gets from the supervisor's environment as
+# any other: PYTHONBREAKPOINT (read at each breakpoint(); `ray.init` sets it in the process that calls it).
+READ_WHEN_USED = frozenset({"PYTHONBREAKPOINT"})
 FIRST_FORK_TIMEOUT_S = 300.0  # a new template imports PRELOAD before its first fork
 FORK_TIMEOUT_S = 10.0  # a warm one forks in milliseconds
+STOP_WAIT_S = 5.0  # for a killed template to exit; a SIGKILL takes effect in milliseconds
 RETRY_S = 60.0  # after a failed start through the template, replicas are spawned for this long
 
 
 def _load_time_settings(environment: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in environment.items() if name.startswith(LOAD_TIME_PREFIXES)}
+    return {name: value for name, value in environment.items()
+            if name.startswith(LOAD_TIME_PREFIXES) and name not in READ_WHEN_USED}
+
+
+def _differing(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    return sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
 
 
 class ReplicaTemplate:
@@ -95,8 +104,9 @@ class ReplicaTemplate:
             return f"a replica on {device} is not forked (not yet checked on a GPU)"
         if time.monotonic() < self.spawn_until:
             return "the replica template failed a start recently"
-        if _load_time_settings(environment) != self._template_settings():
-            return "its environment differs from the template's in a setting read at load (e.g. GOMP_SPINCOUNT)"
+        differing = _differing(_load_time_settings(environment), self._template_settings())
+        if differing:
+            return f"its environment differs from the template's in settings read at load: {', '.join(differing)}"
         return None
 
     def _warm(self) -> bool:
@@ -202,12 +212,23 @@ def template_alive() -> bool:
 
 
 def stop_template() -> None:
-    """Kill the template, if one runs (its replicas with it); multiprocessing starts another at the next start."""
+    """Kill the template, if one runs (its replicas with it), and wait for its exit: multiprocessing starts another
+    at the next start only once it finds this one exited (a start sent to one still dying would fail)."""
     pid = template_pid()
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
     ReplicaTemplate._settings = None
+    if pid is None:
+        return
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # gone already, or no pidfd (not Linux >= 5.3)
+        pidfd = None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if pidfd is not None:
+        try:
+            select.select([pidfd], [], [], STOP_WAIT_S)  # SIGKILL: its exit takes milliseconds
+        finally:
+            os.close(pidfd)
 
 
 async def readable(*fds: int) -> None:
