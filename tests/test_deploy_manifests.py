@@ -142,15 +142,80 @@ def test_pools_are_separate_worker_groups_with_their_own_sizes():
     assert "nvidia.com/gpu" not in container(groups["draft"]["template"], "ray-worker")["resources"]["limits"]
 
 
-def test_replicas_request_the_custom_resource_their_group_offers():
-    settings = yaml.safe_load(serve_config_text())
-    groups = {group["groupName"]: group for group in raycluster()["spec"]["workerGroupSpecs"]}
+def cpu_quantity(text) -> float:
+    """A Kubernetes CPU quantity ("4", "500m") in CPUs."""
+    text = str(text)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def ray_start_resources(params: dict) -> dict[str, float]:
+    """The custom resources of rayStartParams, KubeRay's form: '"{\\"name\\": 1}"'."""
+    text = params.get("resources")
+    return json.loads(text.strip('"').replace('\\"', '"')) if text else {}
+
+
+def offered(group_spec: dict, container_name: str) -> dict[str, float]:
+    """What each pod of a group offers Ray: KubeRay starts Ray with its container's CPU and nvidia.com/gpu
+    limits unless rayStartParams sets num-cpus / num-gpus, plus rayStartParams' custom resources."""
+    params = group_spec["rayStartParams"]
+    limits = container(group_spec["template"], container_name)["resources"]["limits"]
+    offers = {"CPU": cpu_quantity(params.get("num-cpus", limits.get("cpu", 0))),
+              "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0))), **ray_start_resources(params)}
+    return {name: amount for name, amount in offers.items() if amount}
+
+
+def group_offers(cluster: dict) -> dict[str, dict[str, float]]:
+    offers = {"head": offered(cluster["spec"]["headGroupSpec"], "ray-head")}
+    offers.update({group["groupName"]: offered(group, "ray-worker") for group in cluster["spec"]["workerGroupSpecs"]})
+    return offers
+
+
+def asked(args, pool: str) -> dict[str, float]:
+    """What `specmesh serve` asks Ray for each replica of a pool (orchestrator.control.ray_cli.pool_spec)."""
+    get = lambda name: getattr(args, f"{pool}_{name}")  # noqa: E731
+    asks = {"CPU": get("num_cpus"), "GPU": get("num_gpus"), **get("resources")}
+    return {name: amount for name, amount in asks.items() if amount}
+
+
+def per_pod(asks: dict[str, float], offers: dict[str, float]) -> int:
+    """How many replicas asking `asks` one pod offering `offers` holds."""
+    return min(int(offers.get(name, 0) // amount) for name, amount in asks.items())
+
+
+def placement(cluster: dict, args) -> dict[str, list[str]]:
+    """pool -> the groups whose pods can hold one of its replicas."""
+    offers = group_offers(cluster)
+    return {pool: [group for group, offer in offers.items() if per_pod(asked(args, pool), offer) > 0]
+            for pool in ("draft", "target")}
+
+
+def test_each_pool_asks_what_its_own_worker_group_offers_and_no_other(tmp_path):
+    """Draft replicas only on the CPU group's pods, target replicas only on the GPU group's, none on the head
+    (the orchestrator's pod); each group's pods hold the pool at its largest."""
+    args = parsed_serve_args(tmp_path)
+    cluster = raycluster()
+    assert placement(cluster, args) == {"draft": ["draft"], "target": ["target"]}
+    offers = group_offers(cluster)
+    assert offers["target"]["GPU"] >= asked(args, "target")["GPU"] >= 1 and "GPU" not in offers["draft"]
+    assert "CPU" not in offers["head"]
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
     for pool in ("draft", "target"):
-        requested = settings[f"{pool}-resources"]
-        offered_text = groups[pool]["rayStartParams"]["resources"]  # KubeRay form: '"{...}"'
-        offered = json.loads(offered_text.strip('"').replace('\\"', '"'))
-        assert set(requested) == {f"specmesh_{pool}"} and requested.items() <= offered.items(), pool
-    assert raycluster()["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+        largest = max(getattr(args, f"{pool}_replicas") or 1, getattr(args, f"{pool}_max_replicas") or 0)
+        assert largest <= groups[pool]["maxReplicas"] * per_pod(asked(args, pool), offers[pool]), pool
+
+
+@pytest.mark.parametrize("breakage", ["target group without the resource", "draft group with a GPU ask",
+                                      "draft without its resource"])
+def test_the_placement_check_catches_a_misplaced_pool(tmp_path, breakage):
+    cluster, args = copy.deepcopy(raycluster()), parsed_serve_args(tmp_path)
+    groups = {group["groupName"]: group for group in cluster["spec"]["workerGroupSpecs"]}
+    if breakage == "target group without the resource":
+        del groups["target"]["rayStartParams"]["resources"]
+    elif breakage == "draft group with a GPU ask":
+        args.draft_num_gpus = 1
+    else:  # it would fit the GPU pods too
+        args.draft_resources = {}
+    assert placement(cluster, args) != {"draft": ["draft"], "target": ["target"]}
 
 
 def test_serve_command_parses_with_the_cli(tmp_path):
