@@ -53,16 +53,16 @@ SMALL = Sweep(profiles=("h100-8b",), alphas=(0.8,), rtts_ms=(5.0,), bandwidths=(
               temperatures=(0.0,), placements=("beside-target",), prompts_c1=2, max_tokens=16)
 
 
-def run_bench(stack: RegimeStack, concurrency: int, temperature: float, sweep: Sweep, ab: bool, log: Path) -> dict:
+def run_bench(stack: RegimeStack, concurrency: int, temperature: float, prompts: int, max_tokens: int, ab: bool,
+              log: Path) -> dict:
     """One `specmesh bench` configuration against the stack, in this process; its result.json."""
     from orchestrator.bench.app import run
     from orchestrator.cli.main import build_parser
 
-    prompts = sweep.prompts_c1 if concurrency == 1 else 2 * concurrency
     result_dir = log.with_suffix("")
     argv = ["bench", "--endpoint", stack.endpoint, "--metrics-url", stack.metrics_url, "--kinds", "code",
             "--max-concurrency", str(concurrency), "--temperature", f"{temperature:g}", "--num-prompts",
-            str(prompts), "--max-tokens", str(sweep.max_tokens), "--num-warmups", "1", "--no-progress",
+            str(prompts), "--max-tokens", str(max_tokens), "--num-warmups", "1", "--no-progress",
             "--result-dir", str(result_dir), *(["--ab"] if ab else [])]
     with log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         code = run(build_parser().parse_args(argv))
@@ -74,7 +74,7 @@ def run_bench(stack: RegimeStack, concurrency: int, temperature: float, sweep: S
 def counts(stack: RegimeStack) -> Counts:
     # The load generator (this process) shares the host too, but its CPU time also holds the bench's report
     # and plots: only the stack's processes are counted.
-    return read_counts(stack.metrics_url, stack.services["target"].metrics_url, stack.services["draft"].metrics_url,
+    return read_counts(stack.metrics_url, stack.metrics_urls("target"), stack.metrics_urls("draft"),
                        stack.link_counters(), stack.cpu_seconds())
 
 
@@ -122,13 +122,15 @@ class RegimeRun:
     def run_cell(self, stack: RegimeStack, placement: str, rtt_ms: float, bandwidth: str, concurrency: int,
                  temperature: float) -> None:
         name = f"{placement}-rtt{rtt_ms:g}-{bandwidth}-c{concurrency}-t{temperature:g}"
+        prompts = self.sweep.prompts_c1 if concurrency == 1 else 2 * concurrency
+        bench = (stack, concurrency, temperature, prompts, self.sweep.max_tokens)
         if placement == "direct":  # the baseline: speculation off and on alternating, the figures taken apart
-            result = run_bench(stack, concurrency, temperature, self.sweep, ab=True, log=stack.work / f"{name}-ab.log")
+            result = run_bench(*bench, ab=True, log=stack.work / f"{name}-ab.log")
             modes = result["configurations"][0]["modes"]
             self.baseline[concurrency, temperature] = (modes["off"]["overall"]["output_throughput"],
                                                        outputs_by_prompt(result, "off"))
         before = counts(stack)
-        result = run_bench(stack, concurrency, temperature, self.sweep, ab=False, log=stack.work / f"{name}.log")
+        result = run_bench(*bench, ab=False, log=stack.work / f"{name}.log")
         spent = counts(stack) - before
         modes = result["configurations"][0]["modes"]
         base_tok_s, base_outputs = self.baseline[concurrency, temperature]
