@@ -146,12 +146,28 @@ class RegimeRun:
               f"{row['bytes_per_token']:.0f} B/token", flush=True)
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sweep]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.regime", description=__doc__,
+def sweep_parser(module: str, doc: str, out_help: str, small_help: str) -> argparse.ArgumentParser:
+    """A sweep benchmark's command line: where its JSON goes, its work folder, its small sweep; `doc` (the
+    module's docstring: run with -m, the module is __main__) as its description. The caller adds the sweep's
+    own options."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="the JSON (a .md table and a .png plot beside it)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/specmesh-regime"), help="pairs, logs, bench results")
-    parser.add_argument("--small", action="store_true", help="the test suite's sweep: one cell each way, seconds")
+    parser.add_argument("--out", type=Path, required=True, help=out_help)
+    name = module.rsplit(".", 1)[-1]
+    parser.add_argument("--work", type=Path, default=Path(f"/tmp/specmesh-{name}"), help="pairs, logs, bench results")
+    parser.add_argument("--small", action="store_true", help=small_help)
+    return parser
+
+
+def given_sweep(sweep, given: dict):
+    """`sweep` (a frozen dataclass) with the options the command line gave (None: not given; lists as tuples)."""
+    given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items() if value is not None}
+    return replace(sweep, **given)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sweep]:
+    parser = sweep_parser("benchmarks.regime", __doc__, "the JSON (a .md table and a .png plot beside it)",
+                          "the test suite's sweep: one cell each way, seconds")
     defaults = Sweep()
     parser.add_argument("--profiles", nargs="+", choices=sorted(PROFILES), default=None)
     parser.add_argument("--alphas", type=float, nargs="+", default=None)
@@ -166,12 +182,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sweep]:
                         help="every emulated time multiplied by this (a host too slow for the profile's shortest "
                              "step; speedups and bounds are ratios and do not move)")
     args = parser.parse_args(argv)
-    sweep = SMALL if args.small else defaults
     given = {"profiles": args.profiles, "alphas": args.alphas, "rtts_ms": args.rtt_ms, "bandwidths": args.bandwidths,
              "concurrency": args.concurrency, "temperatures": args.temperatures, "placements": args.placements,
              "prompts_c1": args.prompts_c1, "max_tokens": args.max_tokens, "time_scale": args.time_scale}
-    given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items() if value is not None}
-    return args, replace(sweep, **given)
+    return args, given_sweep(SMALL if args.small else defaults, given)
 
 
 def main(argv: list[str] | None = None) -> int:

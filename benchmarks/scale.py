@@ -45,11 +45,11 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.gpu_profiles import PROFILES, scaled
-from benchmarks.regime import counts, outputs_by_prompt, run_bench
+from benchmarks.regime import counts, given_sweep, outputs_by_prompt, run_bench, sweep_parser
 from benchmarks.regime_report import Counts, Regime
 from benchmarks.regime_stack import ROLES, RegimeStack, ensure_pair
 
@@ -209,11 +209,8 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ScaleSweep]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="the JSON (a .md table beside it)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/specmesh-scale"), help="pair, logs, bench results")
-    parser.add_argument("--small", action="store_true", help="the test suite's: 2 targets + 1 draft at c = 2")
+    parser = sweep_parser("benchmarks.scale", __doc__, "the JSON (a .md table beside it)",
+                          "the test suite's: 2 targets + 1 draft at c = 2")
     defaults = ScaleSweep()
     parser.add_argument("--profile", choices=sorted(PROFILES), default=None, help=f"default {defaults.profile}")
     parser.add_argument("--alpha", type=float, default=None, help=f"default {defaults.alpha}")
@@ -230,8 +227,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ScaleSweep]:
     given = {"profile": args.profile, "alpha": args.alpha, "layouts": layouts, "concurrency": args.concurrency,
              "speculation": args.speculation, "prompts_per_slot": args.prompts_per_slot,
              "max_tokens": args.max_tokens, "time_scale": args.time_scale}
-    given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items() if value is not None}
-    return args, replace(SMALL if args.small else defaults, **given)
+    return args, given_sweep(SMALL if args.small else defaults, given)
 
 
 def main(argv: list[str] | None = None) -> int:

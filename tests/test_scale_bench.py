@@ -4,24 +4,15 @@ reported, greedy outputs identical to target-only. Speed is the benchmark's to r
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 from benchmarks.scale import SMALL, engines_bound, replica_shares
+from benchmark_runs import run_small
 
-ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("tokens_per_s", "bound_tokens_per_s", "bound_h1_tokens_per_s", "of_bound", "committed_tokens",
            "orchestrator_cpu_share", "itl_p50_ms", "itl_p99_ms", "wall_s")
 
 
 def test_the_small_run_reports_every_cell_against_the_engines_bound(tmp_path):
-    out = tmp_path / "scale.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--small", "--out", str(out),
-                          "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, out = run_small("benchmarks.scale", tmp_path)
     assert result["emulated"] is True and result["profile"]  # every figure says it is emulated, and whence
     cells = {cell["speculation"]: cell for cell in result["cells"]}
     assert set(cells) == {"off", "on"}
