@@ -53,16 +53,16 @@ SMALL = Sweep(profiles=("h100-8b",), alphas=(0.8,), rtts_ms=(5.0,), bandwidths=(
               temperatures=(0.0,), placements=("beside-target",), prompts_c1=2, max_tokens=16)
 
 
-def run_bench(stack: RegimeStack, concurrency: int, temperature: float, sweep: Sweep, ab: bool, log: Path) -> dict:
+def run_bench(stack: RegimeStack, concurrency: int, temperature: float, prompts: int, max_tokens: int, ab: bool,
+              log: Path) -> dict:
     """One `specmesh bench` configuration against the stack, in this process; its result.json."""
     from orchestrator.bench.app import run
     from orchestrator.cli.main import build_parser
 
-    prompts = sweep.prompts_c1 if concurrency == 1 else 2 * concurrency
     result_dir = log.with_suffix("")
     argv = ["bench", "--endpoint", stack.endpoint, "--metrics-url", stack.metrics_url, "--kinds", "code",
             "--max-concurrency", str(concurrency), "--temperature", f"{temperature:g}", "--num-prompts",
-            str(prompts), "--max-tokens", str(sweep.max_tokens), "--num-warmups", "1", "--no-progress",
+            str(prompts), "--max-tokens", str(max_tokens), "--num-warmups", "1", "--no-progress",
             "--result-dir", str(result_dir), *(["--ab"] if ab else [])]
     with log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         code = run(build_parser().parse_args(argv))
@@ -74,7 +74,7 @@ def run_bench(stack: RegimeStack, concurrency: int, temperature: float, sweep: S
 def counts(stack: RegimeStack) -> Counts:
     # The load generator (this process) shares the host too, but its CPU time also holds the bench's report
     # and plots: only the stack's processes are counted.
-    return read_counts(stack.metrics_url, stack.services["target"].metrics_url, stack.services["draft"].metrics_url,
+    return read_counts(stack.metrics_url, stack.metrics_urls("target"), stack.metrics_urls("draft"),
                        stack.link_counters(), stack.cpu_seconds())
 
 
@@ -122,13 +122,15 @@ class RegimeRun:
     def run_cell(self, stack: RegimeStack, placement: str, rtt_ms: float, bandwidth: str, concurrency: int,
                  temperature: float) -> None:
         name = f"{placement}-rtt{rtt_ms:g}-{bandwidth}-c{concurrency}-t{temperature:g}"
+        prompts = self.sweep.prompts_c1 if concurrency == 1 else 2 * concurrency
+        bench = (stack, concurrency, temperature, prompts, self.sweep.max_tokens)
         if placement == "direct":  # the baseline: speculation off and on alternating, the figures taken apart
-            result = run_bench(stack, concurrency, temperature, self.sweep, ab=True, log=stack.work / f"{name}-ab.log")
+            result = run_bench(*bench, ab=True, log=stack.work / f"{name}-ab.log")
             modes = result["configurations"][0]["modes"]
             self.baseline[concurrency, temperature] = (modes["off"]["overall"]["output_throughput"],
                                                        outputs_by_prompt(result, "off"))
         before = counts(stack)
-        result = run_bench(stack, concurrency, temperature, self.sweep, ab=False, log=stack.work / f"{name}.log")
+        result = run_bench(*bench, ab=False, log=stack.work / f"{name}.log")
         spent = counts(stack) - before
         modes = result["configurations"][0]["modes"]
         base_tok_s, base_outputs = self.baseline[concurrency, temperature]
@@ -144,12 +146,28 @@ class RegimeRun:
               f"{row['bytes_per_token']:.0f} B/token", flush=True)
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sweep]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.regime", description=__doc__,
+def sweep_parser(module: str, doc: str, out_help: str, small_help: str) -> argparse.ArgumentParser:
+    """A sweep benchmark's command line: where its JSON goes, its work folder, its small sweep; `doc` (the
+    module's docstring: run with -m, the module is __main__) as its description. The caller adds the sweep's
+    own options."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help="the JSON (a .md table and a .png plot beside it)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/specmesh-regime"), help="pairs, logs, bench results")
-    parser.add_argument("--small", action="store_true", help="the test suite's sweep: one cell each way, seconds")
+    parser.add_argument("--out", type=Path, required=True, help=out_help)
+    name = module.rsplit(".", 1)[-1]
+    parser.add_argument("--work", type=Path, default=Path(f"/tmp/specmesh-{name}"), help="pairs, logs, bench results")
+    parser.add_argument("--small", action="store_true", help=small_help)
+    return parser
+
+
+def given_sweep(sweep, given: dict):
+    """`sweep` (a frozen dataclass) with the options the command line gave (None: not given; lists as tuples)."""
+    given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items() if value is not None}
+    return replace(sweep, **given)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sweep]:
+    parser = sweep_parser("benchmarks.regime", __doc__, "the JSON (a .md table and a .png plot beside it)",
+                          "the test suite's sweep: one cell each way, seconds")
     defaults = Sweep()
     parser.add_argument("--profiles", nargs="+", choices=sorted(PROFILES), default=None)
     parser.add_argument("--alphas", type=float, nargs="+", default=None)
@@ -164,12 +182,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Sweep]:
                         help="every emulated time multiplied by this (a host too slow for the profile's shortest "
                              "step; speedups and bounds are ratios and do not move)")
     args = parser.parse_args(argv)
-    sweep = SMALL if args.small else defaults
     given = {"profiles": args.profiles, "alphas": args.alphas, "rtts_ms": args.rtt_ms, "bandwidths": args.bandwidths,
              "concurrency": args.concurrency, "temperatures": args.temperatures, "placements": args.placements,
              "prompts_c1": args.prompts_c1, "max_tokens": args.max_tokens, "time_scale": args.time_scale}
-    given = {key: tuple(value) if isinstance(value, list) else value for key, value in given.items() if value is not None}
-    return args, replace(sweep, **given)
+    return args, given_sweep(SMALL if args.small else defaults, given)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,12 +58,13 @@ class Counts:
         return Counts(**scalars, cpu_s={name: self.cpu_s[name] - other.cpu_s.get(name, 0.0) for name in self.cpu_s})
 
 
-def read_counts(orchestrator_url: str, target_url: str, draft_url: str, links: dict[str, dict],
+def read_counts(orchestrator_url: str, target_urls: list[str], draft_urls: list[str], links: dict[str, dict],
                 cpu_s: dict[str, float]) -> Counts:
+    """The stack's counters now; the services' busy time summed over every service of a role."""
     orchestrator = scrape(orchestrator_url)
     values = {key: total(orchestrator, name, labels) for key, (name, labels) in ORCHESTRATOR_COUNTERS.items()}
-    return Counts(**values, target_busy_s=total(scrape(target_url), SERVICE_BUSY),
-                  draft_busy_s=total(scrape(draft_url), SERVICE_BUSY),
+    return Counts(**values, target_busy_s=sum(total(scrape(url), SERVICE_BUSY) for url in target_urls),
+                  draft_busy_s=sum(total(scrape(url), SERVICE_BUSY) for url in draft_urls),
                   wire_bytes=sum(link["bytes_up"] + link["bytes_down"] for link in links.values()), cpu_s=cpu_s)
 
 
@@ -77,6 +78,7 @@ class Regime:
     concurrency: int
     rtt_draft_s: float
     rtt_target_s: float
+    draft_concurrency: int = 0  # sessions each draft steps at once where they differ from the target's (0: the same)
 
     def target_s(self, rows_per_session: int) -> float:
         """A step of every session in flight, each with these rows (sessions decode in lockstep)."""
@@ -84,7 +86,8 @@ class Regime:
         return self.target.ms(rows_per_session * c, c) / 1e3
 
     def draft_s(self) -> float:
-        return self.draft.ms(self.concurrency, self.concurrency) / 1e3
+        c = self.draft_concurrency or self.concurrency
+        return self.draft.ms(c, c) / 1e3
 
     def bounds(self, hit: float) -> dict:
         """The best speedup any k allows over target-only with zero overhead: sequential, pipelined at the

@@ -18,7 +18,9 @@ as on separate machines:
   turns it on.
 
 It prints the client endpoint and runs until Ctrl-C. `RegimeStack` is the same for benchmarks, which change
-the links' delay and bandwidth while the stack runs (`set_links`) and read the bytes they carried.
+the links' delay and bandwidth while the stack runs (`set_links`) and read the bytes they carried. With no link
+(`direct`) it may hold several services of a role (`targets`, `drafts`: benchmarks/scale.py), all attached to
+the one orchestrator, and restart the orchestrator alone with other settings (`restart_serve`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from benchmarks.links import CONTROL_DONE, parse_counters_line
 from benchmarks.serve_process import METRICS, READY, serve_command, start_logged, stop_serve
 
 PLACEMENTS = ("direct", "beside-target", "beside-draft")
+ROLES = ("target", "draft")
 SERVICE_READY = re.compile(r"listening on ([^\s,]+), metrics http://[^\s:]+:(\d+)/metrics")
 CONTROL_WAIT_S = 10.0
 
@@ -65,6 +68,11 @@ def ensure_pair(work: Path, profile: str, alphas: list[float], time_scale: float
     return pair
 
 
+def service_names(role: str, count: int) -> list[str]:
+    """A role's services: the first named as the role (a one-pair stack's names), the others numbered from 2."""
+    return [role if i == 0 else f"{role}-{i + 1}" for i in range(count)]
+
+
 @dataclass
 class Service:
     process: subprocess.Popen
@@ -81,35 +89,56 @@ class RegimeStack:
     placement: str
     work: Path
     serve_settings: dict = field(default_factory=dict)  # more `specmesh serve` config keys
-    services: dict[str, Service] = field(default_factory=dict)
+    targets: int = 1  # services of each role, attached to the one orchestrator; above 1 only `direct`
+    drafts: int = 1
+    services: dict[str, Service] = field(default_factory=dict)  # "target", "target-2", ..., "draft", ...
     links: subprocess.Popen | None = None
+    _addresses: dict[str, list[str]] = field(default_factory=dict, init=False)  # by role, what serve attaches to
     serve: subprocess.Popen | None = None
     endpoint: str = ""  # the orchestrator's gRPC port
     metrics_url: str = ""  # the orchestrator's /metrics
 
     def start(self) -> "RegimeStack":
+        linked = delayed_link(self.placement)
+        if linked is not None and (self.targets, self.drafts) != (1, 1):
+            raise ValueError("a link stands in front of one service: several of a role only `direct`")
         self.work.mkdir(parents=True, exist_ok=True)
-        token = self.work / "internal-token"
+        token = self._token_file
         token.write_text(secrets.token_urlsafe(32))
         token.chmod(0o600)
         try:
-            for role, model in (("target", self.target_dir), ("draft", self.draft_dir)):
-                self.services[role] = self._start_service(role, model, token)
-            addresses = {role: service.address for role, service in self.services.items()}
-            linked = delayed_link(self.placement)
+            for role, model in zip(ROLES, (self.target_dir, self.draft_dir)):
+                for name in self.names(role):
+                    self.services[name] = self._start_service(role, model, token, name)
+            addresses = {role: [self.services[name].address for name in self.names(role)] for role in ROLES}
             if linked is not None:
-                addresses[linked] = self._start_link(linked)
-            self._start_serve(addresses, token)
+                addresses[linked] = [self._start_link(linked)]
+            self._addresses = addresses
+            self._start_serve()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_service(self, role: str, model: Path, token: Path) -> Service:
+    def names(self, role: str) -> list[str]:
+        """The role's services, by name."""
+        return service_names(role, self.targets if role == "target" else self.drafts)
+
+    def metrics_urls(self, role: str) -> list[str]:
+        return [self.services[name].metrics_url for name in self.names(role)]
+
+    def restart_serve(self, settings: dict) -> None:
+        """The orchestrator stopped and started again, attached to the same services, with these config keys over
+        the stack's: what a setting costs is measured on the same services."""
+        stop_serve(self.serve)
+        self.serve, self.serve_settings = None, settings
+        self._start_serve()
+
+    def _start_service(self, role: str, model: Path, token: Path, name: str) -> Service:
         command = [sys.executable, "-m", f"{role}_service", "--model", str(model), "--trust-remote-code",
                    "--port", "0", "--metrics-port", "0", "--internal-token-file", str(token),
                    "--trace-exporter", "none"]
-        process, found = start_logged(command, self.work / f"{role}.log", {"ready": SERVICE_READY},
+        process, found = start_logged(command, self.work / f"{name}.log", {"ready": SERVICE_READY},
                                       env={"OMP_NUM_THREADS": "1"})  # one compute thread each
         address, metrics_port = found["ready"].group(1), found["ready"].group(2)
         return Service(process, address, f"http://127.0.0.1:{metrics_port}/metrics")
@@ -123,10 +152,11 @@ class RegimeStack:
         self.links, found = start_logged(command, self.work / "links.log", {role: pattern}, timeout_s=60.0)
         return found[role].group(1)
 
-    def _start_serve(self, addresses: dict[str, str], token: Path) -> None:
+    def _start_serve(self) -> None:
+        addresses = self._addresses
         config = {"target": str(self.target_dir), "draft": str(self.draft_dir), "trust-remote-code": True,
-                  "target-endpoints": [addresses["target"]], "draft-endpoints": [addresses["draft"]],
-                  "internal-token-file": str(token), "port": 0, "http-port": -1, "metrics-port": 0,
+                  "target-endpoints": addresses["target"], "draft-endpoints": addresses["draft"],
+                  "internal-token-file": str(self._token_file), "port": 0, "http-port": -1, "metrics-port": 0,
                   "pipeline": "on", "trace-exporter": "none", **self.serve_settings}
         config_file = self.work / "serve.yaml"
         config_file.write_text(yaml.safe_dump(config))
@@ -138,6 +168,10 @@ class RegimeStack:
     @property
     def _control_file(self) -> Path:
         return self.work / "links.json"
+
+    @property
+    def _token_file(self) -> Path:
+        return self.work / "internal-token"
 
     def set_links(self, rtt_ms: float, bandwidth: str) -> dict[str, dict]:
         """The placement's link at this round trip and bandwidth; its counters so far, by role ({} without)."""
@@ -168,7 +202,7 @@ class RegimeStack:
         """CPU time each process of the stack has used so far (user + system), by name: what a round costs the
         host besides the emulated steps (which sleep)."""
         processes = {"orchestrator": self.serve, "links": self.links,
-                     **{role: service.process for role, service in self.services.items()}}
+                     **{name: service.process for name, service in self.services.items()}}
         return {name: process_cpu_seconds(process.pid) for name, process in processes.items()
                 if process is not None and process.poll() is None}
 

@@ -4,23 +4,15 @@ reported, greedy outputs identical to target-only. Speed is the benchmark's to r
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from benchmark_runs import run_small
 
-ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("tokens_per_s", "speedup", "bound_sequential", "bound_pipelined", "bound_pipelined_h1",
            "predraft_hit_rate", "bytes_per_round", "bytes_per_token", "target_busy_ms_per_token",
            "overhead_ms_per_round", "round_ms", "cpu_ms_per_round", "tokens_per_round")
 
 
 def test_the_small_sweep_reports_every_cell_against_its_bound(tmp_path):
-    out = tmp_path / "regime.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.regime", "--small", "--out", str(out),
-                          "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, out = run_small("benchmarks.regime", tmp_path)
     assert result["emulated"] is True and result["profiles"]["h100-8b"]  # every figure says it is emulated
     cells = {cell["placement"]: cell for cell in result["cells"]}
     assert set(cells) == {"direct", "beside-target"}
