@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.decoding.decode_ahead import tokens_ahead, tokens_per_call
+from orchestrator.decoding.request import RoundTiming
 from specmesh.ewma import Ewma
 from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.engine.step_costs import StepCosts
@@ -152,6 +153,12 @@ class RoundCosts:
         """Seconds for the draft to feed `tokens` tokens at once (a prefill or a catch-up); None unknown."""
         tables = self._tables()
         return None if tables is None else tables[1].step_s(StepShape(1, tokens)) * self.draft_ratio.get(1.0)
+
+    def observe_round(self, timing: RoundTiming, drafted: int, batch: BatchLoad, lookup: int = 0) -> None:
+        """A round's waits (RoundTiming), `drafted` draft-model tokens and `lookup` rows beside them verified
+        in `batch`."""
+        self.observe(drafted, timing.draft_s, timing.verify_s, batch, lookup, timing.draft_forward_s,
+                     timing.verify_forward_s, timing.target_steps)
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad, lookup: int = 0,
                 draft_forward_s: float | None = None, verify_forward_s: float | None = None,
