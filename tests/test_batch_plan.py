@@ -1,7 +1,7 @@
 """The rule planned for a batch (orchestrator.decoding.policy.Speculation.plan_batch), on injected costs and
 acceptance only (no timing of anything real): the sums it keeps as requests come, learn and go give the k the
 straightforward computation over all active requests gives; a batch of 256 sessions is planned within a
-millisecond of Python."""
+millisecond of Python; pipelined rounds are priced as they run (the draft beside the verification)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from orchestrator.decoding.acceptance import expected_tokens
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.plan import RoundAsk, RoundOutcome
 from orchestrator.decoding.policy import MARGIN, DraftLength, Speculation
 from orchestrator.decoding.request import RoundTiming
+from orchestrator.decoding.timing import HIT, MISS
 from policy_costs import cpu_target, gpu_target, plan, speculation
 from specmesh.engine.step_costs import StepCosts
 
@@ -119,3 +121,52 @@ def test_a_batch_of_256_sessions_is_planned_within_a_millisecond():
     assert all(p.k > 0 for p in plans)  # the batch drafts (each at the best k, or one within MARGIN of it)
     print(f"256 sessions planned in {best * 1e3:.3f} ms")
     assert best < 1e-3, f"{best * 1e3:.2f} ms"
+
+
+# ---- pipelined rounds: the draft runs beside the previous verification, so a hit costs the longer side
+
+
+def lone_request(acceptance: float) -> tuple[Speculation, DraftLength]:
+    """A GPU-like target (12 ms, flat in rows) and a 2 ms draft step, acceptance `acceptance` at every position."""
+    shared = speculation(gpu_target, lambda rows: 0.002)
+    shared.acceptance.prior = acceptance
+    return shared, shared.for_request("code")
+
+
+def best_k(acceptance: float, round_s) -> int:
+    """The drafting k (1..8) that maximises E(k) / round_s(k), at `acceptance` a position."""
+    return max(range(1, 9), key=lambda k: expected_tokens([acceptance] * k, k) / round_s(k))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_pipelined_round_is_priced_at_the_longer_side_when_its_branch_is_ready(pipelined):
+    """Hit rate 1: E(k) / max(draft side, target side); sequential (no hit rate): E(k) / (the two summed)."""
+    shared, part = lone_request(0.8)
+    reports, batch = shared.costs.reports, BatchLoad(1, 0)
+
+    def draft_s(k: int) -> float:
+        return k * reports.draft.step_s(batch.draft_step())
+
+    def target_s(k: int) -> float:
+        return reports.target.step_s(batch.target_step(k))
+    beside = best_k(0.8, lambda k: max(draft_s(k), target_s(k)))
+    after = best_k(0.8, lambda k: draft_s(k) + target_s(k))
+    assert beside > after  # the draft's steps hide behind the verification up to its length
+    if pipelined:
+        shared.costs.hit_rate.value = 1.0
+    assert plan(part, 8).k == (beside if pipelined else after)
+
+
+def test_the_hit_rate_is_learned_and_a_hits_short_wait_does_not_price_drafting_free():
+    shared, part = lone_request(0.8)
+    planned = plan(part, 8)
+    k = planned.k
+    part.learn(planned, RoundOutcome(RoundTiming(draft_s=k * 0.004, verify_s=0.0124, predraft=MISS), k, k))
+    ratio = shared.costs.draft_ratio.value
+    assert ratio == pytest.approx(2.0)  # a miss drafts afresh after the verification: its wait shows the cost
+    for _ in range(40):  # hits: the branch was ready, the round waited for nothing
+        planned = plan(part, 8)
+        part.learn(planned, RoundOutcome(RoundTiming(draft_s=0.0001, verify_s=0.0124, predraft=HIT), planned.k,
+                                         planned.k))
+    assert shared.costs.hit_rate.value > 0.95
+    assert shared.costs.draft_ratio.value == ratio

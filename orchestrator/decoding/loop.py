@@ -203,7 +203,7 @@ class SpeculativeGeneration:
         drafted = 0 if free else len(draft_ids)  # by the draft model
         timing = RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s,
                              draft_forward_s=self._clock.draft_busy_s, verify_forward_s=self._clock.target_busy_s,
-                             target_steps=self._target_steps)
+                             target_steps=self._target_steps, predraft=self._clock.predraft)
         self.policy.learn(plan, RoundOutcome(timing, drafted, accepted, list(proposal.probabilities) if proposal
                                              else [], len(self._alternatives)))
         batch = committed_tokens(draft_ids, accepted, verified.next_token_id, verified.after_token_ids)

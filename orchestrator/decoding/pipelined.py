@@ -28,6 +28,7 @@ from orchestrator.decoding.endpoints import BranchStream
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.plan import RoundPlan
 from orchestrator.decoding.proposals import FreeProposal
+from orchestrator.decoding.timing import HIT, MISS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class PipelinedGeneration(SpeculativeGeneration):
                 token_ids=branch.token_ids[:k], distributions=branch.distributions[:k], forward_ns=branch.forward_ns)
             if not self._proposal_is_sound(proposal, position, k):
                 proposal = None
-        self._clock.predraft = "hit" if proposal is not None else "miss"
+        self._clock.predraft = HIT if proposal is not None else MISS
         if proposal is not None and branch.accepted_count < ahead.assumed_count:
             # The draft's own sequence still holds the all-accepted line past this point until a
             # commit adopts the branch, so later commits must start no later than here.

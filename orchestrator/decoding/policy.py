@@ -7,11 +7,12 @@ For the n requests decoding on this orchestrator, each drafting k tokens a round
 E_i(k) is request i's expected committed tokens of a round at k, from its per-position
 acceptance (orchestrator.decoding.acceptance); round_s(k) is k draft steps over the n
 sessions and one target step over their n (k + 1) rows, priced by the services' own
-step-cost models (orchestrator.decoding.costs). Alone this is the request's tokens per
-second; under load every extra row is paid beside the other sessions, so k shrinks as the
-load grows and is 0 (target-only) wherever no k pays. Every request runs the same rule
-over the same state, so the requests of a batch draft the same k and their draft and
-verification steps meet in the services' batches.
+step-cost models (orchestrator.decoding.costs): one after the other, or, pipelined, the
+draft's beside the previous verification at the pre-draft hit rate. Alone this is the
+request's tokens per second; under load every extra row is paid beside the other sessions,
+so k shrinks as the load grows and is 0 (target-only) wherever no k pays. Every request
+runs the same rule over the same state, so the requests of a batch draft the same k and
+their draft and verification steps meet in the services' batches.
 
 k moves only for a predicted gain over the current k of at least MARGIN. A drafting round then
 asks the draft for up to the request's k_max tokens and lets it stop on its own doubt: after
