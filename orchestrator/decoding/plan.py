@@ -8,6 +8,9 @@ session now, the batch the round is priced for, and what a row of the draft's se
 After the verification the policy learns from the plan and the outcome (RoundOutcome). Nothing is left
 between the two calls but the plan itself.
 
+The three are values: made once and never changed, one plan serving every session in the same situation.
+(They are not frozen dataclasses only because those take three times as long to make, every round.)
+
 The adaptive rule is orchestrator.decoding.policy (its plan_batch plans many sessions at once in O(n));
 a fixed k is FixedLength, a plan like any other.
 """
@@ -32,7 +35,7 @@ def no_offers() -> list[FreeProposal]:
     return []
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RoundAsk:
     """What a session brings to its round's plan."""
 
@@ -43,7 +46,7 @@ class RoundAsk:
     offers: Callable[[], list[FreeProposal]] = no_offers  # looked for only by a policy that weighs them
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RoundPlan:
     k: int = 0  # draft-model tokens the round verifies (0: none; a free proposal, or target-only)
     ask: int = 0  # tokens to ask the draft for: k, or up to k_max where it stops on its own doubt
@@ -81,7 +84,7 @@ class RoundPlan:
         return chosen
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RoundOutcome:
     """What a round did: its waits, the draft-model tokens verified (with the draft's confidence at each)
     or the plan's free proposal, how many were accepted, and the alternatives' rows beside them."""
