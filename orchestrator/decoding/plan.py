@@ -75,12 +75,13 @@ class RoundPlan:
             run *= probability
         drafted = len(probabilities)
         chosen: list[int] = []
+        round_s = costs.round_s(drafted, self.batch)
         for chance, index in sorted(chances, reverse=True):
-            rows = len(chosen)
-            row_s = costs.round_s(drafted, self.batch, rows + 1) - costs.round_s(drafted, self.batch, rows)
-            if chance < self.row_rate * row_s:
+            wider_s = costs.round_s(drafted, self.batch, len(chosen) + 1)  # the round with one row more
+            if chance < self.row_rate * (wider_s - round_s):
                 break
             chosen.append(index)
+            round_s = wider_s
         return chosen
 
 
