@@ -113,7 +113,7 @@ def test_a_batch_of_256_sessions_is_planned_within_a_millisecond():
         for part in parts:
             learn_a_round(part, rng)
     best = float("inf")
-    for round_number in range(5):  # a round further each time: every context moves
+    for round_number in range(7):  # a round further each time: every context moves
         asks = [RoundAsk(8, 200 + 4 * round_number + index) for index in range(256)]
         started = time.perf_counter()
         plans = shared.plan_batch(parts, asks)
