@@ -93,7 +93,7 @@ def length_by_run(threshold: float, k: int):
 def offered_alternatives(confidences: list[float], second_confidences: list[float], n: int, rate: float,
                          target_s: list[float]) -> set[int]:
     """The positions of n drafted whose second choice the policy offers at `rate` tokens a second
-    (orchestrator.decoding.policy.DraftLength.alternatives, its confidence factor 1)."""
+    (orchestrator.decoding.plan.RoundPlan.alternatives, its confidence factor 1)."""
     chances, run = [], 1.0
     for index in range(n):
         chances.append((run * second_confidences[index], index))

@@ -13,7 +13,8 @@ from transformers import (LogitsProcessor, LogitsProcessorList, RepetitionPenalt
 from benchmarks.tiny_models import TINY_PROMPTS
 from harness import load, make_engine, start_model_server
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.proposals import SUFFIX
+from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.plan import FixedLength, RoundAsk, RoundPlan
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats
 from orchestrator.serving.clients import TargetClient, open_channel
 from specmesh.engine.sampling_params import SamplingParams
@@ -123,22 +124,18 @@ def assert_second_tokens_follow(outcomes, first: torch.Tensor, second: torch.Ten
     assert abs(hit - exact_hit) < 4 * (exact_hit * (1 - exact_hit) / n) ** 0.5, (hit, exact_hit)
 
 
-class VerifyAllSuffixes:
-    """A stand-in for the default policy that never drafts and verifies every suffix proposal: pricing
-    is not the subject here, the target's verdict on a one-hot proposal is."""
+class VerifyAll(FixedLength):
+    """A stand-in for the default policy that never drafts and verifies every proposal of one source (prompt
+    lookup's or the suffix index's): pricing is not the subject here, the target's verdict on a one-hot
+    proposal is."""
 
-    def arrive(self): pass
-    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
-    def choose(self, k_max, context=0): return 0
-    def worth_opening(self, k, catch_up, tokens_left): return False
-    def draft_plan(self, k): return k, 0.0
-    def alternatives(self, probabilities, alternative_probabilities): return []
-    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
-    def close(self): pass
+    def __init__(self, source: str):
+        super().__init__(RoundCosts())
+        self.source = source
 
-    def choose_proposal(self, k, offers):
-        suffix = [offer for offer in offers if offer.source == SUFFIX]
-        return (suffix[0], len(suffix[0].tokens)) if suffix else (None, 0)
+    def plan(self, ask: RoundAsk) -> RoundPlan:
+        offer = next((offer for offer in ask.offers() if offer.source == self.source), None)
+        return RoundPlan(free=offer, batch=BatchLoad(1, ask.context))
 
 
 # ---- penalties: transformers' own logits processors

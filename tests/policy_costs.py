@@ -6,7 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from orchestrator.decoding.costs import RoundCosts
-from orchestrator.decoding.policy import Speculation
+from orchestrator.decoding.plan import RoundAsk, RoundPlan
+from orchestrator.decoding.policy import DraftLength, Speculation
 from specmesh.engine.step_costs import StepCosts
 from specmesh.engine.step_model import StepModel
 
@@ -30,3 +31,8 @@ def gpu_target(rows: int) -> float:
 def speculation(target_costs, draft_costs, target_model: StepModel | None = None) -> Speculation:
     reports = SimpleNamespace(target=table(target_costs, target_model), draft=table(draft_costs))
     return Speculation(costs=RoundCosts(reports))
+
+
+def plan(policy: DraftLength, k_max: int, context: int = 0, **ask) -> RoundPlan:
+    """The policy's plan for a round of at most k_max draft tokens over `context` (RoundAsk's other fields)."""
+    return policy.plan(RoundAsk(k_max, context, **ask))

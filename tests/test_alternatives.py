@@ -8,7 +8,9 @@ the output stays the target's own greedy sequence.
 
 from __future__ import annotations
 
+import functools
 import random
+from typing import Callable
 
 import grpc
 import pytest
@@ -17,10 +19,11 @@ import torch
 from draft_service.engine import CommitSpec, DraftEngine
 from engine_helpers import commit_alone, feed_uncached, next_logits_cached, next_logits_fresh
 from harness import GRAPH_STEPS, make_engine, start_stack
-from orchestrator.decoding.policy import DraftLength, Speculation
+from orchestrator.decoding.plan import RoundOutcome
+from orchestrator.decoding.policy import Speculation
 from orchestrator.decoding.request import RoundTiming
 from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
-from policy_costs import speculation
+from policy_costs import plan, speculation
 from specmesh.engine.batching import Part
 from specmesh.errors import InvalidArgument
 from specmesh.engine.ragged import tree_ancestry
@@ -179,29 +182,31 @@ async def test_served_greedy_output_is_the_targets_own_with_alternatives_committ
     assert committed <= rounds + accepted  # each round: its accepted tokens, one of the target's, one per alternative
 
 
-def _offering(target_costs) -> DraftLength:
-    """A request's policy priced by reports (a draft step of 50 ms), having seen 3 of 4 drafts accepted."""
+def _offering(target_costs) -> Callable[[list[float], list[float]], list[int]]:
+    """The alternatives a request's next round offers, priced by reports (a draft step of 50 ms), having
+    seen 3 of 4 drafts accepted."""
     shared = speculation(target_costs, lambda rows: 0.05)
     policy = shared.for_request("code")
     for _ in range(20):
-        k = policy.choose(4)
-        policy.observe(RoundTiming(draft_s=0.05 * k, verify_s=target_costs(k + 1)), k, min(k, 3))
-    policy.choose(4)
-    return policy
+        planned = plan(policy, 4)
+        k = planned.k
+        policy.learn(planned, RoundOutcome(RoundTiming(draft_s=0.05 * k, verify_s=target_costs(k + 1)), k, min(k, 3)))
+    assert policy.confidence.factor == 1.0
+    return functools.partial(plan(policy, 4).alternatives, policy.costs)
 
 
 def test_alternatives_are_offered_by_chance_while_one_is_worth_its_row():
     probabilities, alternatives = [0.9, 0.8, 0.6, 0.5], [0.05, 0.15, 0.3, 0.4]
     # chances (factor 1): 0.05, 0.135, 0.216, 0.173; a row here costs 5 ms until the step at 9 rows
     stepped = _offering(lambda rows: 0.30 + 0.005 * rows if rows <= 8 else 0.50)
-    assert stepped.confidence.factor == 1.0
-    assert stepped.alternatives(probabilities, alternatives) == [2, 3, 1]  # a 9th row costs more than 0.05 earns
-    assert _offering(lambda rows: 0.30).alternatives(probabilities, alternatives) == [2, 3, 1, 0]  # rows free
+    assert stepped(probabilities, alternatives) == [2, 3, 1]  # a 9th row costs more than 0.05 earns
+    assert _offering(lambda rows: 0.30)(probabilities, alternatives) == [2, 3, 1, 0]  # rows free
     dear = _offering(lambda rows: 0.30 + 0.05 * rows)  # 50 ms a row: only a likely alternative pays
-    assert dear.alternatives(probabilities, alternatives) == []
-    assert dear.alternatives([0.99, 0.95], [0.01, 0.6]) == [1]
-    assert stepped.alternatives(probabilities, []) == []  # sampled: the draft sends none
+    assert dear(probabilities, alternatives) == []
+    assert dear([0.99, 0.95], [0.01, 0.6]) == [1]
+    assert stepped(probabilities, []) == []  # sampled: the draft sends none
 
 
 def test_before_any_round_is_priced_no_alternative_is_offered():
-    assert Speculation().for_request("").alternatives([0.5], [0.5]) == []
+    policy = Speculation().for_request("")
+    assert plan(policy, 4).alternatives(policy.costs, [0.5], [0.5]) == []

@@ -31,6 +31,13 @@ def test_draft_precision_prices_and_scores_every_precision(tiny_llama_dir, tiny_
     assert "int8/4" in capsys.readouterr().out
 
 
+@pytest.mark.unit
+def test_plan_cost_times_both_ways_of_planning_at_each_load(capsys):
+    table = load_script("plan_cost").main(["--requests", "1", "4", "--rounds", "2", "--repeats", "1"])
+    assert set(table) == {1, 4} and all(us > 0 for row in table.values() for us in row.values())
+    assert "per request" in capsys.readouterr().out
+
+
 def test_cpu_linear_prices_both_kernels_and_compares_their_outputs(tiny_llama_dir, capsys):
     table = load_script("cpu_linear").main(["--model", str(tiny_llama_dir), "--rows", "1", "3", "--tokens", "6"])
     assert set(table) == {"torch", "onednn"}

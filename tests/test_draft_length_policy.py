@@ -23,11 +23,12 @@ from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
 from orchestrator.decoding.costs import BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.plan import DRAFT_CLOSED, RoundOutcome
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
 from parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, target_greedy, total_variation
-from policy_costs import cpu_target, gpu_target, speculation, table
+from policy_costs import cpu_target, gpu_target, plan, speculation, table
 from specmesh.engine.sampling_params import SamplingParams
 from specmesh.engine.step_costs import MEASURED_ROWS
 from specmesh.engine.step_model import StepModel, StepShape
@@ -52,12 +53,13 @@ def simulate(policy, rounds: int, acceptance: float, rng: random.Random, context
     """Rounds whose costs are exactly the reports' and whose drafts are accepted at `acceptance` per token."""
     chosen = []
     for _ in range(rounds):
-        k = policy.choose(K_MAX, context)
+        planned = plan(policy, K_MAX, context)
+        k, batch = planned.k, planned.batch
         accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
-        batch = policy.shared.batch()
         reports = policy.shared.costs.reports
-        policy.observe(RoundTiming(draft_s=k * reports.draft.step_s(batch.draft_step()) if k else 0.0,
-                                   verify_s=reports.target.step_s(batch.target_step(k))), k, accepted)
+        policy.learn(planned, RoundOutcome(RoundTiming(
+            draft_s=k * reports.draft.step_s(batch.draft_step()) if k else 0.0,
+            verify_s=reports.target.step_s(batch.target_step(k))), k, accepted))
         chosen.append(k)
     return chosen
 
@@ -117,7 +119,7 @@ def test_k_is_zero_when_nothing_pays():
     policy = speculation(cpu_target, lambda rows: 0.03).for_request("creative")
     chosen = simulate(policy, 40, 0.0, random.Random(2))
     assert chosen.index(0) <= 3 and chosen[4:].count(0) >= len(chosen[4:]) - 2, chosen
-    assert speculation(cpu_target, lambda rows: 2.0).for_request("").choose(K_MAX) == 0
+    assert plan(speculation(cpu_target, lambda rows: 2.0).for_request(""), K_MAX).k == 0
 
 
 @pytest.mark.unit
@@ -143,13 +145,13 @@ def test_a_new_request_starts_from_its_classs_history():
             simulate(policy, 20, acceptance, rng)
             policy.close()
     creative = shared.for_request("creative")
-    assert creative.choose(K_MAX) == 0
+    assert plan(creative, K_MAX).k == 0
     creative.close()  # else the next request would not be alone
     code = shared.for_request("code")
-    assert code.choose(K_MAX) >= 3
+    assert plan(code, K_MAX).k >= 3
     code.close()
     # a class that does not pay never opens its draft's session
-    assert not shared.for_request("creative").wants_draft(K_MAX, catch_up=1, tokens_left=400)
+    assert not plan(shared.for_request("creative"), K_MAX, 1, tokens_left=400, draft=DRAFT_CLOSED).open_draft
 
 
 @pytest.mark.unit
@@ -189,9 +191,9 @@ def test_the_chosen_k_is_the_batchs_analytic_optimum():
     for _ in range(60):
         for policy in requests:
             simulate(policy, 1, 0.75, rng)
-    batch = shared.batch()
-    rates = [shared.tokens(k, batch) / true_round_s(shared, k, batch) for k in range(K_MAX + 1)]
-    chosen = requests[0].choose(K_MAX)
+    rule = shared.rule()
+    rates = [rule.tokens(k) / true_round_s(shared, k, rule.batch) for k in range(K_MAX + 1)]
+    chosen = plan(requests[0], K_MAX).k
     assert rates[chosen] >= (1 - MARGIN) * max(rates), (chosen, rates)
 
 
@@ -211,13 +213,16 @@ def test_does_not_oscillate_near_break_even():
     """Measured costs jitter by 10% around the reports: k changes rarely."""
     policy = speculation(cpu_target, lambda rows: 0.03).for_request("")
     rng = random.Random(8)
-    chosen = [policy.choose(K_MAX)]
+    planned = plan(policy, K_MAX)
+    chosen = [planned.k]
     for _ in range(300):
         k = chosen[-1]
         accepted = next((j for j in range(k) if rng.random() >= 0.7), k)
         jitter = 1 + rng.uniform(-0.1, 0.1)
-        policy.observe(RoundTiming(draft_s=k * 0.03 * jitter, verify_s=cpu_target(k + 1) * jitter), k, accepted)
-        chosen.append(policy.choose(K_MAX))
+        timing = RoundTiming(draft_s=k * 0.03 * jitter, verify_s=cpu_target(k + 1) * jitter)
+        policy.learn(planned, RoundOutcome(timing, k, accepted))
+        planned = plan(policy, K_MAX)
+        chosen.append(planned.k)
     switches = sum(a != b for a, b in zip(chosen, chosen[1:]))
     assert switches <= 12, (switches, chosen)
 
@@ -227,19 +232,22 @@ def test_the_drafts_prefill_must_pay_for_itself():
     """Late in a request the draft's prefill of a long sequence costs more than its last tokens save."""
     shared = speculation(cpu_target, lambda rows: 0.03 if rows <= 8 else 0.03 * rows / 8)
     policy = shared.for_request("code")
-    assert policy.wants_draft(K_MAX, catch_up=64, tokens_left=200)
-    assert not policy.worth_opening(policy.choose(K_MAX), catch_up=3000, tokens_left=3)
+    assert plan(policy, K_MAX, 64, tokens_left=200, draft=DRAFT_CLOSED).open_draft
+    assert not plan(policy, K_MAX, 3000, tokens_left=3, draft=DRAFT_CLOSED).open_draft
+    assert plan(policy, K_MAX, 3000).k > 0  # it would draft: only the prefill does not pay
 
 
 @pytest.mark.unit
 def test_without_reported_costs_it_learns_them_from_rounds():
     """A service that reports no step costs: the wall clock of rounds by draft length stands in."""
     policy = Speculation().for_request("")
-    assert policy.choose(K_MAX) == K_MAX  # nothing to weigh k against yet: the most evidence
+    assert plan(policy, K_MAX).k == K_MAX  # nothing to weigh k against yet: the most evidence
     chosen = []
     for _ in range(60):  # a useless draft: nothing is ever accepted
-        chosen.append(policy.choose(K_MAX))
-        policy.observe(RoundTiming(draft_s=chosen[-1] * 0.09, verify_s=cpu_target(chosen[-1] + 1)), chosen[-1], 0)
+        planned = plan(policy, K_MAX)
+        chosen.append(planned.k)
+        timing = RoundTiming(draft_s=chosen[-1] * 0.09, verify_s=cpu_target(chosen[-1] + 1))
+        policy.learn(planned, RoundOutcome(timing, chosen[-1], 0))
     assert chosen[-30:].count(0) >= 27, chosen
 
 
@@ -249,14 +257,16 @@ def test_one_rejected_round_does_not_set_the_deployments_prior():
     counts for a few rounds), while rejections of the request's own still turn it off at once."""
     shared = speculation(cpu_target, lambda rows: 0.048)
     warm_up = shared.for_request("chat")
-    assert warm_up.choose(K_MAX) >= 2
-    warm_up.observe(RoundTiming(draft_s=0.1, verify_s=0.25), 2, 0)
+    planned = plan(warm_up, K_MAX)
+    assert planned.k >= 2
+    warm_up.learn(planned, RoundOutcome(RoundTiming(draft_s=0.1, verify_s=0.25), 2, 0))
     warm_up.close()
     policy = shared.for_request("code")
     chosen = []
     for _ in range(4):
-        k = policy.choose(K_MAX)
-        policy.observe(RoundTiming(draft_s=0.048 * k, verify_s=0.25), k, 0)
+        planned = plan(policy, K_MAX)
+        k = planned.k
+        policy.learn(planned, RoundOutcome(RoundTiming(draft_s=0.048 * k, verify_s=0.25), k, 0))
         chosen.append(k)
     assert chosen[0] >= 2 and chosen[-1] == 0, chosen
 
@@ -267,15 +277,16 @@ def simulate_link(policy, rounds: int, acceptance: float, rng: random.Random, dr
     a link of that round trip (a drafting round waits for it once), the target's calls their own."""
     chosen = []
     for _ in range(rounds):
-        k = policy.choose(K_MAX, 0)
+        planned = plan(policy, K_MAX)
+        k, batch = planned.k, planned.batch
         accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
-        batch = policy.shared.batch()
         reports = policy.shared.costs.reports
         draft_forward = k * reports.draft.step_s(batch.draft_step()) if k else 0.0
         verify_forward = reports.target.step_s(batch.target_step(k))
-        policy.observe(RoundTiming(draft_s=draft_forward + (draft_latency_s if k else 0.0),
-                                   verify_s=verify_forward + target_latency_s, draft_forward_s=draft_forward,
-                                   verify_forward_s=verify_forward), k, accepted)
+        timing = RoundTiming(draft_s=draft_forward + (draft_latency_s if k else 0.0),
+                             verify_s=verify_forward + target_latency_s, draft_forward_s=draft_forward,
+                             verify_forward_s=verify_forward)
+        policy.learn(planned, RoundOutcome(timing, k, accepted))
         chosen.append(k)
     return chosen
 

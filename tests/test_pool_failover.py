@@ -7,12 +7,15 @@ between two rounds at an exact point and check what the next round does.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
 from harness import WORK_TIMEOUT_S, load
+from orchestrator.decoding.costs import RoundCosts
+from orchestrator.decoding.plan import FixedLength, RoundAsk, RoundPlan
 from orchestrator.serving.clients import UpstreamError
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.pipelined import PipelinedGeneration
@@ -25,20 +28,16 @@ from specmesh.loading import models
 ALTERNATIVES_PROMPT = "def fibonacci(n):"  # where the draft's second choice is sometimes the target's token
 
 
-class EveryAlternative:
-    """A stand-in for the default policy that drafts k every round and offers every alternative: pricing
-    is not the subject here, what a moved session keeps of rounds that committed alternatives is."""
+class EveryAlternative(FixedLength):
+    """A stand-in for the default policy that drafts the request's k every round and offers every
+    alternative: pricing is not the subject here, what a moved session keeps of rounds that committed
+    alternatives is."""
 
-    def __init__(self, k: int): self.k = k
-    def arrive(self): pass
-    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return True
-    def choose(self, k_max, context=0): return min(self.k, k_max)
-    def worth_opening(self, k, catch_up, tokens_left): return True
-    def choose_proposal(self, k, offers): return None, 0
-    def draft_plan(self, k): return k, 0.0
-    def alternatives(self, probabilities, alternative_probabilities): return list(range(len(alternative_probabilities)))
-    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
-    def close(self): pass
+    def __init__(self):
+        super().__init__(RoundCosts())
+
+    def plan(self, ask: RoundAsk) -> RoundPlan:
+        return replace(super().plan(ask), row_rate=0.0)  # any chance of a token is worth a row
 
 
 @pytest.mark.parametrize("alternatives, round_streams", [(False, False), (True, False), (False, True)],
@@ -52,7 +51,7 @@ async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tin
     prompt = ALTERNATIVES_PROMPT if alternatives else PROMPT
     expected = list(target_greedy(str(tiny_llama_dir), "cpu", prompt, MAX_TOKENS))
     assert len(expected) > 12, "the prompt must run long enough to lose replicas mid-generation"
-    gen = generation(tokenizer, target, draft, policy=EveryAlternative(2) if alternatives else None, prompt=prompt)
+    gen = generation(tokenizer, target, draft, policy=EveryAlternative() if alternatives else None, prompt=prompt)
     tokens, moved, target_lost_at = [], [], 0
     try:
         async for batch in gen.tokens():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,10 @@ from hypothesis import given, settings, strategies as st
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.lookup import PromptLookup
+from orchestrator.decoding.plan import RoundOutcome
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.policy import MARGIN, Speculation
+from policy_costs import plan
 from specmesh.engine.step_costs import MEASURED_ROWS, StepCosts
 from specmesh.engine.step_model import StepModel, StepShape
 
@@ -80,14 +83,15 @@ def _policies(target: StepCosts, lookup_rate: float, requests: int = 1, context:
     policies = [shared.for_request("code") for _ in range(requests)]
     for policy in policies:
         policy.arrive()
-    assert [policy.choose(4, context) for policy in policies] == [0] * requests
+    assert [plan(policy, 4, context).k for policy in policies] == [0] * requests
     return policies, shared
 
 
 def _lookup_length(policy, available: int) -> int:
     """How many of `available` prompt-lookup tokens the policy verifies in a target-only round (0: none pays)."""
-    _, count = policy.choose_proposal(0, [FreeProposal(LOOKUP, list(range(100, 100 + available)))])
-    return count
+    offer = FreeProposal(LOOKUP, list(range(100, 100 + available)))
+    free = plan(policy, 4, policy.context, offers=lambda: [offer]).free
+    return len(free.tokens) if free is not None else 0
 
 
 def _lookup_tokens(rate: float, m: int) -> float:
@@ -131,7 +135,7 @@ def test_the_service_models_sessions_and_context_price_the_rows():
     model = StepModel((1.2, 0.02, 0.001))
     target = _table(lambda rows: 0.1 + 0.004 * rows, model)
     policies, shared = _policies(target, lookup_rate=0.5, requests=3, context=3000)
-    batch = shared.batch()
+    batch = shared.rule().batch
     assert batch == BatchLoad(requests=3, context=9000)
     for m in range(5):  # a target-only round: 3 sessions, 3 + m rows, each row over a session's 3000 tokens
         assert shared.costs.round_s(0, batch, m) == pytest.approx(
@@ -139,7 +143,7 @@ def test_the_service_models_sessions_and_context_price_the_rows():
 
     def goodput(m: int) -> float:
         return (2 + _lookup_tokens(0.5, m)) / shared.costs.round_s(0, batch, m)
-    # the last to choose saw every context (the first chose before the others had one)
+    # every plan reads the batch as it stands: the three requests' contexts
     assert _lookup_length(policies[-1], 5) == _optimum(goodput, 5) > 0
 
 
@@ -148,7 +152,7 @@ def test_lookup_rows_over_a_long_context_pay_for_their_attention():
     them too (another 1 s a row on a 1.3 s round) and brings 0.6 of a token: none pays."""
     target = _table(lambda rows: 0.3 + 0.001 * rows, StepModel((1.0, 0.0, 0.05)))
     [policy], shared = _policies(target, lookup_rate=0.6, context=20_000)
-    batch = shared.batch()
+    batch = shared.rule().batch
     assert shared.costs.round_s(0, batch, 2) == pytest.approx(target.step_s(StepShape(1, 3, 3 * 20_000)))
     assert _lookup_length(policy, 4) == 0
 
@@ -170,10 +174,9 @@ def test_learns_lookup_acceptance_apart_from_the_drafts():
     [policy], shared = _policies(_table(lambda rows: 0.3 + 0.001 * rows), lookup_rate=0.5)
     draft_rates = policy.acceptance.rates()
     assert _lookup_length(policy, 4) == 4
-    for _ in range(20):
-        policy.choose(4)
-        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.3), drafted=0, accepted=0,
-                       free=FreeProposal(LOOKUP, [1, 2, 3, 4]))  # all rejected
+    for _ in range(20):  # all rejected
+        policy.learn(replace(plan(policy, 4), free=FreeProposal(LOOKUP, [1, 2, 3, 4])),
+                     RoundOutcome(RoundTiming(draft_s=0.0, verify_s=0.3)))
     assert policy.lookup.rates()[0] < 0.1
     assert shared.lookup.deployment.rejections > 0 and shared.acceptance.deployment.rejections == 0
     assert policy.acceptance.rates() == pytest.approx(draft_rates)  # the draft's history untouched

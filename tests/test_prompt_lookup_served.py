@@ -19,9 +19,10 @@ import torch
 
 from front_door import bad_request_fields
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
+from orchestrator.decoding.proposals import LOOKUP
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.serving.clients import TargetClient, open_channel
-from parity import assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
+from parity import VerifyAll, assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
 from specmesh.server.metrics import OrchestratorMetrics
 from specmesh.engine.sampling_params import SamplingParams
 from specmesh.engine.step_costs import MEASURED_ROWS
@@ -58,21 +59,6 @@ async def test_greedy_output_is_the_targets_own_with_lookup_under_load(tiny_llam
         assert counted == sum(getattr(s, field) for s in stats), series
 
 
-class VerifyAllLookups:
-    """A stand-in for the default policy that never drafts and verifies every lookup token: pricing is
-    not the subject here, the target's verdict on a one-hot proposal is."""
-
-    def arrive(self): pass
-    def wants_draft(self, k_max, catch_up, tokens_left, context=0): return False
-    def choose(self, k_max, context=0): return 0
-    def worth_opening(self, k, catch_up, tokens_left): return False
-    def choose_proposal(self, k, offers): return (offers[0], len(offers[0].tokens)) if offers else (None, 0)
-    def draft_plan(self, k): return k, 0.0
-    def alternatives(self, probabilities, alternative_probabilities): return []
-    def observe(self, timing, drafted, accepted, free=None, probabilities=None, alternatives=0): pass
-    def close(self): pass
-
-
 def lookup_prompt(model, prompt_ids: list[int], rounds: int = 3) -> tuple[list[int], dict[int, int]]:
     """prompt_ids + (L v w) for the likeliest first tokens v, ending in L: after a first token v, the
     sequence ends in the 2-gram (L, v), which lookup continues with w (the target's likeliest next
@@ -96,7 +82,7 @@ async def test_sampled_output_follows_the_target_with_lookup(tiny_llama_dir, dev
     params = SamplingParams(1.0)
     first, second = exact_two_tokens(model, prompt_ids, params, tokenizer.eos_token_id)
     outcomes = await sample_first_two(tiny_llama_dir, device, prompt_ids, params, tokenizer.eos_token_id,
-                                      VerifyAllLookups(), LoopConfig(num_speculative_tokens=2))
+                                      VerifyAll(LOOKUP), LoopConfig(num_speculative_tokens=2))
     assert_second_tokens_follow(outcomes, first, second, follows, "lookup")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import grpc
@@ -19,11 +20,12 @@ from benchmarks.tiny_models import TINY_PROMPTS
 from harness import draft_stub, start_stack
 from orchestrator.decoding.acceptance import ConfidenceMemory, DraftConfidence
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.plan import RoundOutcome
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.policy import MARGIN, DraftLength, Speculation, suffix_bucket
 from orchestrator.decoding.proposals import LOOKUP, SUFFIX, FreeProposal
 from parity import PROMPT, exact_second_token_marginal, expected_sampling_tv, target_greedy, total_variation
-from policy_costs import cpu_target
+from policy_costs import cpu_target, plan
 from specmesh.engine.distributions import decode_distribution
 from specmesh.engine.sampling_params import SamplingParams
 from specmesh.engine.step_costs import MEASURED_ROWS, StepCosts
@@ -47,8 +49,13 @@ def _policy(draft_rate: float = 0.7, suffix_rate: float = 0.5, requests: int = 1
     policies = [shared.for_request("code") for _ in range(requests)]
     for policy in policies:
         policy.arrive()
-    ks = [policy.choose(k_max) for policy in policies]
+    ks = [plan(policy, k_max).k for policy in policies]
     return policies[0], ks[0], shared
+
+
+def _offered(policy: DraftLength, *offers: FreeProposal) -> FreeProposal | None:
+    """The free proposal the policy's next round (k_max 7) verifies out of `offers`, cut to its length."""
+    return plan(policy, 7, offers=lambda: list(offers)).free
 
 
 def _round_s(k: int, rows: int) -> float:
@@ -57,21 +64,23 @@ def _round_s(k: int, rows: int) -> float:
 
 @pytest.mark.unit
 def test_a_long_repeat_found_in_the_index_beats_the_draft_model():
-    policy, k, _ = _policy(suffix_rate=0.95)
+    policy, k, shared = _policy(suffix_rate=0.95)
     assert k > 0  # the draft pays on its own
-    chosen, count = policy.choose_proposal(k, [FreeProposal(SUFFIX, REPEAT, match_length=40)])
+    chosen = _offered(policy, FreeProposal(SUFFIX, REPEAT, match_length=40))
+    count = len(chosen.tokens)
     assert chosen.source == SUFFIX and count > k
     # Alone, a suffix round runs no draft step: it is priced as the target's step over 1 + count rows.
-    expected = policy.suffix[suffix_bucket(40)].expected_tokens(count)
-    assert policy._free_goodput(policy.suffix[suffix_bucket(40)], count, k) == pytest.approx(
-        expected / _round_s(0, 1 + count))
+    acceptance = policy.suffix[suffix_bucket(40)]
+    own = policy.acceptance.expected_tokens(k)
+    assert policy._free_goodput(shared.rule(), acceptance, own, count, k) == pytest.approx(
+        acceptance.expected_tokens(count) / _round_s(0, 1 + count))
 
 
 @pytest.mark.unit
 def test_the_draft_model_keeps_the_round_when_the_index_is_rarely_right():
     policy, k, _ = _policy(suffix_rate=0.1)
     assert k > 0
-    assert policy.choose_proposal(k, [FreeProposal(SUFFIX, REPEAT, match_length=4)]) == (None, 0)
+    assert _offered(policy, FreeProposal(SUFFIX, REPEAT, match_length=4)) is None
 
 
 @pytest.mark.unit
@@ -80,7 +89,8 @@ def test_the_best_of_several_offers_and_how_many_of_its_tokens():
     shared.lookup.prior = 0.3
     assert k == 0
     offers = [FreeProposal(LOOKUP, REPEAT[:8]), FreeProposal(SUFFIX, REPEAT, match_length=20)]
-    chosen, count = policy.choose_proposal(0, offers)
+    chosen = _offered(policy, *offers)
+    count = len(chosen.tokens)
     assert chosen.source == SUFFIX
     suffix = policy.suffix[suffix_bucket(20)]
     best = max(range(1, len(REPEAT) + 1), key=lambda m: suffix.expected_tokens(m) / _round_s(0, 1 + m))
@@ -91,10 +101,10 @@ def test_the_best_of_several_offers_and_how_many_of_its_tokens():
 @pytest.mark.unit
 def test_nothing_to_offer_or_nothing_timed_keeps_the_draft():
     policy, k, _ = _policy()
-    assert policy.choose_proposal(k, []) == (None, 0)
+    assert _offered(policy) is None
     fresh = Speculation().for_request("code")  # no step costs reported, no round timed
     fresh.arrive()
-    assert fresh.choose_proposal(fresh.choose(7), [FreeProposal(SUFFIX, REPEAT, match_length=40)]) == (None, 0)
+    assert _offered(fresh, FreeProposal(SUFFIX, REPEAT, match_length=40)) is None
 
 
 @pytest.mark.unit
@@ -103,15 +113,14 @@ def test_suffix_acceptance_is_learned_by_match_length_apart_from_the_others():
     draft_rates, lookup_rates = policy.acceptance.rates(), policy.lookup.rates()
     long_before = policy._acceptance_of(FreeProposal(SUFFIX, REPEAT, match_length=40)).rates()[0]
     short = FreeProposal(SUFFIX, REPEAT[:8], match_length=3)
-    for _ in range(20):
-        policy.choose(7)
-        policy.observe(RoundTiming(draft_s=0.0, verify_s=0.3), drafted=0, accepted=0, free=short)  # all rejected
+    for _ in range(20):  # all rejected
+        policy.learn(replace(plan(policy, 7), free=short), RoundOutcome(RoundTiming(draft_s=0.0, verify_s=0.3)))
     assert policy._acceptance_of(short).rates()[0] < 0.1
     assert policy._acceptance_of(FreeProposal(SUFFIX, REPEAT, match_length=40)).rates()[0] == pytest.approx(
         long_before)
     assert policy.lookup.rates() == pytest.approx(lookup_rates)
     assert policy.acceptance.rates() == pytest.approx(draft_rates)
-    assert policy.choose_proposal(policy.choose(7), [short]) == (None, 0)
+    assert _offered(policy, short) is None
 
 
 @pytest.mark.unit
@@ -119,10 +128,11 @@ def test_beside_requests_that_draft_a_suffix_round_still_pays_their_draft_steps(
     policy, k, shared = _policy(suffix_rate=0.95, requests=4)
     assert k > 0
     acceptance = policy._acceptance_of(FreeProposal(SUFFIX, REPEAT, match_length=40))
-    batch = shared.batch()
-    others = shared.tokens(k, batch) - policy.acceptance.expected_tokens(k)
+    rule = shared.rule()
+    batch, own = rule.batch, policy.acceptance.expected_tokens(k)
+    others = 3 * own  # three requests of its class, without rounds of their own yet
     # 4 sessions: the others' k draft steps, and a target step over their 3 (k + 1) rows and this one's 1 + m.
-    assert policy._free_goodput(acceptance, 10, k) == pytest.approx(
+    assert policy._free_goodput(rule, acceptance, own, 10, k) == pytest.approx(
         (others + acceptance.expected_tokens(10)) / shared.costs.round_s(k, batch, 10 - k))
     assert shared.costs.round_s(k, batch, 10 - k) > shared.costs.round_s(0, batch, 10)
 
@@ -212,30 +222,30 @@ def _timed_policy(acceptance_rounds: int = 20) -> tuple[Speculation, DraftLength
     shared = Speculation()
     policy = shared.for_request("code")
     for _ in range(acceptance_rounds):
-        k = policy.choose(7)
-        policy.observe(RoundTiming(draft_s=0.03 * k, verify_s=cpu_target(k + 1)), k, min(k, 3))
+        planned = plan(policy, 7)
+        k = planned.k
+        policy.learn(planned, RoundOutcome(RoundTiming(draft_s=0.03 * k, verify_s=cpu_target(k + 1)), k, min(k, 3)))
     return shared, policy
 
 
 @pytest.mark.unit
 def test_the_plan_asks_for_k_max_and_stops_where_one_more_token_costs_more_than_it_earns():
     shared, policy = _timed_policy()
-    k = policy.choose(7)
+    planned = plan(policy, 7)
+    k, asked, stop = planned.k, planned.ask, planned.stop_below
     assert 0 < k < 7
-    asked, stop = policy.draft_plan(k)
     batch = BatchLoad(requests=1)
     per_token_s = (shared.costs.round_s(7, batch) - shared.costs.round_s(1, batch)) / 6
     assert asked == 7
-    assert stop == pytest.approx(shared.goodput(k, batch) * per_token_s / policy.confidence.factor)
+    assert stop == pytest.approx(shared.rule().goodput(k) * per_token_s / policy.confidence.factor)
     assert 0.0 < stop < 1.0
-    assert policy.draft_plan(0) == (0, 0.0)  # a target-only round stays one
+    assert policy._draft_request(shared.rule(), 0, 1.0) == (0, 0.0)  # a target-only round stays one
 
 
 @pytest.mark.unit
 def test_before_any_timed_round_the_plan_is_k_exactly():
-    policy = Speculation().for_request("")
-    k = policy.choose(5)
-    assert policy.draft_plan(k) == (k, 0.0)
+    planned = plan(Speculation().for_request(""), 5)
+    assert (planned.ask, planned.stop_below) == (planned.k, 0.0)
 
 
 @pytest.mark.unit
@@ -246,9 +256,10 @@ def test_an_overconfident_draft_is_stopped_sooner():
         overconfident.confidence.observe([0.99] * 4, accepted=1)
     factor = overconfident.confidence.factor
     assert factor < 0.5
-    k = calibrated.choose(7)
-    assert overconfident.choose(7) == k  # same costs and acceptance: only the confidence differs
-    (asked, stop), (asked_over, stop_over) = calibrated.draft_plan(k), overconfident.draft_plan(k)
+    mine, over = plan(calibrated, 7), plan(overconfident, 7)
+    k = mine.k
+    assert over.k == k  # same costs and acceptance: only the confidence differs
+    (asked, stop), (asked_over, stop_over) = (mine.ask, mine.stop_below), (over.ask, over.stop_below)
     assert asked == 7 and 0 < stop < 1
     assert stop_over == pytest.approx(min(1.0, stop / factor)) or (asked_over, stop_over) == (k, 0.0)
     assert stop_over > stop or asked_over == k  # a higher bar, or no run past k at all
@@ -264,8 +275,8 @@ def test_sampled_requests_learn_their_confidence_and_acceptance_apart_from_greed
     assert sampled.confidence.parent is shared.for_request("chat", sampled=True).confidence.parent  # the regime's
     greedy_factor, greedy_expected = greedy.confidence.factor, greedy.acceptance.expected_tokens(4)
     for _ in range(50):  # sampled rounds: the draft's peaks said 0.3 a token, the target took all 4
-        k = sampled.choose(7)
-        sampled.observe(RoundTiming(draft_s=0.12, verify_s=cpu_target(5)), 4, 4, probabilities=[0.3] * 4)
+        sampled.learn(plan(sampled, 7), RoundOutcome(RoundTiming(draft_s=0.12, verify_s=cpu_target(5)), 4, 4,
+                                                     probabilities=[0.3] * 4))
     assert sampled.confidence.factor > 2.0
     assert greedy.confidence.factor == greedy_factor
     # only through the deployment-wide prior the two share, which a class's own history outweighs
@@ -317,13 +328,10 @@ def test_draft_confidence_is_the_accepted_count_over_the_drafts_own_expectation(
 def stop_often(monkeypatch):
     """The policy forced to draft every round, asking for k_max tokens with a stop at run probability 0.6:
     the draft's stop is the subject, not the pricing (a tiny draft as costly as its target never pays)."""
-    def draft_every_round(self, k_max, context=0):
-        self.arrive()
-        self.k_max, self.context, self._batch = max(0, k_max), context, self.shared.batch()
-        return self.k_max
-    monkeypatch.setattr(DraftLength, "choose", draft_every_round)
-    monkeypatch.setattr(DraftLength, "worth_opening", lambda self, k, catch_up, tokens_left: k > 0)
-    monkeypatch.setattr(DraftLength, "draft_plan", lambda self, k: (self.k_max, 0.6) if k > 0 else (0, 0.0))
+    monkeypatch.setattr(DraftLength, "_rule_k", lambda self, rule: self.k_max)
+    monkeypatch.setattr(DraftLength, "_worth_opening", lambda self, rule, k, catch_up, tokens_left: k > 0)
+    monkeypatch.setattr(DraftLength, "_draft_request",
+                        lambda self, rule, k, factor: (self.k_max, 0.6) if k > 0 else (0, 0.0))
 
 
 async def test_greedy_output_is_the_targets_when_the_draft_stops_on_its_own(

@@ -12,11 +12,12 @@ import pytest
 
 from harness import load, make_engine, start_model_server
 from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.renamed_repeats import MAX_NAME_TOKENS, rename, renaming
 from orchestrator.decoding.request import GenerationRequest, LoopConfig
 from orchestrator.decoding.suffix_index import TOKEN_BYTES, SuffixIndex
 from orchestrator.serving.clients import TargetClient, open_channel
-from parity import VerifyAllSuffixes, target_greedy
+from parity import VerifyAll, target_greedy
 from specmesh.engine.sampling_params import SamplingParams
 from benchmarks.tiny_models import TINY_PROMPTS
 
@@ -120,7 +121,7 @@ async def test_a_re_asked_request_is_drafted_by_its_twin_and_stays_the_targets_o
             GenerationRequest(request_id="re-asked", prompt_token_ids=prompt_ids, max_tokens=32,
                               sampling=SamplingParams(0.0), stop=[], num_speculative_tokens=4),
             TargetClient(open_channel(f"127.0.0.1:{port}")), None, {tokenizer.eos_token_id},
-            LoopConfig(num_speculative_tokens=4, prompt_lookup=False), policy=VerifyAllSuffixes(), history=index)
+            LoopConfig(num_speculative_tokens=4, prompt_lookup=False), policy=VerifyAll(SUFFIX), history=index)
         tokens = [t async for batch in generation.tokens() for t in batch]
     finally:
         await server.stop(None)

@@ -19,7 +19,7 @@ from harness import load, start_stack
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.decoding.proposals import SUFFIX
 from orchestrator.decoding.suffix_index import SuffixIndex
-from parity import VerifyAllSuffixes, assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
+from parity import VerifyAll, assert_second_tokens_follow, exact_two_tokens, sample_first_two, target_greedy
 from specmesh.server.metrics import OrchestratorMetrics
 from specmesh.engine.sampling_params import SamplingParams
 from specmesh.engine.step_costs import MEASURED_ROWS
@@ -96,6 +96,6 @@ async def test_sampled_output_follows_the_target_with_suffix_proposals(tiny_llam
     for v, w in follows.items():
         history.index.open().extend(list(prompt_ids) + [v, w])
     outcomes = await sample_first_two(tiny_llama_dir, device, prompt_ids, params, tokenizer.eos_token_id,
-                                      VerifyAllSuffixes(), LoopConfig(num_speculative_tokens=2, prompt_lookup=False),
+                                      VerifyAll(SUFFIX), LoopConfig(num_speculative_tokens=2, prompt_lookup=False),
                                       history)
     assert_second_tokens_follow(outcomes, first, second, follows, SUFFIX)

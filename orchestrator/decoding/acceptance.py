@@ -88,6 +88,18 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return expected
 
 
+def expected_by_length(rates: list[float], cap: int, lengths: int) -> list[float]:
+    """[E(min(k, cap)) for k in range(lengths)]: expected_tokens at every draft length in one pass, the
+    same sums in the same order (so each equals expected_tokens' to the last bit)."""
+    by_length, expected, reach = [1.0], 1.0, 1.0
+    for rate in rates[:min(cap, lengths - 1)]:
+        reach *= rate
+        expected += reach
+        by_length.append(expected)
+    by_length.extend([expected] * (lengths - len(by_length)))
+    return by_length
+
+
 class AcceptanceMemory:
     """The orchestrator-wide levels: the deployment's, and its prompt classes' (bounded). One memory per
     kind of draft: the draft model's, and prompt lookup's (orchestrator.decoding.lookup)."""

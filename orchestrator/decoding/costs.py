@@ -20,8 +20,15 @@ forward time its calls reported:
 
 Without forward times (a round's waits only) the ratio takes the whole wait, latency included.
 
-    round_s(k) = [k > 0] (draft_latency + k * draft_step * draft_ratio)
-                 + target_latency + target_step(k + 1) * target_ratio
+    draft_side(k) = [k > 0] (draft_latency + k * draft_step * draft_ratio)
+    target_side(k) = target_latency + target_step(k + 1) * target_ratio
+    round_s(k) = hit * max(draft_side, target_side) + (1 - hit) * (draft_side + target_side)
+
+`hit` is the share of pipelined rounds (orchestrator.decoding.pipelined) whose pre-drafted branch was the
+one the verification chose: such a round's draft ran beside the previous verification, so it costs the
+longer of the two sides; a miss drafts afresh after it, both. Sequential rounds never hit (hit = 0: the
+sum). The draft's side is learned from the rounds whose draft was on the critical path (a hit's wait for
+its branch says nothing of what drafting costs).
 
 Without a report (a service that does not send one) the wall-clock cost of each round shape
 seen so far stands in.
@@ -45,6 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.decoding.decode_ahead import tokens_ahead, tokens_per_call
+from orchestrator.decoding.request import RoundTiming
+from orchestrator.decoding.timing import HIT
 from specmesh.ewma import Ewma
 from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.engine.step_costs import StepCosts
@@ -54,6 +63,7 @@ RATIO_WEIGHT = 0.2  # of a round in a step's correction or forward time: one odd
 RATIO_BOUNDS = (0.02, 1000.0)  # a pipelined pre-draft makes the wait almost nothing; a busy service, long
 WALL_WEIGHT = 0.5  # without a report, round costs follow the newest rounds quickly
 LATENCY_WEIGHT = 0.5  # a call's latency follows the newest rounds quickly: a link's round trip changes in steps
+HIT_WEIGHT = 0.1  # of a pipelined round in the pre-draft hit rate: one bit a round, so about the last ten
 # Trying an unpaying draft again may cost this share of the time the target-only rounds take: within the
 # noise of any host, so that a long link never costs measurably more than not drafting at all.
 RETRY_SHARE = 0.02
@@ -89,6 +99,7 @@ class RoundCosts:
         self.draft_forward = Ewma(RATIO_WEIGHT)  # seconds of one draft step, as the draft reports its forwards
         self.target_forward = Ewma(RATIO_WEIGHT)  # seconds of one target step, as the target reports its forwards
         self.undrafted_s = 0.0  # wall time of the target-only rounds since the last drafting round
+        self.hit_rate = Ewma(HIT_WEIGHT)  # pipelined rounds whose pre-drafted branch was used; empty: sequential
         self.wall_by_k: dict[int, Ewma] = {}  # without reports: a round's seconds by its draft length
 
     def _tables(self) -> tuple[StepCosts, StepCosts] | None:
@@ -123,10 +134,13 @@ class RoundCosts:
         return tables[0].step_s(batch.target_step(k, lookup)) * self.target_ratio.get(1.0)
 
     def round_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float:
-        """Seconds of one round of the batch at draft length k (or at k = 0 verifying `lookup` more rows)."""
+        """Seconds of one round of the batch at draft length k (or at k = 0 verifying `lookup` more rows),
+        its draft beside the previous verification at the pre-draft hit rate (module docstring)."""
         if self._tables() is None:
             return self._wall_s(k + lookup)
-        return self.draft_s(k, batch) + self.target_s(k, batch, lookup)
+        draft_s, target_s = self.draft_s(k, batch), self.target_s(k, batch, lookup)
+        hit = self.hit_rate.get(0.0)
+        return hit * max(draft_s, target_s) + (1.0 - hit) * (draft_s + target_s)
 
     def target_only_s(self, batch: BatchLoad) -> float:
         """Seconds a token of target-only decoding takes: its share of a Verify that decodes ahead
@@ -153,13 +167,23 @@ class RoundCosts:
         tables = self._tables()
         return None if tables is None else tables[1].step_s(StepShape(1, tokens)) * self.draft_ratio.get(1.0)
 
+    def observe_round(self, timing: RoundTiming, drafted: int, batch: BatchLoad, lookup: int = 0) -> None:
+        """A round's waits (RoundTiming), `drafted` draft-model tokens and `lookup` rows beside them verified
+        in `batch`."""
+        self.observe(drafted, timing.draft_s, timing.verify_s, batch, lookup, timing.draft_forward_s,
+                     timing.verify_forward_s, timing.target_steps, timing.predraft)
+
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad, lookup: int = 0,
                 draft_forward_s: float | None = None, verify_forward_s: float | None = None,
-                target_steps: int = 1) -> None:
+                target_steps: int = 1, predraft: str | None = None) -> None:
         """One round's wall-clock waits for its draft tokens and its verification, and the batch it ran in;
         with the forward time the calls reported, each wait is split into the forward and the call around it.
-        A Verify that decoded ahead (`target_steps` steps for one call) counts as a round of one step."""
+        A Verify that decoded ahead (`target_steps` steps for one call) counts as a round of one step.
+        `predraft`: HIT or MISS (orchestrator.decoding.timing) for a pipelined round that had a pre-draft."""
         round_s = verify_s
+        if predraft is not None:
+            self.hit_rate.update(1.0 if predraft == HIT else 0.0)
+        drafted_after = drafted and predraft != HIT  # the draft's side on the critical path: it shows its cost
         if target_steps > 1:
             verify_s, verify_forward_s = _one_step(verify_s, verify_forward_s, target_steps)
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
@@ -170,20 +194,18 @@ class RoundCosts:
         if verify_forward_s is not None:
             verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
             self.target_forward.update(verify_s)
-        if drafted and draft_forward_s is not None:
+        if drafted_after and draft_forward_s is not None:
             draft_s = self._split(self.draft_latency, draft_s, draft_forward_s)
         tables = self._tables()
         if tables is None:
             return
         self.target_ratio.update(_bounded(verify_s / tables[0].step_s(batch.target_step(drafted, lookup))))
-        if drafted:
+        if drafted_after:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
 
     @staticmethod
     def _split(latency: Ewma, wait_s: float, forward_s: float) -> float:
-        """Learn the call's latency from a wait; return the forward's part of it. A pre-drafted branch that
-        was ready when its verification came back (pipelining) shows no forward and a short wait: both means
-        then hold what a drafting round pays on average, hits and misses together."""
+        """Learn the call's latency from a wait; return the forward's part of it."""
         forward_s = min(max(0.0, forward_s), wait_s)
         latency.update(wait_s - forward_s)
         return forward_s

@@ -10,9 +10,11 @@ unreachable (UNAVAILABLE: a replica restarting, none healthy in its pool) is
 asked again after a few target-only rounds, the interval doubling while it stays
 away; the next Propose's commit catches it up, so speculation comes back within
 the request. Any other draft failure drops the draft for the rest of the request.
-With a policy, a round may verify tokens proposed at no model cost in place of the
-draft's (orchestrator.decoding.proposals); the draft's session then falls behind by
-the round's tokens, and the next Propose's commit catches it up the same way.
+Each round is planned by the request's policy (orchestrator.decoding.plan: the adaptive
+rule, or a fixed k) and the policy learns from its outcome. A round may verify tokens
+proposed at no model cost in place of the draft's (orchestrator.decoding.proposals);
+the draft's session then falls behind by the round's tokens, and the next Propose's
+commit catches it up the same way.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import grpc
 from opentelemetry import trace
 
 from orchestrator.decoding.background import retrieve_outcome, spawn_background
-from orchestrator.decoding.costs import BatchLoad, RoundCosts
+from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
 from orchestrator.decoding.lookup import PromptLookup
+from orchestrator.decoding.plan import (DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, DRAFT_OPENING, DraftLengthPolicy,
+                                        FixedLength, RoundAsk, RoundOutcome, RoundPlan, no_offers)
 from orchestrator.decoding.proposals import DRAFT, LOOKUP, NONE, SUFFIX, FreeProposal
-from orchestrator.decoding.request import (DraftLengthPolicy, GenerationRequest, LoopConfig, LoopStats, RoundTiming,
-                                           SpeculationSwitch)
+from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats, RoundTiming, SpeculationSwitch
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.decoding.round_spans import describe_breakdown, describe_round
 from orchestrator.decoding.timing import RoundBreakdown, RoundClock
@@ -57,13 +60,11 @@ class SpeculativeGeneration:
                  policy: "DraftLengthPolicy | None" = None,
                  on_timing: Callable[[RoundBreakdown], None] = lambda breakdown: None,
                  history: SuffixIndex | None = None,
-                 on_proposer: Callable[[str, int, int], None] = lambda proposer, proposed, accepted: None,
-                 costs: RoundCosts | None = None):
+                 on_proposer: Callable[[str, int, int], None] = lambda proposer, proposed, accepted: None):
         self.request = request
-        self.policy = policy  # None: every round drafts the request's k
-        # What rounds cost, which sizes decoding ahead and pre-drafts: the policy's (the orchestrator's), else
-        # the given, else the request's own; a fixed k plans rounds without them but measures them the same.
-        self.costs = getattr(policy, "costs", None) or costs or RoundCosts(decode_ahead=config.decode_ahead)
+        # Plans every round; none given: the request's k every round, over round costs of its own.
+        self.policy = policy or FixedLength(RoundCosts(decode_ahead=config.decode_ahead))
+        self.costs = self.policy.costs  # what rounds cost: decoding ahead and pre-drafts are sized by it too
         self.on_timing = on_timing  # where each round's time went
         self.tracer = tracer or trace.NoOpTracer()
         self.switch = switch or SpeculationSwitch()
@@ -91,6 +92,7 @@ class SpeculativeGeneration:
         self._draft_retry_tokens = 1
         self._round = 0
         self._clock = RoundClock()
+        self._plan = RoundPlan()  # this round's
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
         self._alternatives: list[target_pb2.DraftAlternative] = []  # this round's, sent with its Verify
         self._target_steps = 1  # this round's Verify's target steps
@@ -107,8 +109,7 @@ class SpeculativeGeneration:
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         try:
-            if self.policy is not None:
-                self.policy.arrive()  # from now on it is part of the load the others decode under
+            self.policy.arrive()  # from now on it is part of the load the others decode under
             batch = await self._open()
             while True:
                 batch = self._cut_at_eos(batch)
@@ -117,8 +118,7 @@ class SpeculativeGeneration:
                     return
                 batch = await self._run_round()
         finally:
-            if self.policy is not None:
-                self.policy.close()
+            self.policy.close()
             if self._twin is not None:
                 self.history.discard(self._twin)
             self._close_sessions()
@@ -146,9 +146,9 @@ class SpeculativeGeneration:
         """Prefill the target; the draft's prefill starts once the target's first token is out.
 
         The first token never waits for the draft, nor shares the hardware with its prefill
-        (on one machine the two would compete). With a policy, rounds run target-only until
-        the draft's session is open, and the draft is not opened at all until the policy
-        first wants a draft token (a prompt class that never pays never costs a draft prefill).
+        (on one machine the two would compete). The adaptive policy runs rounds target-only
+        until the draft's session is open, and does not open it at all until it first wants a
+        draft token (a prompt class that never pays never costs a draft prefill).
         """
         request = self.request
         with self.tracer.start_as_current_span("specmesh.prefill", attributes={
@@ -164,8 +164,7 @@ class SpeculativeGeneration:
         self._commit([opened.token_id])
         if opened.HasField("logprob"):
             self.logprobs.append(opened.logprob)
-        if self.draft is not None and (self.policy is None or self.policy.wants_draft(
-                self._k_max(), len(self.sequence), self.tokens_left, len(self.sequence))):
+        if self.draft is not None and self.policy.plan(self._ask(DRAFT_CLOSED, no_offers)).open_draft:
             self._open_draft()
         return [opened.token_id]
 
@@ -184,10 +183,9 @@ class SpeculativeGeneration:
         with self.tracer.start_as_current_span("specmesh.round", attributes={
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
-            k = self._choose_k()
-            free = self._free_proposal(k)
-            k = 0 if free is not None else k
-            k, self._stop_below = self._draft_plan(k)
+            plan = self._plan_round()
+            free = plan.free
+            k, self._stop_below = self._draft_request(plan)
             span.set_attributes({"specmesh.draft_length": k, "specmesh.proposer": _proposer(k, free),
                                  "specmesh.free_length": len(free.tokens) if free else 0,
                                  "specmesh.stop_below": self._stop_below})
@@ -203,10 +201,11 @@ class SpeculativeGeneration:
         self.on_timing(breakdown)
         accepted = verified.accepted_count
         drafted = 0 if free else len(draft_ids)  # by the draft model
-        self._observe_round(RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s,
-                                        draft_forward_s=self._clock.draft_busy_s,
-                                        verify_forward_s=self._clock.target_busy_s, target_steps=self._target_steps),
-                            drafted, accepted, free, list(proposal.probabilities) if proposal else [])
+        timing = RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s,
+                             draft_forward_s=self._clock.draft_busy_s, verify_forward_s=self._clock.target_busy_s,
+                             target_steps=self._target_steps, predraft=self._clock.predraft)
+        self.policy.learn(plan, RoundOutcome(timing, drafted, accepted, list(proposal.probabilities) if proposal
+                                             else [], len(self._alternatives)))
         batch = committed_tokens(draft_ids, accepted, verified.next_token_id, verified.after_token_ids)
         if proposal is not None:
             self.draft_agreed = position + accepted  # past the accepted prefix the draft's tokens were rejected
@@ -229,13 +228,30 @@ class SpeculativeGeneration:
         if self._document is not None:
             self._document.extend(tokens)
 
-    def _free_proposal(self, k: int) -> FreeProposal | None:
-        """Tokens this round verifies in place of the draft model's, if the policy finds them worth more:
-        prompt lookup's and the suffix index's. None without a policy (a fixed k, or seeded sampling,
-        which must not depend on the load or on other requests) or with speculation off."""
+    def _plan_round(self) -> RoundPlan:
+        """The policy's plan for this round; the draft's session opens here where the plan says so."""
         self._offered = False
-        if self.policy is None or not self.switch.enabled or self._k_max() <= 0:
-            return None
+        self._plan = self.policy.plan(self._ask(self._draft_state(), self._offers))
+        if self._plan.open_draft:
+            self._open_draft()
+        return self._plan
+
+    def _ask(self, draft: str, offers: Callable[[], list[FreeProposal]]) -> RoundAsk:
+        return RoundAsk(self._k_max(), len(self.sequence), self.tokens_left, draft, offers)
+
+    def _draft_state(self) -> str:
+        if self._draft_unavailable():
+            return DRAFT_AWAY
+        if not self._draft_asked:
+            return DRAFT_CLOSED
+        return DRAFT_OPENING if self._draft_prefilling() else DRAFT_OPEN
+
+    def _offers(self) -> list[FreeProposal]:
+        """Tokens this round may verify in place of the draft model's, for a policy that weighs them: prompt
+        lookup's and the suffix index's. None with speculation off. (A fixed k, or seeded sampling, which must
+        not depend on the load or on other requests, never asks.)"""
+        if not self.switch.enabled or self._k_max() <= 0:
+            return []
         limit = min(MAX_DRAFT_TOKENS, self.tokens_left - 1)
         offers = []
         if self.config.prompt_lookup:
@@ -247,8 +263,7 @@ class SpeculativeGeneration:
             if suffix.tokens:
                 offers.append(FreeProposal(SUFFIX, suffix.tokens, suffix.match_length))
         self._offered = bool(offers)
-        chosen, count = self.policy.choose_proposal(k, offers)
-        return chosen.first(count) if chosen is not None and count > 0 else None
+        return offers
 
     async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
         """This round's draft tokens, or None for a target-only round."""
@@ -272,7 +287,7 @@ class SpeculativeGeneration:
         limit = min(self.tokens_left - 1, self.config.decode_ahead)
         if self._draft_back_at > len(self.sequence):  # an unreachable draft: ahead no further than its next try
             limit = min(limit, self._draft_back_at - len(self.sequence) - 1)
-        ahead = self.costs.tokens_ahead(self._batch(), limit) if decodes_ahead else 0
+        ahead = self.costs.tokens_ahead(self._plan.batch, limit) if decodes_ahead else 0
         verified = await self.target.verify(
             self.session_id, self._round, position, list(proposal.token_ids) if proposal else list(
                 free.tokens if free else []),
@@ -285,65 +300,25 @@ class SpeculativeGeneration:
         return verified
 
     def _choose_alternatives(self, proposal: draft_pb2.ProposeResponse | None) -> list[target_pb2.DraftAlternative]:
-        """The draft's second choices this round's verification also tries (the policy's pick; greedy only)."""
-        if proposal is None or self.policy is None or not self.offers_alternatives:
+        """The draft's second choices this round's verification also tries (as its plan prices them; greedy only)."""
+        if proposal is None or not self.offers_alternatives:
             return []
-        indices = self.policy.alternatives(list(proposal.probabilities), list(proposal.alternative_probabilities))
+        indices = self._plan.alternatives(self.costs, list(proposal.probabilities),
+                                          list(proposal.alternative_probabilities))
         return [target_pb2.DraftAlternative(index=i, token_id=proposal.alternative_token_ids[i]) for i in indices]
 
-    def _draft_plan(self, k: int) -> tuple[int, float]:
-        """(tokens to ask the draft for, its stop_below) for a round of k: the policy's plan, else k exactly."""
-        return self.policy.draft_plan(k) if self.policy is not None else (k, 0.0)
+    def _draft_request(self, plan: RoundPlan) -> tuple[int, float]:
+        """(tokens to ask the draft for, its stop_below): the plan's."""
+        return plan.ask, plan.stop_below
 
     def _k_max(self) -> int:
         return max(0, min(self.request.num_speculative_tokens, self.tokens_left - 1))
-
-    def _choose_k(self) -> int:
-        """Draft tokens for the next round; 0 means a target-only round."""
-        return self._fixed_k() if self.policy is None else self._adaptive_k()
 
     def _draft_prefilling(self) -> bool:
         return self._draft_opening is not None and not self._draft_opening.done()
 
     def _draft_unavailable(self) -> bool:
         return self.draft is None or not self.switch.enabled or len(self.sequence) < self._draft_back_at
-
-    def _fixed_k(self) -> int:
-        if self._draft_unavailable():
-            return 0
-        k = self._k_max()
-        if k and not self._draft_asked:
-            self._open_draft()
-        return k
-
-    def _adaptive_k(self) -> int:
-        """The policy's k, unless this request's draft cannot serve it this round."""
-        k = self.policy.choose(self._k_max(), len(self.sequence))
-        if self._draft_unavailable():
-            return 0
-        if k and not self._draft_asked:  # the policy's first round that wants draft tokens
-            if not self.policy.worth_opening(k, len(self.sequence), self.tokens_left):
-                return 0
-            self._open_draft()
-        if k and self._draft_prefilling():
-            return 0  # never wait for the draft's prefill
-        return k
-
-    def _observe_round(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None,
-                       probabilities: list[float]) -> None:
-        """Policies learn from each round's wall-clock costs and outcome; round costs that are not a policy's
-        (a fixed k) learn the same costs here."""
-        if self.policy is not None:
-            self.policy.observe(timing, drafted, accepted, free, probabilities, len(self._alternatives))
-        if self.costs is not getattr(self.policy, "costs", None):
-            lookup = (len(free.tokens) if free is not None else 0) + len(self._alternatives)
-            self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch(), lookup,
-                               timing.draft_forward_s, timing.verify_forward_s, timing.target_steps)
-
-    def _batch(self) -> BatchLoad:
-        """The requests this round decodes beside: as the policy planned the round, else this request alone."""
-        planned = getattr(self.policy, "batch", None)
-        return planned if planned is not None else BatchLoad(1, len(self.sequence))
 
     def _count_round(self, drafted: int, accepted: int, committed: int) -> None:
         self.stats.rounds += 1

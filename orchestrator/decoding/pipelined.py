@@ -26,7 +26,9 @@ import grpc
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.endpoints import BranchStream
 from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.plan import RoundPlan
 from orchestrator.decoding.proposals import FreeProposal
+from orchestrator.decoding.timing import HIT, MISS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -143,10 +145,10 @@ class PipelinedGeneration(SpeculativeGeneration):
         self._outcome: tuple[int, int] = (0, 0)  # (accepted, next token) of the last verification
         self._agreed_floor: int | None = None  # set when an extra branch was used: see _take_branch
 
-    def _draft_plan(self, k: int) -> tuple[int, float]:
-        """k exactly: a pre-draft runs the next round's k ahead while this one is verified, and a
-        draft that stops on its own doubt would leave the branch short."""
-        return k, 0.0
+    def _draft_request(self, plan: RoundPlan) -> tuple[int, float]:
+        """The plan's k exactly: a pre-draft runs the next round's k ahead while this one is verified, and
+        a draft that stops on its own doubt would leave the branch short."""
+        return plan.k, 0.0
 
     async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
         if self._agreed_floor is not None:
@@ -175,7 +177,7 @@ class PipelinedGeneration(SpeculativeGeneration):
                 token_ids=branch.token_ids[:k], distributions=branch.distributions[:k], forward_ns=branch.forward_ns)
             if not self._proposal_is_sound(proposal, position, k):
                 proposal = None
-        self._clock.predraft = "hit" if proposal is not None else "miss"
+        self._clock.predraft = HIT if proposal is not None else MISS
         if proposal is not None and branch.accepted_count < ahead.assumed_count:
             # The draft's own sequence still holds the all-accepted line past this point until a
             # commit adopts the branch, so later commits must start no later than here.
@@ -202,7 +204,7 @@ class PipelinedGeneration(SpeculativeGeneration):
     def _start_predraft(self, position: int, proposal: draft_pb2.ProposeResponse, k: int) -> Predraft:
         commit = self._draft_commit()
         extra = self.config.extra_branches
-        extra = extra_branches(self.costs, k, self._batch()) if extra is None else extra
+        extra = extra_branches(self.costs, k, self._plan.batch) if extra is None else extra
         call = self.draft.predraft(self.session_id, self._round + 1, commit, position, list(proposal.token_ids), k,
                                    extra, timeout=self._timeout(self.config.target_timeout_s))
         return Predraft(call, self._round + 1, self.session_id, position, len(proposal.token_ids), extra)

@@ -6,12 +6,13 @@ For the n requests decoding on this orchestrator, each drafting k tokens a round
 
 E_i(k) is request i's expected committed tokens of a round at k, from its per-position
 acceptance (orchestrator.decoding.acceptance); round_s(k) is k draft steps over the n
-sessions plus one target step over their n (k + 1) rows, priced by the services' own
-step-cost models (orchestrator.decoding.costs). Alone this is the request's tokens per
-second; under load every extra row is paid beside the other sessions, so k shrinks as the
-load grows and is 0 (target-only) wherever no k pays. Every request runs the same rule
-over the same state, so the requests of a batch draft the same k and their draft and
-verification steps meet in the services' batches.
+sessions and one target step over their n (k + 1) rows, priced by the services' own
+step-cost models (orchestrator.decoding.costs): one after the other, or, pipelined, the
+draft's beside the previous verification at the pre-draft hit rate. Alone this is the
+request's tokens per second; under load every extra row is paid beside the other sessions,
+so k shrinks as the load grows and is 0 (target-only) wherever no k pays. Every request
+runs the same rule over the same state, so the requests of a batch draft the same k and
+their draft and verification steps meet in the services' batches.
 
 k moves only for a predicted gain over the current k of at least MARGIN. A drafting round then
 asks the draft for up to the request's k_max tokens and lets it stop on its own doubt: after
@@ -35,6 +36,12 @@ pay for its prefill. Under greedy the verification may also carry the draft's se
 some positions as rows of their own (alternatives), each where its chance of committing one more
 token is worth its row at the same rate.
 
+Each round is one plan (orchestrator.decoding.plan) for each request: Speculation.plan_batch
+plans any number of the batch's sessions over one state of it in O(n): the sums over the
+requests in flight are kept as they change (orchestrator.decoding.batch_rule), the rates at
+each k worked out once per call, and sessions in the same situation share one plan. A
+request's own plan is a batch of one; it learns from the outcome (DraftLength.learn).
+
 The choice never changes the output: k is fixed before the round's draft is sampled, and
 every round's tokens follow the target's distribution whatever k is. Seeded sampling
 requests keep a fixed k, so that the same seed gives the same output whatever the load.
@@ -44,9 +51,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.decoding.acceptance import AcceptanceMemory, ConfidenceMemory, DraftConfidence, RequestAcceptance
-from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.request import RoundTiming
+from typing import Sequence
+
+from orchestrator.decoding.acceptance import (AcceptanceMemory, ConfidenceMemory, DraftConfidence, RequestAcceptance,
+                                              expected_by_length)
+from orchestrator.decoding.batch_rule import LENGTHS, BatchRule, BatchSums
+from orchestrator.decoding.costs import RoundCosts
+from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPENING, RoundAsk, RoundOutcome, RoundPlan
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 
 GREEDY, SAMPLED = "greedy", "sampled"  # the regimes learned apart
@@ -61,7 +72,8 @@ def suffix_bucket(match_length: int) -> str:
 
 
 class DraftLength:
-    """One request's part in the rule: its acceptance, its context, its current k."""
+    """One request's part in the rule: its acceptance, its context, its current k. It plans its rounds as a
+    batch of one (Speculation.plan_batch) and learns from each."""
 
     def __init__(self, shared: "Speculation", acceptance: RequestAcceptance, lookup: RequestAcceptance,
                  confidence: DraftConfidence):
@@ -72,83 +84,93 @@ class DraftLength:
         self.confidence = confidence  # its prompt class's, under its regime's (greedy or sampled)
         self.suffix: dict[str, RequestAcceptance] = {}  # the suffix index's, by matched length
         self.k = 0
-        self.k_max: int | None = None  # of its latest choice; None before its first
+        self.k_max: int | None = None  # of its latest plan; None before its first
         self.context = 0  # committed tokens: the cached context its rows attend over
-        self._batch = BatchLoad()  # the batch this round's k was chosen for
-
-    @property
-    def batch(self) -> BatchLoad:
-        """The batch this round's k was chosen for."""
-        return self._batch
 
     def arrive(self) -> None:
         """In flight from its prefill on: the first requests of a burst see each other."""
-        self.shared.active[id(self)] = self
+        self.shared.join(self)
 
     def close(self) -> None:
-        self.shared.active.pop(id(self), None)
+        self.shared.leave(self)
 
-    def choose(self, k_max: int, context: int = 0) -> int:
-        """This round's draft length, 0 for a target-only round."""
-        self.arrive()
-        self.k_max, self.context = max(0, k_max), context
-        self._batch = self.shared.batch()
+    def plan(self, ask: RoundAsk) -> RoundPlan:
+        return self.shared.plan_batch([self], [ask])[0]
+
+    def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        """A round's waits and outcome: `drafted` draft-model tokens (with the draft's `probabilities` of
+        them) and `alternatives` rows beside them, or the plan's free proposal verified (as many as it
+        holds), `accepted` of them accepted."""
+        free, drafted, accepted = plan.free, outcome.drafted, outcome.accepted
+        offered = len(free.tokens) if free is not None else 0
+        if drafted and outcome.probabilities:
+            self.confidence.observe(list(outcome.probabilities[:drafted]), accepted)
+        self.costs.observe_round(outcome.timing, drafted, plan.batch, offered + outcome.alternatives)
+        self.acceptance.observe(drafted, 0 if offered else accepted)
+        if offered:
+            self._acceptance_of(free).observe(offered, accepted)
+        self.shared.refresh(self)
+
+    def share(self) -> list[float]:
+        """Its expected committed tokens at every draft length, capped by its k_max (uncapped before its first
+        plan: one still prefilling will run the same rule)."""
+        return expected_by_length(self.acceptance.rates(), LENGTHS - 1 if self.k_max is None else self.k_max, LENGTHS)
+
+    def plan_round(self, rule: BatchRule, ask: RoundAsk) -> RoundPlan:
+        """This round's plan over the batch's state `rule` (its k_max and context already in it). Sessions in
+        the same situation (their k, k_max, draft session and confidence; nothing on offer, no draft to open)
+        get the same plan: it is worked out once per batch state."""
+        offers = ask.offers()
+        if offers or ask.draft == DRAFT_CLOSED:
+            return self._plan_round(rule, ask, offers)
+        situation = (self.k, self.k_max, ask.draft, self.confidence)
+        planned = rule.plans.get(situation)
+        if planned is None:
+            planned = rule.plans[situation] = (self._plan_round(rule, ask, offers), self.k)
+        plan, self.k = planned
+        return plan
+
+    def _plan_round(self, rule: BatchRule, ask: RoundAsk, offers: list[FreeProposal]) -> RoundPlan:
+        k = self._rule_k(rule)
+        open_draft = False
+        if ask.draft == DRAFT_AWAY:
+            k = 0
+        elif k and ask.draft == DRAFT_CLOSED:  # its first round that wants draft tokens
+            open_draft = self._worth_opening(rule, k, ask.context, ask.tokens_left)
+            k = 0  # never wait for the draft's prefill
+        elif ask.draft == DRAFT_OPENING:
+            k = 0
+        free = self._free_proposal(rule, k, offers)
+        k = 0 if free is not None else k
+        factor = self.confidence.factor
+        asked, stop_below = self._draft_request(rule, k, factor)
+        row_rate = rule.goodput(max(self.k, 1)) if rule.known else None
+        return RoundPlan(k, asked, stop_below, free, open_draft, rule.batch, row_rate, factor)
+
+    def _rule_k(self, rule: BatchRule) -> int:
+        """The rule's k for this round, 0 for a target-only round; it moves only for a gain of MARGIN."""
         if self.k_max == 0:
             return 0
-        if not self.costs.known:  # nothing timed yet: draft, so that a round gets measured
+        if not rule.known:  # nothing timed yet: draft, so that a round gets measured
             self.k = self.k_max
         else:
-            best = self.shared.best_k(self._batch)
-            if self.shared.goodput(best, self._batch) > (1.0 + MARGIN) * self.shared.goodput(self.k, self._batch):
+            best = rule.best_k()
+            if rule.goodput(best) > (1.0 + MARGIN) * rule.goodput(self.k):
                 self.k = best
         return min(self.k, self.k_max)
 
-    def draft_plan(self, k: int) -> tuple[int, float]:
-        """(tokens to ask the draft for, the run probability it stops below) for a round of k draft
-        tokens (module docstring); (k, 0.0), exactly k, before any round was timed or where no token
-        past the first ever pays."""
-        if k <= 0 or not self.costs.known or self.k_max is None or self.k_max <= 1:
+    def _draft_request(self, rule: BatchRule, k: int, factor: float) -> tuple[int, float]:
+        """(tokens to ask the draft for, the run probability it stops below) for a round of k draft tokens
+        (module docstring); (k, 0.0), exactly k, before any round was timed or where no token past the first
+        ever pays."""
+        if k <= 0 or not rule.known or self.k_max <= 1:
             return k, 0.0
-        batch = self._batch
-        # A token's cost averaged over the span the draft may run: step-cost tables jump at row counts.
-        per_token_s = (self.costs.round_s(self.k_max, batch) - self.costs.round_s(1, batch)) / (self.k_max - 1)
-        stop = self.shared.goodput(k, batch) * per_token_s / batch.requests / self.confidence.factor
+        stop = rule.goodput(k) * rule.per_token_s(self.k_max) / rule.batch.requests / factor
         if stop >= 1.0:
             return k, 0.0
         return self.k_max, max(0.0, stop)
 
-    def alternatives(self, probabilities: list[float], alternative_probabilities: list[float]) -> list[int]:
-        """Draft positions whose alternative (the draft's second choice) is worth a row of its own in the
-        verification (target_service.alternatives), most promising first.
-
-        The alternative at position j commits one more token when the drafts before j are accepted, the
-        one at j is not, and the target's token is the alternative: about the confidence-corrected run
-        probability before j times the alternative's probability. It is offered while that chance is at
-        least what its row costs the batch at the rate the round earns, each row priced by the target's
-        table (a row past a step-size boundary costs what the boundary costs)."""
-        if not alternative_probabilities or not self.costs.known:
-            return []
-        chances, run = [], 1.0
-        for index, (probability, alternative) in enumerate(zip(probabilities, alternative_probabilities)):
-            chances.append((min(1.0, run * self.confidence.factor) * alternative, index))
-            run *= probability
-        batch, drafted = self._batch, len(probabilities)
-        goodput = self.shared.goodput(max(self.k, 1), batch)
-        chosen: list[int] = []
-        for chance, index in sorted(chances, reverse=True):
-            rows = len(chosen)
-            row_s = self.costs.round_s(drafted, batch, rows + 1) - self.costs.round_s(drafted, batch, rows)
-            if chance < goodput * row_s:
-                break
-            chosen.append(index)
-        return chosen
-
-    def wants_draft(self, k_max: int, catch_up: int, tokens_left: int, context: int = 0) -> bool:
-        """Whether the first round would draft and pay for the draft's prefill of `catch_up` tokens."""
-        k = self.choose(k_max, context)
-        return k > 0 and self.worth_opening(k, catch_up, tokens_left)
-
-    def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool:
+    def _worth_opening(self, rule: BatchRule, k: int, catch_up: int, tokens_left: int) -> bool:
         """Whether rounds at k save, over the `tokens_left` tokens the request may still make, more than
         the draft's prefill of `catch_up` tokens costs. The prefill delays every request decoding beside
         this one (it takes the draft's steps, and on shared cores the target's), so it is paid once per
@@ -156,28 +178,25 @@ class DraftLength:
         prefill_s = self.costs.draft_prefill_s(catch_up)
         if k <= 0 or prefill_s is None:
             return k > 0
-        batch = self._batch
+        requests = rule.batch.requests
+        saved_s = requests / rule.goodput(0) - requests / rule.goodput(k)  # per token
+        return tokens_left * saved_s > prefill_s * requests
 
-        def per_token(k: int) -> float:
-            return batch.requests / self.shared.goodput(k, batch)
-
-        return tokens_left * (per_token(0) - per_token(k)) > prefill_s * batch.requests
-
-    def choose_proposal(self, k: int, offers: list[FreeProposal]) -> tuple[FreeProposal | None, int]:
-        """This round's free proposal and how many of its tokens to verify, or (None, 0) for the draft
-        model at k (k = 0: verify nothing): whichever gives the batch the most tokens per second."""
-        if not offers or not self.costs.known:
-            return None, 0
-        batch = self._batch
-        drafted = self.shared.tokens(k, batch) / max(self.costs.round_s(k, batch), 1e-9)
+    def _free_proposal(self, rule: BatchRule, k: int, offers: list[FreeProposal]) -> FreeProposal | None:
+        """This round's free proposal, cut to the count of its tokens to verify, or None for the draft model
+        at k (k = 0: verify nothing): whichever gives the batch the most tokens per second."""
+        if not offers or not rule.known:
+            return None
+        own = self.acceptance.expected_tokens(min(k, self.k_max))
+        drafted = rule.tokens(k) / max(self.costs.round_s(k, rule.batch), 1e-9)
         best, best_count, best_goodput = None, 0, (1.0 + MARGIN) * drafted
         for offer in offers:
             acceptance = self._acceptance_of(offer)
-            count = self._free_length(acceptance, len(offer.tokens), k)
-            goodput = self._free_goodput(acceptance, count, k)
+            count = self._free_length(rule, acceptance, own, len(offer.tokens), k)
+            goodput = self._free_goodput(rule, acceptance, own, count, k)
             if count and goodput > best_goodput:
                 best, best_count, best_goodput = offer, count, goodput
-        return best, best_count
+        return best.first(best_count) if best is not None else None
 
     def _acceptance_of(self, offer: FreeProposal) -> RequestAcceptance:
         if offer.source == LOOKUP:
@@ -187,44 +206,33 @@ class DraftLength:
             self.suffix[bucket] = RequestAcceptance(self.shared.suffix, bucket)
         return self.suffix[bucket]
 
-    def _free_goodput(self, acceptance: RequestAcceptance, m: int, k: int) -> float:
-        """The batch's tokens per second when this request verifies m free tokens in place of drafting k.
-        Alone, the round then runs no draft step; beside requests drafting k, they still run theirs."""
-        batch = self._batch
-        others = self.shared.tokens(k, batch) - self.acceptance.expected_tokens(min(k, self.k_max or 0))
+    def _free_goodput(self, rule: BatchRule, acceptance: RequestAcceptance, own: float, m: int, k: int) -> float:
+        """The batch's tokens per second when this request (its `own` expected tokens at k) verifies m free
+        tokens in place of drafting k. Alone, the round then runs no draft step; beside requests drafting k,
+        they still run theirs."""
+        batch = rule.batch
         if k == 0 or batch.requests == 1:
             round_s = self.costs.round_s(0, batch, m)
         else:
             round_s = self.costs.round_s(k, batch, m - k)
-        return (others + acceptance.expected_tokens(m)) / max(round_s, 1e-9)
+        return (rule.tokens(k) - own + acceptance.expected_tokens(m)) / max(round_s, 1e-9)
 
-    def _free_length(self, acceptance: RequestAcceptance, available: int, k: int) -> int:
+    def _free_length(self, rule: BatchRule, acceptance: RequestAcceptance, own: float, available: int, k: int) -> int:
         """The count of `available` free tokens that maximises the batch's tokens per second, or 0 where
         none beats verifying none by MARGIN."""
-        if available <= 0 or not self.costs.known:
+        if available <= 0:
             return 0
-        best = max(range(1, available + 1), key=lambda m: self._free_goodput(acceptance, m, k))
-        return best if self._free_goodput(acceptance, best, k) > (1.0 + MARGIN) * self._free_goodput(
-            acceptance, 0, k) else 0
 
-    def observe(self, timing: RoundTiming, drafted: int, accepted: int, free: FreeProposal | None = None,
-                probabilities: list[float] | None = None, alternatives: int = 0) -> None:
-        """A round's waits and outcome: `drafted` draft-model tokens (with the draft's `probabilities`
-        of them) and `alternatives` rows beside them, or the `free` proposal's tokens verified (as many
-        as it holds), `accepted` of them accepted."""
-        offered = len(free.tokens) if free is not None else 0
-        if drafted and probabilities:
-            self.confidence.observe(probabilities[:drafted], accepted)
-        self.costs.observe(drafted, timing.draft_s, timing.verify_s, self._batch, offered + alternatives,
-                           timing.draft_forward_s, timing.verify_forward_s, timing.target_steps)
-        self.acceptance.observe(drafted, 0 if offered else accepted)
-        if offered:
-            self._acceptance_of(free).observe(offered, accepted)
+        def goodput(m: int) -> float:
+            return self._free_goodput(rule, acceptance, own, m, k)
+        best = max(range(1, available + 1), key=goodput)
+        return best if goodput(best) > (1.0 + MARGIN) * goodput(0) else 0
 
 
 @dataclass
 class Speculation:
-    """The orchestrator-wide state the rule reads: costs, acceptance memories, the requests in flight."""
+    """The orchestrator-wide state the rule reads: costs, acceptance memories, the requests in flight and
+    their sums (orchestrator.decoding.batch_rule)."""
 
     costs: RoundCosts = field(default_factory=RoundCosts)
     acceptance: AcceptanceMemory = field(default_factory=AcceptanceMemory)
@@ -234,7 +242,7 @@ class Speculation:
     # and under it by prompt class
     confidence: dict[str, ConfidenceMemory] = field(
         default_factory=lambda: {GREEDY: ConfidenceMemory(), SAMPLED: ConfidenceMemory()})
-    active: dict[int, DraftLength] = field(default_factory=dict)
+    sums: BatchSums = field(default_factory=BatchSums)
 
     def for_request(self, prompt_class: str, sampled: bool = False) -> DraftLength:
         """A request's part: its prompt class's acceptance history, kept apart for sampled requests
@@ -244,23 +252,36 @@ class Speculation:
         return DraftLength(self, RequestAcceptance(self.acceptance, history), RequestAcceptance(self.lookup, history),
                            self.confidence[regime].for_class(prompt_class))
 
-    def batch(self) -> BatchLoad:
-        requests = list(self.active.values())
-        return BatchLoad(requests=max(1, len(requests)), context=sum(p.context for p in requests))
+    def plan_batch(self, parts: Sequence[DraftLength], asks: Sequence[RoundAsk]) -> list[RoundPlan]:
+        """The rounds' plans of the sessions `parts`, each with its RoundAsk, over one state of the batch:
+        their k_max and context go into the batch's sums, then the rule's rates are worked out once and
+        read by each: O(n) in the sessions (O(k) each where their k_max changed)."""
+        for part, ask in zip(parts, asks):
+            self._take(part, ask)
+        rule = self.rule()
+        return [part.plan_round(rule, ask) for part, ask in zip(parts, asks)]
 
-    def tokens(self, k: int, batch: BatchLoad) -> float:
-        """Expected committed tokens of a round of the batch, each request drafting k (capped by its
-        own k_max once it has chosen: one still prefilling will run the same rule)."""
-        return sum(p.acceptance.expected_tokens(k if p.k_max is None else min(k, p.k_max))
-                   for p in self.active.values()) or 1.0
+    def rule(self) -> BatchRule:
+        """The rule over the batch as it stands."""
+        return BatchRule(self.costs, self.sums)
 
-    def goodput(self, k: int, batch: BatchLoad) -> float:
-        """The batch's tokens per second drafting k; at k = 0 as target-only rounds run, decoding ahead. (A
-        free proposal is weighed against a target-only round of one token (choose_proposal): decoding ahead
-        would also put off the proposals that teach the policy their acceptance.)"""
-        round_s = self.costs.target_only_s(batch) if k == 0 else self.costs.round_s(k, batch)
-        return self.tokens(k, batch) / max(round_s, 1e-9)
+    def join(self, part: DraftLength) -> None:
+        if part not in self.sums:
+            self.sums.place(part, part.share(), part.context, part.k_max or 0)
 
-    def best_k(self, batch: BatchLoad) -> int:
-        k_max = max((p.k_max or 0 for p in self.active.values()), default=0)
-        return max(range(0, k_max + 1), key=lambda k: self.goodput(k, batch))
+    def leave(self, part: DraftLength) -> None:
+        self.sums.discard(part)
+
+    def refresh(self, part: DraftLength) -> None:
+        """Its acceptance changed: so did its share of the batch's tokens."""
+        if part in self.sums:
+            self.sums.place(part, part.share(), part.context, part.k_max or 0)
+
+    def _take(self, part: DraftLength, ask: RoundAsk) -> None:
+        """A session's k_max and context for this round, into the batch's sums (it joins if it had not)."""
+        k_max = max(0, ask.k_max)
+        if k_max == part.k_max and self.sums.move(part, ask.context):
+            part.context = ask.context
+            return
+        part.k_max, part.context = k_max, ask.context  # its share capped anew
+        self.sums.place(part, part.share(), part.context, k_max)

@@ -1,10 +1,10 @@
-"""What the speculative loop is given and what it reports: the request, the server's settings, the
-policy it asks each round, a round's waits, and the request's counts (orchestrator.decoding.loop)."""
+"""What the speculative loop is given and what it reports: the request, the server's settings, a round's
+waits, and the request's counts (orchestrator.decoding.loop; the policy it plans rounds with:
+orchestrator.decoding.plan)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
@@ -66,29 +66,6 @@ class GenerationRequest:
     user: str = ""  # the client's end user, recorded on the trace only
 
 
-class DraftLengthPolicy(Protocol):
-    """Chooses each round's draft length (orchestrator.decoding.policy)."""
-
-    def arrive(self) -> None: ...
-
-    def wants_draft(self, k_max: int, catch_up: int, tokens_left: int, context: int = 0) -> bool: ...
-
-    def choose(self, k_max: int, context: int = 0) -> int: ...
-
-    def worth_opening(self, k: int, catch_up: int, tokens_left: int) -> bool: ...
-
-    def choose_proposal(self, k: int, offers: list[FreeProposal]) -> tuple[FreeProposal | None, int]: ...
-
-    def draft_plan(self, k: int) -> tuple[int, float]: ...
-
-    def alternatives(self, probabilities: list[float], alternative_probabilities: list[float]) -> list[int]: ...
-
-    def observe(self, timing: "RoundTiming", drafted: int, accepted: int, free: FreeProposal | None = None,
-                probabilities: list[float] | None = None, alternatives: int = 0) -> None: ...
-
-    def close(self) -> None: ...
-
-
 @dataclass(frozen=True)
 class RoundTiming:
     draft_s: float  # wall time the round waited for its draft tokens (0 in a target-only round)
@@ -97,6 +74,7 @@ class RoundTiming:
     draft_forward_s: float | None = None
     verify_forward_s: float | None = None
     target_steps: int = 1  # the Verify's target steps: more than one where it decoded ahead
+    predraft: str | None = None  # pipelined: HIT or MISS where the round had a pre-draft (timing.RoundBreakdown)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PARTS = ("draft_busy", "target_busy", "wire", "idle", "overlap")
+HIT, MISS = "hit", "miss"  # a pipelined round's pre-draft: its branch was the one verified, or not
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class RoundBreakdown:
     wire_s: float  # calls on the round's critical path: wall time minus forward time
     idle_s: float  # neither model busy for this request, no call in flight
     overlap_s: float  # draft and target busy at the same time: what pipelining saves
-    predraft: str | None = None  # "hit" or "miss" in pipelined rounds after the first, else None
+    predraft: str | None = None  # HIT or MISS in pipelined rounds that had a pre-draft, else None
 
     def parts(self) -> dict[str, float]:
         return {part: getattr(self, f"{part}_s") for part in PARTS}

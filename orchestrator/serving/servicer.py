@@ -16,7 +16,8 @@ from orchestrator.serving.step_reports import StepReports
 from orchestrator.serving.detokenizer import IncrementalDetokenizer
 from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.endpoints import DraftEndpoint, TargetEndpoint
-from orchestrator.decoding.policy import DraftLength, Speculation
+from orchestrator.decoding.plan import DraftLengthPolicy, FixedLength
+from orchestrator.decoding.policy import Speculation
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch
 from orchestrator.decoding.pipelined import PipelinedGeneration
@@ -93,13 +94,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                    draft_model=lambda: self._draft_model_of(generation.session_id))
         recorder.admitted()
         loop = PipelinedGeneration if self.backends.pipelined else SpeculativeGeneration
-        policy = self._draft_length_policy(checked)
-        # A fixed k measures its rounds over the same reports, apart from the rounds the policy plans.
-        costs = RoundCosts(self.backends.step_reports, self.config.decode_ahead) if policy is None else None
         generation = loop(checked, self.backends.target, self.backends.draft, self.backends.eos_token_ids,
                           self.config, on_round=recorder.round, tracer=self.tracer, switch=self.switch,
-                          policy=policy, on_timing=recorder.round_time,
-                          history=self.history, on_proposer=recorder.proposer, costs=costs)
+                          policy=self._draft_length_policy(checked), on_timing=recorder.round_time,
+                          history=self.history, on_proposer=recorder.proposer)
         try:
             async for response in self._stream(checked, generation, recorder, started):
                 response.index = index
@@ -114,11 +112,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model_of = getattr(self.backends.draft, "model_of", None)
         return model_of(session_id) if model_of is not None else self.backends.draft_model or None
 
-    def _draft_length_policy(self, checked: GenerationRequest) -> DraftLength | None:
+    def _draft_length_policy(self, checked: GenerationRequest) -> DraftLengthPolicy:
         """Adaptive k unless the client fixed k, or seeded sampling must stay reproducible."""
         seeded = checked.sampling.seed is not None and not checked.sampling.greedy
         if not self.config.adaptive_k or checked.fixed_k or seeded:
-            return None
+            # A fixed k measures its rounds over the same reports, apart from the rounds the policy plans.
+            return FixedLength(RoundCosts(self.backends.step_reports, self.config.decode_ahead))
         return self.adaptive.for_request(checked.prompt_class, sampled=not checked.sampling.greedy)
 
     async def _stream(self, checked: GenerationRequest, generation: SpeculativeGeneration,
