@@ -35,6 +35,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 MASK_31 = 0x7FFFFFFF  # hashes stay in 31 bits: an int64 product of two never overflows
+# Rows a forward steers with Python ints instead of tensor ops: the same hash, exactly (no int64 product
+# overflows), without the hundred tensor dispatches a draft step's one row would cost the host's CPU.
+SCALAR_STEER_ROWS = 64
 MIX_ROUNDS = ((1103515245, 12345), (214013, 2531011), (1664525, 1013904223))
 AGREE_SALT = 0x2545F491  # the draft's agree-or-not draw
 OTHER_SALT = 0x5BD1E995  # which other token a disagreeing draft proposes
@@ -59,7 +62,8 @@ class SetAcceptanceConfig(Qwen2Config):
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
-    """A 31-bit integer hash of a non-negative int64 tensor below 2**31, identical on every device."""
+    """A 31-bit integer hash of a non-negative int64 tensor below 2**31, identical on every device (and on a
+    Python int)."""
     for multiplier, increment in MIX_ROUNDS:
         x = (x * multiplier + increment) & MASK_31
         x = x ^ (x >> 13)
@@ -67,7 +71,7 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def target_next(tokens: torch.Tensor, positions: torch.Tensor, config: SetAcceptanceConfig) -> torch.Tensor:
-    """The target's greedy token after `tokens` at `positions` (int64, same shape)."""
+    """The target's greedy token after `tokens` at `positions` (int64 tensors of one shape, or Python ints)."""
     return walk_token(pair_key(tokens, positions, config), config)
 
 
@@ -83,9 +87,12 @@ def draft_next(tokens: torch.Tensor, positions: torch.Tensor, config: SetAccepta
     """The target's token where a draw of the pair falls below alpha, another ordinary token elsewhere."""
     span = config.steer_high - config.steer_low
     key = pair_key(tokens, positions, config)
-    agrees = mix(key ^ AGREE_SALT).double() / float(MASK_31 + 1) < config.alpha
+    draw = mix(key ^ AGREE_SALT)
+    agrees = (draw.double() if isinstance(draw, torch.Tensor) else float(draw)) / float(MASK_31 + 1) < config.alpha
     offset = 1 + mix(key ^ OTHER_SALT) % max(1, span - 1)  # 1..span-1: never the target's token
     other = config.steer_low + (key % span + offset) % span
+    if isinstance(agrees, bool):
+        return walk_token(key, config) if agrees else other
     return torch.where(agrees, walk_token(key, config), other)
 
 
@@ -200,6 +207,12 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
     def steer(self, logits: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """logits [..., V]: each row's chosen token lifted steer_margin above the row's top logit."""
         rule = target_next if self.config.set_acceptance_role == "target" else draft_next
-        chosen = rule(tokens.long(), positions.long(), self.config).to(logits.device).unsqueeze(-1)  # [..., 1]
+        if tokens.numel() <= SCALAR_STEER_ROWS:
+            chosen = torch.tensor([rule(token, position, self.config) for token, position in
+                                   zip(tokens.flatten().tolist(), positions.flatten().tolist())],
+                                  dtype=torch.long).view(tokens.shape)
+        else:
+            chosen = rule(tokens.long(), positions.long(), self.config)
+        chosen = chosen.to(logits.device).unsqueeze(-1)  # [..., 1]
         lifted = logits.amax(dim=-1, keepdim=True) + self.config.steer_margin
         return logits.scatter(-1, chosen, lifted.to(logits.dtype))

@@ -26,6 +26,7 @@ the one orchestrator, and restart the orchestrator alone with other settings (`r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -59,7 +60,10 @@ def ensure_pair(work: Path, profile: str, alphas: list[float], time_scale: float
     from benchmarks.set_acceptance_pair import build_pair  # torch and transformers only where a pair is built
 
     dest = work / f"{profile}-x{time_scale:g}"
-    marker, wanted = dest / "built.json", {"profile": profile, "alphas": sorted(alphas), "time_scale": time_scale}
+    # The pair's directories hold a copy of the modeling code: a pair built with other code is built again.
+    code = hashlib.sha256(Path(__file__).with_name("modeling_set_acceptance.py").read_bytes()).hexdigest()
+    marker, wanted = dest / "built.json", {"profile": profile, "alphas": sorted(alphas), "time_scale": time_scale,
+                                           "modeling": code}
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         return {"target": dest / "target", **{f"draft-{a:g}": dest / f"draft-{a:g}" for a in alphas}}
     shutil.rmtree(dest, ignore_errors=True)  # built for other alphas, or cut short

@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from benchmarks.gpu_profiles import PROFILES, StepTable, from_config, scaled, to_config
-from benchmarks.modeling_set_acceptance import emulated_step_ms, step_shape
+from benchmarks.modeling_set_acceptance import (SetAcceptanceConfig, draft_next, emulated_step_ms, step_shape,
+                                                target_next)
 from benchmarks.regime_bound import E, pipelined_bound, sequential_bound
 from benchmarks.set_acceptance_pair import build_pair
 from harness import start_stack
@@ -87,6 +88,18 @@ def test_the_8b_drafts_step_stays_at_least_015_of_the_targets_at_every_row_count
     for rows in range(1, 4097):
         assert profile.draft.ms(rows) >= 0.15 * profile.target.ms(rows), rows
     assert all(profile.sources for profile in PROFILES.values())
+
+
+@pytest.mark.unit
+def test_the_rules_choose_the_same_tokens_on_python_ints_as_on_tensors():
+    """A forward of a few rows steers them with Python ints (SCALAR_STEER_ROWS): exactly the tensors' hash."""
+    config = SetAcceptanceConfig(alpha=0.8, steer_low=300, steer_high=32000, steer_seed=7)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 2**31 - 1, (4096,), generator=generator)  # the hash's whole domain
+    positions = torch.randint(0, 2**31 - 1, (4096,), generator=generator)
+    for rule in (target_next, draft_next):
+        on_tensors = rule(tokens, positions, config).tolist()
+        assert [rule(token, position, config) for token, position in zip(tokens.tolist(), positions.tolist())] == on_tensors
 
 
 @pytest.mark.unit

@@ -97,9 +97,9 @@ class Predraft:
         """The branch for this outcome, waiting (at most wait_s) while the draft is still drafting it."""
         key = (accepted, next_token_id)
         try:
-            async with self._changed:
-                await asyncio.wait_for(self._changed.wait_for(lambda: not self._may_still_come(key)), wait_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(wait_s), self._changed:  # in this task: wait_for would start another
+                await self._changed.wait_for(lambda: not self._may_still_come(key))
+        except TimeoutError:
             self.timed_out = True
         branch = self.branches.get(key)
         if branch is None or branch.position != self.position + accepted + 1:

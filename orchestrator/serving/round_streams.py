@@ -38,7 +38,8 @@ class RoundStream:
                 if self._call is None:
                     self._call = self._open_call()
                 try:
-                    return await asyncio.wait_for(_exchange(self._call, request), timeout)
+                    async with asyncio.timeout(timeout):  # in this task: wait_for would start one per message
+                        return await _exchange(self._call, request)
                 except BaseException as error:  # the stream is out of step with its requests: drop it
                     self.end()
                     raise _as_call_error(error, timeout) from None

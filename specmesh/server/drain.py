@@ -29,6 +29,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from specmesh.errors import ShuttingDown
+from specmesh.server.wrapped_handlers import WrappedHandlers
 
 log = logging.getLogger(__name__)
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
@@ -146,12 +147,16 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, drain: Drain, service_names: list[str]):
         self.drain = drain
         self.prefixes = tuple(f"/{name}/" for name in service_names)
+        self._handlers = WrappedHandlers(self._wrap)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not method.startswith(self.prefixes):
             return handler
+        return self._handlers.wrapped(handler, method)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
         if handler.unary_stream is not None:

@@ -37,6 +37,7 @@ from specmesh.errors import InvalidArgument, SpecmeshError
 from specmesh.server.request_decoding import UndecodableRequest, tolerant_deserializer
 from specmesh.server.security import UNAUTHENTICATED_MESSAGE, ApiKeyInterceptor, TLSConfig
 from specmesh.server.telemetry import server_interceptors, server_message_span
+from specmesh.server.wrapped_handlers import WrappedHandlers
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
     from opentelemetry.sdk.trace import TracerProvider
@@ -69,11 +70,16 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps SpecmeshError to its status code, undecodable requests to INVALID_ARGUMENT, the rest to INTERNAL."""
 
+    def __init__(self):
+        self._handlers = WrappedHandlers(self._wrap)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
+        return self._handlers.wrapped(handler, handler_call_details.method)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         deserializer = tolerant_deserializer(handler.request_deserializer)
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method),

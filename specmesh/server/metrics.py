@@ -170,6 +170,11 @@ class ServiceMetrics:
         self.requests_waiting = Gauge("specmesh_num_requests_waiting", "Session opens waiting for KV room",
                                       ("service", "model"), registry=r)
         prometheus_client.ProcessCollector(registry=r)
+        # The series every call or step adds to, labelled once: labels() costs a lock and a lookup each time.
+        self._forward_by_op: dict[str, Histogram] = {}
+        self._step_rows = self.step_rows.labels(**self.labels)
+        self._step_sessions = self.step_sessions.labels(**self.labels)
+        self._step_busy = self.step_busy.labels(**self.labels)
 
     @classmethod
     def for_engine(cls, service: str, engine, registry: CollectorRegistry | None = None) -> "ServiceMetrics":
@@ -190,13 +195,16 @@ class ServiceMetrics:
         return metrics
 
     def observe_forward(self, op: str, forward_ns: int) -> None:
-        self.forward_seconds.labels(**self.labels, op=op).observe(forward_ns / 1e9)
+        child = self._forward_by_op.get(op)
+        if child is None:
+            child = self._forward_by_op[op] = self.forward_seconds.labels(**self.labels, op=op)
+        child.observe(forward_ns / 1e9)
 
     def observe_step(self, parts, step_ns: int) -> None:
         """A batched step's size and time (specmesh.engine.batching observer; runs on the model worker)."""
-        self.step_rows.labels(**self.labels).observe(sum(len(part.token_ids) for part in parts))
-        self.step_sessions.labels(**self.labels).observe(len({id(part.session) for part in parts}))
-        self.step_busy.labels(**self.labels).inc(step_ns / 1e9)
+        self._step_rows.observe(sum(len(part.token_ids) for part in parts))
+        self._step_sessions.observe(len({id(part.session) for part in parts}))
+        self._step_busy.inc(step_ns / 1e9)
 
 
 class StepCostCollector:
@@ -252,6 +260,16 @@ class RequestRecorder:
         self.draft_model = draft_model  # the model that drafted the round just verified; None: unknown
         self.state = "new"
         self.last_stream_at: float | None = None
+        self._series_seen: dict[tuple, object] = {}  # see _series
+
+    def _series(self, metric, **extra: str):
+        """`metric`'s series for this request's labels and `extra`, looked up once per request: labels()
+        takes a lock and checks every label each time, and a round adds to some twenty series."""
+        key = (metric, *extra.values())
+        series = self._series_seen.get(key)
+        if series is None:
+            series = self._series_seen[key] = metric.labels(**self.labels, **extra)
+        return series
 
     def admitted(self) -> None:
         self.metrics.requests_waiting.labels(model=self.model).inc()
@@ -266,23 +284,23 @@ class RequestRecorder:
     def streamed(self, tokens: int, now: float) -> None:
         """A response after the first carrying `tokens` tokens; each gets an equal share of the gap."""
         if self.last_stream_at is not None and tokens:
-            gap = (now - self.last_stream_at) / tokens
+            gap, itl = (now - self.last_stream_at) / tokens, self._series(self.metrics.itl)
             for _ in range(tokens):
-                self.metrics.itl.labels(**self.labels).observe(gap)
+                itl.observe(gap)
         self.last_stream_at = now
 
     def round(self, drafted: int, accepted: int) -> None:
-        m, labels = self.metrics, self.labels
-        m.draft_length.labels(**labels).observe(drafted)
+        m, series = self.metrics, self._series
+        series(m.draft_length).observe(drafted)
         if not drafted:
             return
-        m.num_drafts.labels(**labels).inc()
-        m.num_draft_tokens.labels(**labels).inc(drafted)
-        m.num_accepted_tokens.labels(**labels).inc(accepted)
+        series(m.num_drafts).inc()
+        series(m.num_draft_tokens).inc(drafted)
+        series(m.num_accepted_tokens).inc(accepted)
         for position in range(accepted):
-            m.num_accepted_tokens_per_pos.labels(**labels, position=str(position)).inc()
+            series(m.num_accepted_tokens_per_pos, position=str(position)).inc()
         if accepted < drafted:
-            m.rejection_position.labels(**labels).observe(accepted)
+            series(m.rejection_position).observe(accepted)
         draft_model = self.draft_model()
         if draft_model:
             m.draft_model_draft_tokens.labels(draft_model=draft_model).inc(drafted)
@@ -291,20 +309,20 @@ class RequestRecorder:
 
     def proposer(self, proposer: str, proposed: int, accepted: int) -> None:
         """One round's proposer (orchestrator.decoding.proposals) and what it delivered."""
-        m, labels = self.metrics, {**self.labels, "proposer": proposer}
-        m.proposer_rounds.labels(**labels).inc()
-        m.proposer_tokens.labels(**labels).inc(proposed)
-        m.proposer_accepted_tokens.labels(**labels).inc(accepted)
+        m, series = self.metrics, self._series
+        series(m.proposer_rounds, proposer=proposer).inc()
+        series(m.proposer_tokens, proposer=proposer).inc(proposed)
+        series(m.proposer_accepted_tokens, proposer=proposer).inc(accepted)
 
     def round_time(self, breakdown) -> None:
         """One round's orchestrator.decoding.timing.RoundBreakdown."""
-        m, labels = self.metrics, self.labels
+        m, series = self.metrics, self._series
         for part, seconds in breakdown.parts().items():
-            m.round_time.labels(**labels, part=part).observe(seconds)
+            series(m.round_time, part=part).observe(seconds)
         if breakdown.predraft == "hit":
-            m.predraft_hits.labels(**labels).inc()
+            series(m.predraft_hits).inc()
         elif breakdown.predraft == "miss":
-            m.predraft_misses.labels(**labels).inc()
+            series(m.predraft_misses).inc()
 
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, target_passes: int,
                  draft_fallback: bool, acceptance_rate: float | None, tpot_s: float | None, e2e_s: float) -> None:

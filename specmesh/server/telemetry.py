@@ -129,10 +129,17 @@ def _describe_request(span: trace.Span, message: Message) -> None:
     span.set_attribute("rpc.request.bytes", message.ByteSize())
 
 
-@contextlib.contextmanager
-def client_message_span(provider: TracerProvider | None, method: str, request: Message) -> Iterator[trace.Span]:
+def client_message_span(provider: TracerProvider | None, method: str,
+                        request: Message) -> contextlib.AbstractContextManager[trace.Span]:
     """The client span of one message of a round stream, as the instrumentation gives a unary call; its
     context goes into the request's trace_context, for the server's span (server_message_span)."""
+    if provider is None:  # tracing off: no span would record, so none is made (every round pays for one)
+        return contextlib.nullcontext(trace.INVALID_SPAN)
+    return _client_message_span(provider, method, request)
+
+
+@contextlib.contextmanager
+def _client_message_span(provider: TracerProvider, method: str, request: Message) -> Iterator[trace.Span]:
     with tracer(provider).start_as_current_span(method, kind=trace.SpanKind.CLIENT) as span:
         _describe_request(span, request)
         if span.is_recording():
@@ -142,6 +149,8 @@ def client_message_span(provider: TracerProvider | None, method: str, request: M
 
 def server_message_span(provider: TracerProvider | None, method: str, request: Message):
     """The server span of one message of a round stream: a child of the context the message carries."""
+    if provider is None:  # tracing off: the carried context is not even parsed
+        return contextlib.nullcontext(trace.INVALID_SPAN)
     context = propagate.extract(dict(request.trace_context))
     return tracer(provider).start_as_current_span(method, context=context, kind=trace.SpanKind.SERVER)
 
