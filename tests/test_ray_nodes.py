@@ -32,11 +32,10 @@ from orchestrator.control.pools import Pools  # noqa: E402
 from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.serving.pool import PoolSpec  # noqa: E402
 from orchestrator.serving.server import serve_grpc  # noqa: E402
-from parity import target_greedy  # noqa: E402
+from ray_stack import RayStack  # noqa: E402
 from specmesh.server.metrics import OrchestratorMetrics  # noqa: E402
 from specmesh.server.security import token_interceptors  # noqa: E402
 from specmesh.server.service import ReplicaConfig, ServiceOptions  # noqa: E402
-from specmesh.v1 import generation_pb2, generation_pb2_grpc  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time on a test machine
 
@@ -106,24 +105,7 @@ def pool_spec(role: str, model_dir, replicas: int) -> PoolSpec:
     return PoolSpec(ReplicaConfig(role, service), replicas=replicas, num_cpus=0.25, drain_grace_s=5.0, **ASKS[role])
 
 
-class Stack:
-    def __init__(self, pools: Pools, servicer, server, channel: grpc.aio.Channel, target_dir: str):
-        self.pools, self.servicer, self.server, self.channel = pools, servicer, server, channel
-        self.target_dir = target_dir
-        self.generation = generation_pb2_grpc.GenerationStub(channel)
-
-    async def generate(self, prompt: str, max_tokens: int, first_token: asyncio.Event | None = None) -> list[int]:
-        tokens = []
-        request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
-        async for response in self.generation.Generate(request, timeout=WORK_TIMEOUT_S):
-            tokens.extend(response.token_ids)
-            if first_token is not None:
-                first_token.set()
-        return tokens
-
-    def expected(self, prompt: str, max_tokens: int) -> list[int]:
-        return list(target_greedy(self.target_dir, "cpu", prompt, max_tokens))
-
+class Stack(RayStack):
     async def start_streams(self) -> list[asyncio.Future]:
         """One long stream per prompt; returns once every one has its first token (its sessions are placed)."""
         started = [asyncio.Event() for _ in TINY_PROMPTS]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
-import time
 
 import grpc
 import psutil
@@ -25,7 +24,7 @@ ray = pytest.importorskip("ray")
 from harness import WORK_TIMEOUT_S, load  # noqa: E402
 from orchestrator.decoding.request import LoopConfig  # noqa: E402
 from orchestrator.control.ray_controller import PoolSpec, replica_runtime_env  # noqa: E402
-from parity import target_greedy  # noqa: E402
+from ray_stack import RayStack  # noqa: E402
 from specmesh.server.service import ReplicaConfig  # noqa: E402
 from orchestrator.control.pools import Pools  # noqa: E402
 from orchestrator.control.options import PoolsOptions
@@ -38,8 +37,7 @@ from specmesh.server.security import token_interceptors  # noqa: E402
 from orchestrator.distill.online_cycle import DistillJob, run_on_ray  # noqa: E402
 from orchestrator.control.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.server.service import ServiceOptions  # noqa: E402
-from specmesh.v1 import admin_pb2, admin_pb2_grpc, common_pb2, draft_pb2_grpc, generation_pb2  # noqa: E402
-from specmesh.v1 import generation_pb2_grpc, target_pb2_grpc  # noqa: E402
+from specmesh.v1 import admin_pb2, common_pb2, draft_pb2_grpc, generation_pb2, target_pb2_grpc  # noqa: E402
 from benchmarks.tiny_models import TINY_PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time on a test machine
@@ -63,38 +61,6 @@ def ray_cluster():
 def pool_spec(role: str, model_dir) -> PoolSpec:
     service = ServiceOptions(model=str(model_dir), num_threads=1, internal_token=TOKEN)
     return PoolSpec(ReplicaConfig(role, service), replicas=2, num_cpus=0.25, drain_grace_s=20.0)
-
-
-class RayStack:
-    def __init__(self, pools: Pools, servicer, server, channel: grpc.aio.Channel, target_dir: str):
-        self.pools, self.servicer, self.server, self.channel = pools, servicer, server, channel
-        self.target_dir = target_dir
-        self.generation = generation_pb2_grpc.GenerationStub(channel)
-        self.admin = admin_pb2_grpc.AdminStub(channel)
-
-    async def generate(self, prompt: str, max_tokens: int, first_token: asyncio.Event | None = None) -> list[int]:
-        tokens = []
-        request = generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
-        async for response in self.generation.Generate(request, timeout=WORK_TIMEOUT_S):
-            tokens.extend(response.token_ids)
-            if first_token is not None:
-                first_token.set()
-        return tokens
-
-    def expected(self, prompt: str, max_tokens: int) -> list[int]:
-        return list(target_greedy(self.target_dir, "cpu", prompt, max_tokens))
-
-    async def wait_serving(self, role: str, count: int, timeout_s: float = WORK_TIMEOUT_S) -> None:
-        pool = self.pools.pools[role]
-        deadline = time.monotonic() + timeout_s
-        while len(pool.routable()) != count or len(pool.replicas) != count:
-            assert time.monotonic() < deadline, (
-                f"{role} pool: {pool.replicas}; controller actors {list(self.pools.controllers[role].actors)}, "
-                f"draining {list(self.pools.controllers[role].draining)}, refresher {pool._task}")
-            await asyncio.sleep(0.2)
-
-    def actor(self, role: str, name: str):
-        return self.pools.controllers[role].actors[name]
 
 
 @pytest.fixture(scope="module")
