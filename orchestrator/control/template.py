@@ -1,7 +1,7 @@
 """Replica processes forked from a warm template, so that a start pays the fork, the model load and the server start.
 
 A replica spawned as a fresh interpreter spends most of its start importing torch and transformers
-(figures: docs/results/cpu-2026-12-02-replica-start, from benchmarks/replica_restart.py). The
+(measured by benchmarks/replica_restart.py; the figures are in docs/results, not here: they are one host's). The
 supervisor starts its replicas through multiprocessing's forkserver instead: one template process,
 itself started from a fresh interpreter, imports the serving path (`PRELOAD`) and from then on only
 forks, one child per replica start, first starts and restarts alike.
