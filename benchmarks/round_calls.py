@@ -85,7 +85,7 @@ async def wait_ready(client, process: subprocess.Popen) -> None:
 async def measure(args: argparse.Namespace, port: int, process: subprocess.Popen) -> dict[str, list[float]]:
     channel = open_channel(f"127.0.0.1:{port}")
     make = TargetClient if args.role == "target" else DraftClient
-    clients = {"unary": make(channel), "stream": make(channel, round_streams=True)}
+    clients = {"unary": make(channel), "stream": make(channel, round_calls="stream")}
     await wait_ready(clients["unary"], process)
     for name, client in clients.items():  # warm-up
         await block(client, f"warm-{name}", 30)

@@ -107,11 +107,18 @@ class DraftEngine:
 
     async def propose(self, request_id: str, round_number: int, commit: CommitSpec | None,
                       position: int, num_tokens: int, stop_below: float = 0.0) -> Proposal:
+        return await self.engine.submit(*self.proposal(request_id, round_number, commit, position, num_tokens,
+                                                       stop_below))
+
+    def proposal(self, request_id: str, round_number: int, commit: CommitSpec | None, position: int,
+                 num_tokens: int, stop_below: float = 0.0):
+        """A Propose checked -> (its session, the job that drafts it -> Proposal), for ModelEngine.submit, or
+        submit_all with the other parts of a batch. Raises on a bad request."""
         _check_count("num_tokens", num_tokens, 1, MAX_DRAFT_TOKENS)
         if not 0.0 <= stop_below <= 1.0:  # NaN fails too
             raise InvalidArgument("stop_below", "must be in [0, 1]")
         session, _ = self._arrive(request_id, round_number)
-        return await self.engine.submit(session, self._propose(session, commit, position, num_tokens, stop_below))
+        return session, self._propose(session, commit, position, num_tokens, stop_below)
 
     def _propose(self, session: Session, commit: CommitSpec | None, position: int, num_tokens: int,
                  stop_below: float):

@@ -40,7 +40,8 @@ async def create_server(engine: ModelEngine, address: str = "127.0.0.1:0", *,
                               unauthenticated_message=INTERNAL_UNAUTHENTICATED_MESSAGE,
                               # draining, new sessions are refused and open ones served until their orchestrator
                               # closes them (or the grace ends)
-                              drain=Drain(open_sessions=lambda: len(engine.sessions)))
+                              drain=Drain(open_sessions=lambda: len(engine.sessions),
+                                          waits_for=(lambda: servicer.batches.in_flight,)))
 
 
 async def create_replica_server(config: ReplicaConfig, engine: ModelEngine, *,

@@ -6,12 +6,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from draft_service.engine import CommitSpec, DraftEngine
+from draft_service.engine import CommitSpec, DraftEngine, Proposal
 from specmesh.server.metrics import ServiceMetrics
 from specmesh.engine.sampling_params import sampling_from_pb
 from specmesh.server.security import caller_of
 from specmesh.server.grpc_server import answer_in_order
-from specmesh.server.telemetry import PROPOSE_ROUNDS, annotate_current_span
+from specmesh.server.batches import BatchAnswers
+from specmesh.server.telemetry import PROPOSE_BATCHES, PROPOSE_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
@@ -27,6 +28,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine
         self.metrics = metrics
         self.tracer_provider = tracer_provider
+        self.batches = BatchAnswers(PROPOSE_BATCHES, self._proposal, engine.engine.submit_all,
+                                    self._propose_response, draft_pb2.ProposeBatchResult, draft_pb2.ProposePart,
+                                    tracer_provider)
 
     async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
@@ -44,10 +48,20 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         async for response in answer_in_order(requests, self._propose, self.tracer_provider, PROPOSE_ROUNDS):
             yield response
 
+    async def ProposeBatches(self, requests, context: grpc.aio.ServicerContext):
+        async for result in self.batches.answer(requests):
+            yield result
+
     async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        return self._propose_response(request, await self.engine.engine.submit(*self._proposal(request)))
+
+    def _proposal(self, request: draft_pb2.ProposeRequest):
+        """(session, job) of a checked Propose (DraftEngine.proposal)."""
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None
-        proposal = await self.engine.propose(request.request_id, request.round, commit,
-                                             request.position, request.num_tokens, request.stop_below)
+        return self.engine.proposal(request.request_id, request.round, commit, request.position, request.num_tokens,
+                                    request.stop_below)
+
+    def _propose_response(self, request: draft_pb2.ProposeRequest, proposal: Proposal) -> draft_pb2.ProposeResponse:
         self.metrics.observe_forward("propose", proposal.forward_ns)
         annotate_current_span(forward_ns=proposal.forward_ns, proposed=len(proposal.token_ids))
         return draft_pb2.ProposeResponse(

@@ -11,9 +11,10 @@ from specmesh.server.metrics import ServiceMetrics
 from specmesh.engine.sampling_params import sampling_from_pb
 from specmesh.server.security import caller_of
 from specmesh.server.grpc_server import answer_in_order
-from specmesh.server.telemetry import VERIFY_ROUNDS, annotate_current_span
+from specmesh.server.batches import BatchAnswers
+from specmesh.server.telemetry import VERIFY_BATCHES, VERIFY_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine
+from target_service.engine import TargetEngine, Verification
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
     from opentelemetry.sdk.trace import TracerProvider
@@ -26,6 +27,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.engine = engine
         self.metrics = metrics
         self.tracer_provider = tracer_provider
+        self.batches = BatchAnswers(VERIFY_BATCHES, self._verification, engine.engine.submit_all,
+                                    self._verify_response, target_pb2.VerifyBatchResult, target_pb2.VerifyPart,
+                                    tracer_provider)
 
     async def OpenSession(self, request: target_pb2.TargetOpenRequest, context: grpc.aio.ServicerContext):
         open_ = self.engine.resume if request.resume else self.engine.open
@@ -49,12 +53,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         async for response in answer_in_order(requests, self._verify, self.tracer_provider, VERIFY_ROUNDS):
             yield response
 
+    async def VerifyBatches(self, requests, context: grpc.aio.ServicerContext):
+        async for result in self.batches.answer(requests):
+            yield result
+
     async def _verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        result = await self.engine.verify(request.request_id, request.round, request.position,
-                                          list(request.draft_token_ids), list(request.draft_distributions),
-                                          from_draft_model=_from_draft_model(request.draft_source),
-                                          alternatives=list(request.alternatives),
-                                          decode_ahead=request.decode_ahead)
+        return self._verify_response(request, await self.engine.engine.submit(*self._verification(request)))
+
+    def _verification(self, request: target_pb2.VerifyRequest):
+        """(session, job) of a checked Verify (TargetEngine.verification)."""
+        return self.engine.verification(request.request_id, request.round, request.position,
+                                        list(request.draft_token_ids), list(request.draft_distributions),
+                                        from_draft_model=_from_draft_model(request.draft_source),
+                                        alternatives=list(request.alternatives), decode_ahead=request.decode_ahead)
+
+    def _verify_response(self, request: target_pb2.VerifyRequest, result: Verification) -> target_pb2.VerifyResponse:
         self.metrics.observe_forward("verify", result.forward_ns)
         annotate_current_span(forward_ns=result.forward_ns, accepted=result.verdict.accepted_count,
                               next_token="bonus" if result.verdict.bonus else "recovered")

@@ -31,18 +31,18 @@ class Replicas:
     """n real gRPC servers of one role over engines of the same model, and a pool over them."""
 
     def __init__(self, role: str, servers: dict[str, grpc.aio.Server], addresses: dict[str, str],
-                 round_streams: bool = False):
+                 round_calls: str = "unary"):
         self.role, self.servers, self.addresses = role, servers, addresses
-        client = functools.partial(TargetClient if role == "target" else DraftClient, round_streams=round_streams)
+        client = functools.partial(TargetClient if role == "target" else DraftClient, round_calls=round_calls)
         self.pool = ReplicaPool(role, fixed_replicas(addresses), client, check_interval_s=0.1)
 
     @classmethod
-    async def start(cls, role: str, model_dir, count: int, round_streams: bool = False) -> "Replicas":
+    async def start(cls, role: str, model_dir, count: int, round_calls: str = "unary") -> "Replicas":
         servers, addresses = {}, {}
         for index in range(count):
             server, port = await start_model_server(role, make_engine(model_dir, role_name=role))
             servers[f"{role}-{index}"], addresses[f"{role}-{index}"] = server, f"127.0.0.1:{port}"
-        replicas = cls(role, servers, addresses, round_streams)
+        replicas = cls(role, servers, addresses, round_calls)
         await replicas.pool.wait_serving(count, timeout=WORK_TIMEOUT_S)
         return replicas
 

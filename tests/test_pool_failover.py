@@ -40,12 +40,13 @@ class EveryAlternative(FixedLength):
         return replace(super().plan(ask), row_rate=0.0)  # any chance of a token is worth a row
 
 
-@pytest.mark.parametrize("alternatives, round_streams", [(False, False), (True, False), (False, True)],
-                         ids=["drafts", "drafts-and-alternatives", "drafts-on-round-streams"])
+@pytest.mark.parametrize("alternatives, round_calls", [(False, "unary"), (True, "unary"), (False, "stream"),
+                                                     (False, "batch")],
+                         ids=["drafts", "drafts-and-alternatives", "drafts-on-round-streams", "drafts-in-batches"])
 async def test_lost_target_and_draft_replicas_change_nothing(tiny_llama_dir, tiny_llama_perturbed_dir, alternatives,
-                                                             round_streams):
-    targets = await Replicas.start("target", tiny_llama_dir, 2, round_streams)
-    drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 2, round_streams)
+                                                             round_calls):
+    targets = await Replicas.start("target", tiny_llama_dir, 2, round_calls)
+    drafts = await Replicas.start("draft", tiny_llama_perturbed_dir, 2, round_calls)
     target, draft = PooledTargetClient(targets.pool), PooledDraftClient(drafts.pool)
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     prompt = ALTERNATIVES_PROMPT if alternatives else PROMPT

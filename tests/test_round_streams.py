@@ -22,7 +22,7 @@ from harness import TargetHold, load, make_engine, start_model_server, start_sta
 from orchestrator.decoding.request import LoopConfig
 from orchestrator.control.build import OrchestratorOptions, connect_backends
 from orchestrator.serving.clients import TargetClient, UpstreamError, open_channel
-from orchestrator.serving.round_streams import _broken_as_unavailable
+from orchestrator.serving.round_streams import broken_as_unavailable
 from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
 from specmesh.server.drain import drain_of
 from specmesh.server.grpc_server import INTERNAL_DETAILS_PREFIX
@@ -41,8 +41,8 @@ class CountedOpens:
     """The client's way of opening a round stream, counting the streams it opens."""
 
     def __init__(self, client):
-        self.opened, self._open = 0, client._open_call
-        client._open_call = self
+        self.opened, self._open = 0, client._open_stream
+        client._open_stream = self
 
     def __call__(self):
         self.opened += 1
@@ -88,7 +88,7 @@ async def test_greedy_output_over_unary_round_calls_is_the_targets_own(request, 
         assert last.stats.draft_tokens > 0 and not last.stats.draft_fallback
 
 
-@pytest.mark.parametrize("round_calls", ["unary", "stream"])
+@pytest.mark.parametrize("round_calls", ["unary", "stream", "batch"])
 async def test_the_orchestrators_clients_take_the_configured_round_calls(tiny_llama_dir, round_calls):
     draft, draft_port = await start_model_server("draft", make_engine(tiny_llama_dir, role_name="draft"))
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
@@ -96,14 +96,14 @@ async def test_the_orchestrators_clients_take_the_configured_round_calls(tiny_ll
         async with served_target(make_engine(tiny_llama_dir)) as (_, _, target_address):
             backends = await connect_backends(tokenizer, OrchestratorOptions(
                 target_address, f"127.0.0.1:{draft_port}", LoopConfig(round_calls=round_calls)))
-            assert backends.target.round_streams == backends.draft.round_streams == (round_calls == "stream")
+            assert backends.target.round_calls == backends.draft.round_calls == round_calls
     finally:
         await draft.stop(None)
 
 
 async def test_a_sessions_rounds_share_one_stream_and_are_answered_as_unary_calls(tiny_llama_dir):
     async with served_target(make_engine(tiny_llama_dir)) as (_, channel, _):
-        streamed, unary = TargetClient(channel, round_streams=True), TargetClient(channel)
+        streamed, unary = TargetClient(channel, round_calls="stream"), TargetClient(channel)
         opens = CountedOpens(streamed)
         by_stream = await verify_rounds(streamed, "streamed", 6)
         by_calls = await verify_rounds(unary, "unary", 6)
@@ -118,7 +118,7 @@ async def test_a_sessions_rounds_share_one_stream_and_are_answered_as_unary_call
 
 async def test_a_failed_message_ends_its_stream_only_and_the_next_round_opens_another(tiny_llama_dir):
     async with served_target(make_engine(tiny_llama_dir)) as (_, channel, _):
-        client, bystander = TargetClient(channel, round_streams=True), TargetClient(channel, round_streams=True)
+        client, bystander = TargetClient(channel, round_calls="stream"), TargetClient(channel, round_calls="stream")
         opens = CountedOpens(client)
         seen = (await verify_rounds(bystander, "bystander", 1))[0]
         opened = await client.open("bad", PROMPT_IDS, GREEDY, timeout=30)
@@ -140,7 +140,7 @@ async def test_undecodable_bytes_on_a_stream_are_invalid_argument_and_the_server
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call.read()
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in refused.value.details()
-        assert len(await verify_rounds(TargetClient(channel, round_streams=True), "after", 2)) == 2
+        assert len(await verify_rounds(TargetClient(channel, round_calls="stream"), "after", 2)) == 2
 
 
 async def committed_length(engine, request_id: str) -> int:
@@ -155,7 +155,7 @@ async def held_verification(model_dir, request_id: str, timeout: float):
     verification's task, its hold, the engine, the client's stream opens)."""
     engine = make_engine(model_dir)
     async with served_target(engine) as (_, channel, _):
-        client = TargetClient(channel, round_streams=True)
+        client = TargetClient(channel, round_calls="stream")
         opens = CountedOpens(client)
         hold = TargetHold(engine)  # the open's prefill runs; the verification after it is held
         opened = await client.open(request_id, PROMPT_IDS, GREEDY, timeout=30)
@@ -177,7 +177,7 @@ async def test_a_message_past_its_deadline_raises_deadline_exceeded_and_drops_th
 
 async def test_a_draining_target_serves_its_sessions_streams_until_they_close(tiny_llama_dir):
     async with served_target(make_engine(tiny_llama_dir)) as (server, channel, _):
-        client = TargetClient(channel, round_streams=True)
+        client = TargetClient(channel, round_calls="stream")
         first = (await verify_rounds(client, "held", 1))[0]
         drain = drain_of(server)
         drain.begin(grace_s=60)
@@ -198,7 +198,7 @@ async def test_each_message_has_a_client_and_a_server_span_across_the_stream(tin
     server, port, _ = await create_server(make_engine(tiny_llama_dir), tracer_provider=provider)
     channel = open_channel(f"127.0.0.1:{port}")
     try:
-        await verify_rounds(TargetClient(channel, round_streams=True, tracer_provider=provider), "traced", 3)
+        await verify_rounds(TargetClient(channel, round_calls="stream", tracer_provider=provider), "traced", 3)
     finally:
         await channel.close()
         await server.stop(None)
@@ -214,8 +214,8 @@ async def test_round_streams_need_the_internal_token_like_every_call(tiny_llama_
     async with served_target(make_engine(tiny_llama_dir), internal_token="secret") as (_, bare, address):
         keyed = open_channel(address, interceptors=token_interceptors("secret"))
         try:
-            assert len(await verify_rounds(TargetClient(keyed, round_streams=True), "keyed", 2)) == 2
-            stranger = TargetClient(bare, round_streams=True)
+            assert len(await verify_rounds(TargetClient(keyed, round_calls="stream"), "keyed", 2)) == 2
+            stranger = TargetClient(bare, round_calls="stream")
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stranger.stub.VerifyRounds().read()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -238,9 +238,9 @@ async def test_a_cancelled_caller_drops_its_stream_so_its_answer_never_reaches_t
 def test_a_broken_stream_is_unavailable_but_a_services_own_internal_error_stays_internal():
     def error(code, details):
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
-    broken = _broken_as_unavailable(error(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    broken = broken_as_unavailable(error(grpc.StatusCode.INTERNAL, "Internal error from Core"))
     assert broken.code() == grpc.StatusCode.UNAVAILABLE and "Internal error from Core" in broken.details()
     own = error(grpc.StatusCode.INTERNAL, f"{INTERNAL_DETAILS_PREFIX}KeyError")
-    assert _broken_as_unavailable(own) is own
+    assert broken_as_unavailable(own) is own
     refused = error(grpc.StatusCode.INVALID_ARGUMENT, "position")
-    assert _broken_as_unavailable(refused) is refused
+    assert broken_as_unavailable(refused) is refused

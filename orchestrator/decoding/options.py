@@ -32,8 +32,9 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="BYTES", help="memory the suffix index of earlier requests may hold (oldest "
                                               "requests out first)")
     parser.add_argument("--round-calls", choices=ROUND_CALLS, default=LoopConfig.round_calls,
-                        help="stream: a session's rounds as messages on one bidirectional stream to each "
-                             "service; unary: a Propose and a Verify call a round (more overhead a round)")
+                        help="batch: every session's round to a replica as one message (the replica steps them "
+                             "together); stream: a session's rounds as messages on one bidirectional stream to "
+                             "each service; unary: a Propose and a Verify call a round (more overhead a round)")
     parser.add_argument("--decode-ahead", type=int, choices=range(MAX_DECODE_AHEAD + 1), default=LoopConfig.decode_ahead,
                         metavar="N", help="target-only rounds: the most tokens a Verify decodes after its next, as "
                                           "many as the measured call latency asks for; 0: one token a round")

@@ -11,7 +11,7 @@ from orchestrator.decoding.suffix_index import DEFAULT_MAX_BYTES
 from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.engine.sampling_params import SamplingParams
 
-ROUND_CALLS = ("unary", "stream")  # LoopConfig.round_calls
+ROUND_CALLS = ("unary", "stream", "batch")  # LoopConfig.round_calls
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,11 @@ class LoopConfig:
     prompt_lookup: bool = True
     suffix_index: bool = True
     suffix_index_bytes: int = DEFAULT_MAX_BYTES
-    # How a session's rounds reach the draft and target: "stream", a message each on one bidirectional
-    # stream per session and service, or "unary", a Propose and a Verify call each (dearer a round).
-    round_calls: str = "stream"
+    # How a session's rounds reach the draft and target: "batch", a part of one message that carries every
+    # session's round to a replica (orchestrator.serving.round_batches; the replica steps them together);
+    # "stream", a message each on one bidirectional stream per session and service; or "unary", a Propose
+    # and a Verify call each (dearer a round).
+    round_calls: str = "batch"
     # The most tokens a target-only round's Verify decodes after its next one, as many as the measured
     # call latency asks for (orchestrator.decoding.decode_ahead); 0: one token a round.
     decode_ahead: int = MAX_DECODE_AHEAD

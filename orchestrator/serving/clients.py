@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
+from orchestrator.serving.round_batches import RoundBatches
 from orchestrator.serving.round_streams import RoundStream
 from specmesh.errors import SpecmeshError
 from specmesh.engine.sampling_params import SamplingParams, sampling_to_pb
 from specmesh.server.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args,
                                       bearer_metadata, client_tls_from_args)
-from specmesh.server.telemetry import PROPOSE_ROUNDS, VERIFY_ROUNDS
+from specmesh.server.telemetry import PROPOSE_BATCHES, PROPOSE_ROUNDS, VERIFY_BATCHES, VERIFY_ROUNDS
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
@@ -46,20 +47,27 @@ def open_channel(endpoint: str, tls: TLSConfig | None = None,
     return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
 
 
-class _RoundsOnStreams:
-    """With round_streams, each session's rounds go on one stream (orchestrator.serving.round_streams)."""
+class _RoundCalls:
+    """How a session's rounds travel (LoopConfig.round_calls): a unary call each; a message on a stream of
+    the session's own (orchestrator.serving.round_streams); or a part of a batch that carries every
+    session's round to the replica in one message (orchestrator.serving.round_batches)."""
 
-    def __init__(self, open_call, method: str, round_streams: bool, tracer_provider: TracerProvider | None):
-        self._open_call, self._method = open_call, method
-        self.round_streams, self.tracer_provider = round_streams, tracer_provider
+    def __init__(self, open_stream, stream_method: str, open_batches, batch_type, batch_method: str,
+                 round_calls: str, tracer_provider: TracerProvider | None):
+        self._open_stream, self._stream_method = open_stream, stream_method
+        self.round_calls, self.tracer_provider = round_calls, tracer_provider
         self._streams: dict[str, RoundStream] = {}
+        self.batches = RoundBatches(open_batches, batch_type, batch_method, tracer_provider)
 
     async def _round(self, unary, request_id: str, request, timeout: float):
-        if not self.round_streams:
+        if self.round_calls == "batch":
+            return await self.batches.send(request, timeout)
+        if self.round_calls == "unary":
             return await unary(request, timeout=timeout)
         stream = self._streams.get(request_id)
         if stream is None:
-            stream = self._streams[request_id] = RoundStream(self._open_call, self._method, self.tracer_provider)
+            stream = self._streams[request_id] = RoundStream(self._open_stream, self._stream_method,
+                                                             self.tracer_provider)
         try:
             return await stream.send(request, timeout)
         except BaseException:
@@ -74,14 +82,15 @@ class _RoundsOnStreams:
 
 def client_options(round_calls: str, tracer_provider: TracerProvider | None) -> dict:
     """The Draft/TargetClient settings of a deployment whose LoopConfig.round_calls is `round_calls`."""
-    return dict(round_streams=round_calls == "stream", tracer_provider=tracer_provider)
+    return dict(round_calls=round_calls, tracer_provider=tracer_provider)
 
 
-class DraftClient(_RoundsOnStreams):
-    def __init__(self, channel: grpc.aio.Channel, round_streams: bool = False,
+class DraftClient(_RoundCalls):
+    def __init__(self, channel: grpc.aio.Channel, round_calls: str = "unary",
                  tracer_provider: TracerProvider | None = None):
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)
-        super().__init__(self.stub.ProposeRounds, PROPOSE_ROUNDS, round_streams, tracer_provider)
+        super().__init__(self.stub.ProposeRounds, PROPOSE_ROUNDS, self.stub.ProposeBatches, draft_pb2.ProposeBatch,
+                         PROPOSE_BATCHES, round_calls, tracer_provider)
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
@@ -114,11 +123,12 @@ class DraftClient(_RoundsOnStreams):
         await _close_quietly("draft", self.stub.CloseSession, request_id)
 
 
-class TargetClient(_RoundsOnStreams):
-    def __init__(self, channel: grpc.aio.Channel, round_streams: bool = False,
+class TargetClient(_RoundCalls):
+    def __init__(self, channel: grpc.aio.Channel, round_calls: str = "unary",
                  tracer_provider: TracerProvider | None = None):
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
-        super().__init__(self.stub.VerifyRounds, VERIFY_ROUNDS, round_streams, tracer_provider)
+        super().__init__(self.stub.VerifyRounds, VERIFY_ROUNDS, self.stub.VerifyBatches, target_pb2.VerifyBatch,
+                         VERIFY_BATCHES, round_calls, tracer_provider)
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)

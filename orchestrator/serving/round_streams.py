@@ -58,11 +58,11 @@ def _as_call_error(error: BaseException, timeout: float) -> BaseException:
         return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                     details=f"no response within {timeout:g} s")
     if isinstance(error, grpc.aio.AioRpcError):
-        return _broken_as_unavailable(error)
+        return broken_as_unavailable(error)
     return error
 
 
-def _broken_as_unavailable(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+def broken_as_unavailable(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
     """A stream that broke under the message (its replica stopped) can surface as grpc's own INTERNAL; a call
     to a lost replica is UNAVAILABLE, which failover acts on. The servers' own INTERNAL errors stay INTERNAL."""
     if error.code() != grpc.StatusCode.INTERNAL or (error.details() or "").startswith(INTERNAL_DETAILS_PREFIX):
@@ -75,14 +75,14 @@ async def _exchange(call: grpc.aio.StreamStreamCall, request: Message) -> Messag
     try:
         await call.write(request)
     except asyncio.InvalidStateError:  # the stream has ended: its status says why
-        raise await _ended(call) from None
+        raise await ended_error(call) from None
     response = await call.read()
     if response is grpc.aio.EOF:
-        raise await _ended(call)
+        raise await ended_error(call)
     return response
 
 
-async def _ended(call: grpc.aio.StreamStreamCall) -> grpc.aio.AioRpcError:
+async def ended_error(call: grpc.aio.StreamStreamCall) -> grpc.aio.AioRpcError:
     """The error a unary call would have raised, from the finished stream's status."""
     code = await call.code()
     if code == grpc.StatusCode.OK:  # a server ends a session's stream only by failing it

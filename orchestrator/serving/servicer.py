@@ -21,6 +21,7 @@ from orchestrator.decoding.policy import Speculation
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, LoopStats, SpeculationSwitch
 from orchestrator.decoding.pipelined import PipelinedGeneration
+from orchestrator.serving.run_ahead import run_ahead
 from orchestrator.decoding.suffix_index import SuffixIndex
 from orchestrator.serving.choices import interleave
 from orchestrator.serving.finish_reasons import FINISH_REASON_NAMES
@@ -123,10 +124,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _stream(self, checked: GenerationRequest, generation: SpeculativeGeneration,
                       recorder: RequestRecorder, started: float):
         detokenizer = IncrementalDetokenizer(self.tokenizer, checked.prompt_token_ids, checked.stop)
-        first_token_at, completion_tokens = None, 0
-        async with contextlib.aclosing(generation.tokens()) as batches:
+        first_token_at, completion_tokens, generated = None, 0, 0
+        async with contextlib.aclosing(run_ahead(generation.tokens())) as batches:
             async for batch in batches:
                 now = time.monotonic()
+                generated += len(batch)  # the rounds may have run on past this batch meanwhile
                 text, consumed = detokenizer.add(batch)
                 batch = batch[:consumed]
                 completion_tokens += len(batch)
@@ -138,7 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 response = generation_pb2.GenerateResponse(
                     request_id=checked.request_id, token_ids=batch, text=text,
                     logprobs=generation.logprobs[completion_tokens - len(batch):completion_tokens])
-                finish = self._finish_reason(generation, detokenizer, batch)
+                finish = self._finish_reason(generation, detokenizer, batch, generated)
                 if finish:
                     response.text += detokenizer.finish()
                     response.finish_reason = finish
@@ -152,10 +154,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 yield response
 
     def _finish_reason(self, generation: SpeculativeGeneration, detokenizer: IncrementalDetokenizer,
-                       batch: list[int]) -> int:
+                       batch: list[int], generated: int) -> int:
+        """generated: tokens the rounds committed up to and with `batch`."""
         if detokenizer.stopped or any(t in self.backends.eos_token_ids for t in batch):
             return generation_pb2.FINISH_REASON_STOP
-        if generation.generated >= generation.request.max_tokens:
+        if generated >= generation.request.max_tokens:
             return generation_pb2.FINISH_REASON_LENGTH
         return generation_pb2.FINISH_REASON_UNSPECIFIED
 

@@ -148,6 +148,16 @@ class StepScheduler:
     async def submit(self, key: str | None, job: Job) -> Any:
         return await self._enqueue(_Work(key, job, None, concurrent.futures.Future()))
 
+    def submit_all(self, keyed_jobs) -> list[asyncio.Future]:
+        """Jobs that board the same step: all enter the inbox at once; one future each, in order."""
+        works = [_Work(key, job, None, concurrent.futures.Future()) for key, job in keyed_jobs]
+        with self._wakeup:
+            if self._stopping:
+                raise RuntimeError("the model worker has stopped")
+            self._inbox.extend(works)
+            self._wakeup.notify()
+        return [asyncio.wrap_future(work.future) for work in works]
+
     async def call(self, fn: Callable[..., Any], *args, key: str | None = None) -> Any:
         """Run fn(*args) on the worker between steps (after the session's earlier jobs)."""
         return await self._enqueue(_Work(key, None, lambda: fn(*args), concurrent.futures.Future()))

@@ -124,6 +124,10 @@ class ModelEngine:
         """Run a job (a generator of Feeds, specmesh.engine.batching) for the session; its result."""
         return await self.scheduler.submit(session.request_id, job)
 
+    def submit_all(self, jobs) -> list:
+        """Jobs of several sessions ((session, job) pairs) that board the same step; a future for each."""
+        return self.scheduler.submit_all([(session.request_id, job) for session, job in jobs])
+
     def feed(self, session: Session, token_ids: Sequence[int], keep_rows: int | None = None,
              chunkable: bool = False, parents: tuple[int, ...] = ()) -> Generator[Feed, Any, tuple[torch.Tensor, int]]:
         """In a job: feed token_ids after the cache in the next step, as a chain or as the tree `parents`

@@ -34,6 +34,7 @@ from specmesh.server.wrapped_handlers import WrappedHandlers
 log = logging.getLogger(__name__)
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 STOP_MARGIN_S = 5.0  # beyond the grace: cut-off calls unwind, servers close, the process exits
+BATCH_STREAMS = "Batches"  # VerifyBatches, ProposeBatches: many sessions' rounds on one long-lived stream
 REFUSED_MESSAGE = "server is shutting down; send new requests to another replica"
 _POLL_S = 0.05  # how often the drain looks at the work it waits for
 
@@ -161,6 +162,10 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+        if handler.stream_stream is not None and method.endswith(BATCH_STREAMS):
+            # shared by every session of an orchestrator and open while it serves: its batches are the
+            # work in flight, counted by its handler (specmesh.server.batches, a Drain's waits_for)
+            return handler._replace(stream_stream=self._wrap_untracked(handler.stream_stream, method))
         if handler.stream_stream is not None:  # a session's rounds: in flight while the stream is open
             return handler._replace(stream_stream=self._wrap_stream(handler.stream_stream, method))
         return handler
@@ -171,6 +176,13 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
             async with self.drain.track():
                 return await behaviour(request, context)
         return unary_unary
+
+    def _wrap_untracked(self, behaviour, method: str):
+        async def streaming(request_iterator, context):
+            self.drain.check_admitted(method)
+            async for response in behaviour(request_iterator, context):
+                yield response
+        return streaming
 
     def _wrap_stream(self, behaviour, method: str):
         async def streaming(request_or_iterator, context):

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # A session's rounds on one stream get spans per message instead of one per stream (client_message_span).
 VERIFY_ROUNDS = "/specmesh.v1.TargetService/VerifyRounds"
 PROPOSE_ROUNDS = "/specmesh.v1.DraftService/ProposeRounds"
+# Many sessions' rounds on one stream: a span per part (specmesh.server.batches), none per stream.
+VERIFY_BATCHES = "/specmesh.v1.TargetService/VerifyBatches"
+PROPOSE_BATCHES = "/specmesh.v1.DraftService/ProposeBatches"
 # request field -> client span attribute, for whichever request has the field
 _FIELDS = {"request_id": "specmesh.request_id", "round": "specmesh.round", "position": "specmesh.position",
            "num_tokens": "specmesh.num_tokens"}
@@ -46,7 +49,8 @@ def untraced():
     return filters.negate(filters.any_of(filters.service_name("grpc.health.v1.Health"),
                                          filters.service_prefix("grpc.reflection"),
                                          *(filters.method_name(method.rsplit("/", 1)[1])
-                                           for method in (VERIFY_ROUNDS, PROPOSE_ROUNDS))))
+                                           for method in (VERIFY_ROUNDS, PROPOSE_ROUNDS, VERIFY_BATCHES,
+                                                          PROPOSE_BATCHES))))
 
 
 def _span_exporter(name: str) -> SpanExporter | None:

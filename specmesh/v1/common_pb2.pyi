@@ -146,3 +146,11 @@ class StepCost(_message.Message):
     rows: int
     seconds: float
     def __init__(self, rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class PartStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

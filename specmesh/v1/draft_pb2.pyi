@@ -125,3 +125,29 @@ class DraftBranch(_message.Message):
     planned_accepted_counts: _containers.RepeatedScalarFieldContainer[int]
     planned_next_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., planned_accepted_counts: _Optional[_Iterable[int]] = ..., planned_next_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeBatch(_message.Message):
+    __slots__ = ("batch_id", "parts")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    parts: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposePart(_message.Message):
+    __slots__ = ("index", "response", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    response: ProposeResponse
+    error: _common_pb2.PartStatus
+    def __init__(self, index: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.PartStatus, _Mapping]] = ...) -> None: ...
+
+class ProposeBatchResult(_message.Message):
+    __slots__ = ("batch_id", "parts")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    parts: _containers.RepeatedCompositeFieldContainer[ProposePart]
+    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ProposePart, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class DraftServiceStub:
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeBatches = channel.stream_stream(
+                '/specmesh.v1.DraftService/ProposeBatches',
+                request_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeBatchResult.FromString,
+                _registered_method=True)
         self.PreDraft = channel.unary_stream(
                 '/specmesh.v1.DraftService/PreDraft',
                 request_serializer=specmesh_dot_v1_dot_draft__pb2.PreDraftRequest.SerializeToString,
@@ -90,6 +95,19 @@ class DraftServiceServicer:
         response per request, in order, each answered as Propose answers it. A
         request that fails ends the stream with its status (the caller opens a
         new one); a draining server ends it before the next request, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeBatches(self, request_iterator, context):
+        """Bidirectional. Many sessions' proposals, one batch a message: every part
+        is submitted at once, so the parts draft in the same forward steps, each
+        answered as Propose answers it. A result message carries the parts that
+        finished together (a part asking fewer tokens finishes first); several
+        batches may be in flight on one stream. A part that fails gets its own
+        PartStatus; the others are unaffected. A draining server ends the stream
+        UNAVAILABLE once its batches in flight are answered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +160,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.ProposeRounds,
                     request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeBatches,
+                    request_deserializer=specmesh_dot_v1_dot_draft__pb2.ProposeBatch.FromString,
+                    response_serializer=specmesh_dot_v1_dot_draft__pb2.ProposeBatchResult.SerializeToString,
             ),
             'PreDraft': grpc.unary_stream_rpc_method_handler(
                     servicer.PreDraft,
@@ -240,6 +263,33 @@ class DraftService:
             '/specmesh.v1.DraftService/ProposeRounds',
             specmesh_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specmesh_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.DraftService/ProposeBatches',
+            specmesh_dot_v1_dot_draft__pb2.ProposeBatch.SerializeToString,
+            specmesh_dot_v1_dot_draft__pb2.ProposeBatchResult.FromString,
             options,
             channel_credentials,
             insecure,

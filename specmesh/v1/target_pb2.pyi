@@ -114,3 +114,29 @@ class VerifyResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     after_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyBatch(_message.Message):
+    __slots__ = ("batch_id", "parts")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    parts: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyPart(_message.Message):
+    __slots__ = ("index", "response", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    response: VerifyResponse
+    error: _common_pb2.PartStatus
+    def __init__(self, index: _Optional[int] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.PartStatus, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchResult(_message.Message):
+    __slots__ = ("batch_id", "parts")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    parts: _containers.RepeatedCompositeFieldContainer[VerifyPart]
+    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[VerifyPart, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class TargetServiceStub:
                 request_serializer=specmesh_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatches = channel.stream_stream(
+                '/specmesh.v1.TargetService/VerifyBatches',
+                request_serializer=specmesh_dot_v1_dot_target__pb2.VerifyBatch.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyBatchResult.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specmesh.v1.TargetService/CloseSession',
                 request_serializer=specmesh_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -92,6 +97,20 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyBatches(self, request_iterator, context):
+        """Bidirectional. Many sessions' rounds, one batch a message: every part of
+        a batch is submitted to the model at once, so they are verified in the
+        same forward (as far as the step's row cap allows), each answered as
+        Verify answers it. A result message carries the parts that finished
+        together (a part that decodes ahead finishes steps after the rest);
+        several batches may be in flight on one stream. A part that fails gets
+        its own PartStatus; the others are unaffected. A draining server ends
+        the stream UNAVAILABLE once its batches in flight are answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Unary. Free a session and its KV cache.
         """
@@ -123,6 +142,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.VerifyRounds,
                     request_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatches': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyBatches,
+                    request_deserializer=specmesh_dot_v1_dot_target__pb2.VerifyBatch.FromString,
+                    response_serializer=specmesh_dot_v1_dot_target__pb2.VerifyBatchResult.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -216,6 +240,33 @@ class TargetService:
             '/specmesh.v1.TargetService/VerifyRounds',
             specmesh_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specmesh_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatches(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specmesh.v1.TargetService/VerifyBatches',
+            specmesh_dot_v1_dot_target__pb2.VerifyBatch.SerializeToString,
+            specmesh_dot_v1_dot_target__pb2.VerifyBatchResult.FromString,
             options,
             channel_credentials,
             insecure,

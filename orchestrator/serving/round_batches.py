@@ -1,0 +1,147 @@
+"""Every session's rounds to one replica, one message a batch (VerifyBatches, ProposeBatches).
+
+Each session's loop asks for its round as it would with a unary call (`RoundBatches.send`); the parts
+asked for while the orchestrator's event loop works through one wake-up (a target's answers release
+many sessions at once; each commits and plans its next round) go out together once it goes quiet
+(specmesh.gathering), as one message on one stream per replica. The replica submits them to its model
+at once, so they share its steps; each part comes back as soon as it is done.
+
+A part keeps the unary call's contract: its own deadline (DEADLINE_EXCEEDED), its own status when
+it fails (the replica's error for that part only), a client span per part. A stream that fails or
+ends fails every part in flight on it, UNAVAILABLE where it broke (the replica stopped), so each
+session fails over on its own; the next batch opens a new stream. A part whose caller was cancelled
+before its batch went out is not sent; one cancelled after has its answer dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+from google.protobuf.message import Message
+
+from orchestrator.serving.round_streams import broken_as_unavailable, ended_error
+from specmesh.gathering import WhenQuiet
+from specmesh.server.telemetry import client_message_span
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class RoundBatches:
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], batch_type: type[Message], method: str,
+                 tracer_provider: TracerProvider | None = None):
+        self._open_call = open_call
+        self.batch_type = batch_type
+        self.method = method
+        self.tracer_provider = tracer_provider
+        self._pending: list[tuple[Message, asyncio.Future]] = []  # parts for the next batch
+        self._quiet: WhenQuiet | None = None  # made in the event loop, at the first part
+        self._stream: _BatchStream | None = None
+        self._batch_ids = itertools.count(1)
+        self.batches_sent = 0
+
+    async def send(self, request: Message, timeout: float) -> Message:
+        """The part's response, as its unary call would give it; raises AioRpcError as that call would."""
+        with client_message_span(self.tracer_provider, self.method, request):
+            future = asyncio.get_running_loop().create_future()
+            self._pending.append((request, future))
+            if self._quiet is None:
+                self._quiet = WhenQuiet(self._flush)
+            self._quiet.added()
+            try:
+                async with asyncio.timeout(timeout):
+                    return await future
+            except TimeoutError:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), details=f"no response within {timeout:g} s") from None
+
+    def end(self) -> None:
+        """Stop the stream; parts in flight fail UNAVAILABLE (a replica being forgotten)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+
+    def _flush(self) -> None:
+        parts = [(request, future) for request, future in self._pending if not future.done()]
+        self._pending = []
+        if not parts:
+            return
+        if self._stream is None or self._stream.ended:
+            self._stream = _BatchStream(self._open_call())
+        batch_id = next(self._batch_ids)
+        self._stream.send(self.batch_type(batch_id=batch_id, parts=[request for request, _ in parts]),
+                          [future for _, future in parts])
+        self.batches_sent += 1
+
+
+class _BatchStream:
+    """One open VerifyBatches/ProposeBatches call: a writer and a reader task, the batches in flight."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall):
+        self.call = call
+        self.ended = False
+        self._waiting: dict[int, list[asyncio.Future | None]] = {}  # batch id -> its parts' futures
+        self._outbox: asyncio.Queue[Message] = asyncio.Queue()
+        self._writer = asyncio.ensure_future(self._write())
+        self._reader = asyncio.ensure_future(self._read())
+
+    def send(self, batch: Message, futures: list[asyncio.Future]) -> None:
+        self._waiting[batch.batch_id] = list(futures)
+        self._outbox.put_nowait(batch)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self._outbox.get())
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # the stream ended: the reader says why
+            pass
+
+    async def _read(self) -> None:
+        try:
+            async for result in self.call:
+                self._deliver(result)
+            error = await ended_error(self.call)
+        except grpc.aio.AioRpcError as failed:
+            error = broken_as_unavailable(failed)
+        except asyncio.CancelledError:
+            error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                         details="the batch stream was stopped")
+        self._end(error)
+
+    def _deliver(self, result: Message) -> None:
+        futures = self._waiting.get(result.batch_id)
+        if futures is None:
+            return
+        for part in result.parts:
+            future = futures[part.index] if part.index < len(futures) else None
+            if future is None:
+                continue
+            futures[part.index] = None
+            if future.done():  # its caller gave up (deadline, cancellation)
+                continue
+            if part.HasField("error"):
+                future.set_exception(grpc.aio.AioRpcError(
+                    _CODES.get(part.error.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(), grpc.aio.Metadata(),
+                    details=part.error.message))
+            else:
+                future.set_result(part.response)
+        if all(future is None for future in futures):
+            del self._waiting[result.batch_id]
+
+    def _end(self, error: grpc.aio.AioRpcError) -> None:
+        """Every part still in flight fails with the stream's error; the next batch opens a new stream."""
+        self.ended = True
+        self._writer.cancel()
+        for futures in self._waiting.values():
+            for future in futures:
+                if future is not None and not future.done():
+                    future.set_exception(error)
+        self._waiting.clear()

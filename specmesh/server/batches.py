@@ -1,0 +1,165 @@
+"""Batch streams (VerifyBatches, ProposeBatches): many sessions' rounds, one message a batch.
+
+An orchestrator sends every session's part of a round to a replica in one message. The parts are
+checked one by one (a bad part gets its own status, as its unary call would), then handed to the model
+worker together (ModelEngine.submit_all), so they board the same step: the service steps what it is
+sent and guesses nothing about when the rest of a batch would come. Each part is answered as soon as
+it is done, and the parts done together go out in one result message (specmesh.gathering); several
+batches may be in flight on one stream.
+
+The stream is long-lived and shared by every session of its orchestrator, so a drain does not wait for
+it, only for its batches in flight (`BatchAnswers.in_flight`, a Drain's waits_for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+
+import grpc
+from google.protobuf.message import Message
+from opentelemetry import propagate, trace
+
+from specmesh.errors import SpecmeshError
+from specmesh.gathering import WhenQuiet
+from specmesh.server.grpc_server import INTERNAL_DETAILS_PREFIX
+from specmesh.server.telemetry import tracer
+from specmesh.v1 import common_pb2
+
+if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
+    from opentelemetry.sdk.trace import TracerProvider
+
+log = logging.getLogger(__name__)
+
+# A part checked and ready to run (a session and its job, specmesh.engine.batching), or its error.
+Prepare = Callable[[Message], Any]
+SubmitAll = Callable[[Sequence[Any]], Sequence[asyncio.Future]]
+Respond = Callable[[Message, Any], Message]  # (the part's request, its result) -> its response
+
+
+def part_status(error: BaseException) -> common_pb2.PartStatus:
+    """The status a part's own call would have ended with: a domain error's code, anything else INTERNAL."""
+    if isinstance(error, SpecmeshError):
+        return common_pb2.PartStatus(code=error.code.value[0], message=str(error))
+    if isinstance(error, asyncio.CancelledError):
+        return common_pb2.PartStatus(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled")
+    log.error("unexpected error in a batch part", exc_info=error)
+    return common_pb2.PartStatus(code=grpc.StatusCode.INTERNAL.value[0],
+                                 message=f"{INTERNAL_DETAILS_PREFIX}{type(error).__name__}")
+
+
+class BatchAnswers:
+    """Answers one service's batch streams: `answer(requests)` is a handler's body."""
+
+    def __init__(self, method: str, prepare: Prepare, submit_all: SubmitAll, respond: Respond,
+                 result_type: type[Message], part_type: type[Message],
+                 tracer_provider: TracerProvider | None = None):
+        self.method = method
+        self.prepare, self.submit_all, self.respond = prepare, submit_all, respond
+        self.result_type, self.part_type = result_type, part_type
+        self.tracer_provider = tracer_provider
+        self.in_flight = 0  # parts submitted and not answered yet, over every stream
+
+    async def answer(self, requests: AsyncIterator[Message]) -> AsyncIterator[Message]:
+        stream = _Stream(self)
+        reading = asyncio.ensure_future(stream.read(requests))
+        try:
+            while (result := await stream.results.get()) is not None:
+                yield result
+            await reading  # a request that did not decode ends the stream with its error
+        finally:
+            reading.cancel()
+            stream.abandon()
+
+
+class _Stream:
+    """One batch stream: its batches in flight and the results ready to go out."""
+
+    def __init__(self, answers: BatchAnswers):
+        self.answers = answers
+        self.results: asyncio.Queue[Message | None] = asyncio.Queue()  # None: nothing more will come
+        self._done: dict[int, list[Message]] = {}  # batch id -> parts answered since the last flush
+        self._open_parts = 0
+        self._reading = True
+        self._futures: set[asyncio.Future] = set()
+        self._quiet = WhenQuiet(self._flush)
+
+    async def read(self, requests: AsyncIterator[Message]) -> None:
+        try:
+            async for batch in requests:
+                self._start(batch)
+        finally:
+            self._reading = False
+            self._end_if_done()
+
+    def _start(self, batch: Message) -> None:
+        ready, failed = [], []
+        for index, part in enumerate(batch.parts):
+            try:
+                ready.append((index, part, self.answers.prepare(part)))
+            except Exception as error:  # noqa: BLE001 - the part's own status
+                failed.append((index, error))
+        futures = self.answers.submit_all([job for _, _, job in ready]) if ready else []
+        self._open_parts += len(batch.parts)
+        self.answers.in_flight += len(batch.parts)
+        for index, error in failed:
+            self._finish(batch.batch_id, index, error=error)
+        for (index, part, _), future in zip(ready, futures):
+            span = self._span(part)
+            self._futures.add(future)
+            future.add_done_callback(lambda done, i=index, p=part, s=span: self._answered(batch.batch_id, i, p, s, done))
+
+    def _span(self, part: Message) -> trace.Span | None:
+        provider = self.answers.tracer_provider
+        if provider is None:  # tracing off: no span, the carried context is not even parsed
+            return None
+        context = propagate.extract(dict(part.trace_context))
+        return tracer(provider).start_span(self.answers.method, context=context, kind=trace.SpanKind.SERVER)
+
+    def _answered(self, batch_id: int, index: int, part: Message, span: trace.Span | None,
+                  future: asyncio.Future) -> None:
+        self._futures.discard(future)
+        failed = asyncio.CancelledError() if future.cancelled() else future.exception()
+        if failed is not None:
+            if span is not None:
+                span.end()
+            self._finish(batch_id, index, error=failed)
+            return
+        # in the part's span, so that the response's annotations (forward ns, accepted) land on it
+        with trace.use_span(span, end_on_exit=True) if span is not None else contextlib.nullcontext():
+            try:
+                response = self.answers.respond(part, future.result())
+            except Exception as error:  # noqa: BLE001 - the part's own status
+                self._finish(batch_id, index, error=error)
+                return
+        self._finish(batch_id, index, response=response)
+
+    def _finish(self, batch_id: int, index: int, response: Message | None = None,
+                error: BaseException | None = None) -> None:
+        part = self.answers.part_type(index=index)
+        if error is not None:
+            part.error.CopyFrom(part_status(error))
+        else:
+            part.response.CopyFrom(response)
+        self._done.setdefault(batch_id, []).append(part)
+        self._open_parts -= 1
+        self.answers.in_flight -= 1
+        self._quiet.added()
+
+    def _flush(self) -> None:
+        done, self._done = self._done, {}
+        for batch_id, parts in done.items():
+            self.results.put_nowait(self.answers.result_type(batch_id=batch_id, parts=parts))
+        self._end_if_done()
+
+    def _end_if_done(self) -> None:
+        if not self._reading and self._open_parts == 0 and not self._done:
+            self.results.put_nowait(None)
+
+    def abandon(self) -> None:
+        """The stream ended early (cancelled, failed): its parts' answers have nowhere to go."""
+        for future in list(self._futures):
+            future.cancel()  # the job itself runs on (a session's state moves only on the worker)
+        self._futures.clear()
