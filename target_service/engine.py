@@ -112,7 +112,6 @@ class TargetEngine:
         position: int,
         draft_token_ids: Sequence[int],
         draft_distributions: Sequence[common_pb2.TokenDistribution],
-        from_draft_model: bool = True,
         alternatives: Sequence[target_pb2.DraftAlternative] = (),
         decode_ahead: int = 0,
     ) -> Verification:
@@ -124,10 +123,6 @@ class TargetEngine:
         if not self.engine.verifies_trees:
             checked = []  # verified as drafts alone: an alternative only ever adds a chance
         session.enter_round(round_number)
-        # A round that drafted will most likely draft again: its next Verify follows a draft round, and
-        # steps (a prefill chunk above all) should not wait for it (specmesh.engine.batching). Prompt lookup's
-        # tokens come from the orchestrator itself: the next Verify comes at once, as after a decode step.
-        session.back_soon = not draft_token_ids or not from_draft_model
         return await self.engine.submit(
             session, self._verify(session, list(draft_token_ids), draft_distributions, checked, decode_ahead))
 
