@@ -87,11 +87,6 @@ class DraftEngine:
         state: DraftState = session.ahead
         state.calls += 1  # read by a pre-draft between its forward steps
         session.enter_round(round_number)
-        # Its next call follows the target's verification of this round: steps do not wait for it
-        # as for a call on its way, only a moment when drafts released together arrive apart
-        # (specmesh.engine.batching, stragglers); stepped one step behind the rest, a request's draft
-        # reached the target a draft step late and waited a whole target step of its own.
-        session.back_soon = False
         return session, state.calls
 
     def _apply_commit(self, session: Session, commit: CommitSpec, then: Sequence[int] = ()) -> None:

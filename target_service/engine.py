@@ -106,14 +106,13 @@ class TargetEngine:
         return sample_token(logits_to_probs(logits, session.sampling)[0], session.generator)
 
     async def verify(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
-                     draft_distributions: Sequence[common_pb2.TokenDistribution], from_draft_model: bool = True,
+                     draft_distributions: Sequence[common_pb2.TokenDistribution],
                      alternatives: Sequence[target_pb2.DraftAlternative] = (), decode_ahead: int = 0) -> Verification:
         return await self.engine.submit(*self.verification(
-            request_id, round_number, position, draft_token_ids, draft_distributions, from_draft_model,
-            alternatives, decode_ahead))
+            request_id, round_number, position, draft_token_ids, draft_distributions, alternatives, decode_ahead))
 
     def verification(self, request_id: str, round_number: int, position: int, draft_token_ids: Sequence[int],
-                     draft_distributions: Sequence[common_pb2.TokenDistribution], from_draft_model: bool = True,
+                     draft_distributions: Sequence[common_pb2.TokenDistribution],
                      alternatives: Sequence[target_pb2.DraftAlternative] = (), decode_ahead: int = 0):
         """A round's request checked -> (its session, the job that verifies it -> Verification), for
         ModelEngine.submit, or submit_all with the other parts of a batch. Raises on a bad request."""
@@ -125,10 +124,6 @@ class TargetEngine:
         if not self.engine.verifies_trees:
             checked = []  # verified as drafts alone: an alternative only ever adds a chance
         session.enter_round(round_number)
-        # A round that drafted will most likely draft again: its next Verify follows a draft round, and
-        # steps (a prefill chunk above all) should not wait for it (specmesh.engine.batching). Prompt lookup's
-        # tokens come from the orchestrator itself: the next Verify comes at once, as after a decode step.
-        session.back_soon = not draft_token_ids or not from_draft_model
         return session, self._verify(session, list(draft_token_ids), draft_distributions, checked, decode_ahead)
 
     def _check_draft(self, session: Session, position: int, draft_token_ids: Sequence[int],

@@ -62,9 +62,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     def _verification(self, request: target_pb2.VerifyRequest):
         """(session, job) of a checked Verify (TargetEngine.verification)."""
+        _check_draft_source(request.draft_source)
         return self.engine.verification(request.request_id, request.round, request.position,
                                         list(request.draft_token_ids), list(request.draft_distributions),
-                                        from_draft_model=_from_draft_model(request.draft_source),
                                         alternatives=list(request.alternatives), decode_ahead=request.decode_ahead)
 
     def _verify_response(self, request: target_pb2.VerifyRequest, result: Verification) -> target_pb2.VerifyResponse:
@@ -84,8 +84,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return self.engine.engine.describe()
 
 
-def _from_draft_model(source: int) -> bool:
-    """VerifyRequest.draft_source: whether the tokens came from the draft model (unset: they did)."""
+def _check_draft_source(source: int) -> None:
+    """VerifyRequest.draft_source names where the tokens came from; the target steps them alike, but an
+    unknown source is a caller's mistake, refused like any other bad field."""
     if source not in target_pb2.DraftSource.values():
         raise InvalidArgument("draft_source", f"unknown draft source {source}")
-    return source not in (target_pb2.DRAFT_SOURCE_PROMPT_LOOKUP, target_pb2.DRAFT_SOURCE_SUFFIX_INDEX)

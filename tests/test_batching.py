@@ -16,7 +16,6 @@ from engine_helpers import next_logits_fresh, session_over
 from harness import eventually, load, make_engine, start_stack
 from parity import target_greedy
 from specmesh.engine.batching import Part
-from specmesh.engine.sampling_params import SamplingParams
 from benchmarks.tiny_models import TINY_PROMPTS
 
 MAX_ABS_LOGIT_DELTA = 1e-4  # fp32: batched kernels reorder sums, nothing more (measured 6.2e-6: docs/design/continuous-batching.md)
@@ -83,31 +82,18 @@ def test_a_step_that_fails_midway_leaves_every_cache_as_it_was(tiny_llama_dir, d
         assert (after[0] - next_logits_fresh(engine, seq + [7])).abs().max() < MAX_ABS_LOGIT_DELTA
 
 
-async def test_steps_wait_only_for_sessions_that_come_back_at_once(tiny_llama_dir, device):
-    """A target session whose round drafted comes back after a draft round: a step (one with a prefill
-    chunk above all) does not wait for it; one that decoded target-only comes back a round trip later."""
-    from target_service.engine import TargetEngine
-    target = TargetEngine(make_engine(tiny_llama_dir, device))
-    await target.open("s", [5, 6, 7], SamplingParams(0.0))
-    session, expected = target.engine.get("s"), target.engine._recently_active
-    assert "s" in expected()
-    await target.verify("s", 1, len(session.token_ids), [9, 10], [])  # drafted
-    assert "s" not in expected()
-    await target.verify("s", 2, len(session.token_ids), [], [])  # target-only
-    assert "s" in expected()
-    await target.verify("s", 3, len(session.token_ids), [9, 10], [], from_draft_model=False)  # prompt lookup's
-    assert "s" in expected()  # the orchestrator sends the next round at once: no draft round between
-
-
-async def test_a_draft_session_is_away_while_its_round_verifies(tiny_llama_dir, device):
-    """After a Propose the request goes to the target: the draft's steps do not wait for it as for a call
-    on its way, only a moment as a straggler (drafts released together arrive a few ms apart)."""
-    from draft_service.engine import DraftEngine
-    draft = DraftEngine(make_engine(tiny_llama_dir, device))
-    await draft.open("s", [5, 6, 7], SamplingParams(0.0))
-    session = draft.engine.get("s")
-    await draft.propose("s", 1, None, len(session.token_ids), 2)
-    assert "s" not in draft.engine._recently_active() and "s" in draft.engine._away()
+async def test_a_batch_given_to_the_engine_runs_as_one_ragged_step(tiny_llama_dir, device):
+    """ModelEngine.submit_all: a part per session boards one step, and each session gets its own logits."""
+    engine = make_engine(tiny_llama_dir, device)
+    sequences = [list(range(5, 30)), list(range(40, 47)), list(range(60, 70))]
+    sessions = [session_over(engine, seq, len(seq) - 1) for seq in sequences]
+    stepped = []
+    engine.scheduler.observers.append(lambda parts, ns: stepped.append([part.session.request_id for part in parts]))
+    futures = engine.submit_all([(session, engine.feed_tail(session, [7], keep_rows=1)) for session in sessions])
+    results = await asyncio.wait_for(asyncio.gather(*futures), 60)
+    assert stepped == [[session.request_id for session in sessions]]
+    for seq, (logits, _) in zip(sequences, results):
+        assert (logits[0] - next_logits_fresh(engine, seq + [7])).abs().max() < MAX_ABS_LOGIT_DELTA
 
 
 @pytest.mark.parametrize("cpu_linear", ["torch", "onednn"])

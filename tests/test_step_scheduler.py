@@ -134,23 +134,10 @@ def chunk_steps(steps: Steps, prefill_key: str = "p") -> list[bool]:
     return [any(name == prefill_key for name, _ in step) for step in steps.log]
 
 
-async def test_a_chunk_waits_for_a_late_stream_for_at_most_max_prefill_skips_steps():
-    """A stream expected soon that is not here yet: a step that carried a chunk would make it wait for
-    that step and then for its own, so chunks wait, but never more than two steps in a row."""
+async def test_a_chunk_rides_every_step_beside_the_streams():
+    """The worker steps what it has: a chunk goes in within the planner's allowance, never held back for a stream."""
     steps = Steps()
-    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 4, min_prefill_chunk=1),
-                           expected_sessions=lambda: ["a", "late", "p"], max_prefill_skips=2)
-    prompt = list(range(100, 112))  # 12 rows: three chunks of 4
-    decoded, first = await steps_of(worker, {"a": decode(session("a"), 9), "p": prefill_job(session("p"), prompt)})
-    assert first == 111 and decoded == list(range(9))
-    assert chunk_steps(steps) == [False, False, True] * 3
-    worker.stop()
-
-
-async def test_a_chunk_rides_every_step_while_every_expected_stream_is_aboard():
-    steps = Steps()
-    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 4, min_prefill_chunk=1),
-                           expected_sessions=lambda: ["a", "b", "p"])
+    worker = scheduler(steps, chunk=4)
     prompt = list(range(100, 112))
     await steps_of(worker, {"a": decode(session("a"), 4), "b": decode(session("b"), 4),
                             "p": prefill_job(session("p"), prompt)})
@@ -174,30 +161,57 @@ async def test_prompts_that_reach_an_idle_engine_a_few_ms_apart_share_its_first_
     worker.stop()
 
 
-async def test_a_step_waits_a_moment_for_sessions_away_drafting():
-    """Drafts stepped together come back to the target a few ms apart: a session away drafting is worth
-    that short wait (and only that: it is not expected back at once like a target-only stream)."""
+WORK_TIMEOUT_S = 10  # a guard against a worker that hangs, never a wait the test relies on
+
+
+async def test_a_batch_given_to_submit_all_boards_one_step_on_an_idle_worker():
+    """A batch's parts reach the worker together: the first part never steps before the others are in."""
     steps = Steps()
-    worker = StepScheduler(steps, StepPlanner(64, lambda rows, prefills: 4, min_prefill_chunk=1),
-                           stragglers=lambda: ["a", "b"], straggler_quiet_s=0.2)
-    first = asyncio.ensure_future(worker.submit("a", decode(session("a"), 1, 1)))
-    await asyncio.sleep(0.002)  # b's call a few ms behind a's
-    second = asyncio.ensure_future(worker.submit("b", decode(session("b"), 1, 2)))
-    assert await asyncio.gather(first, second) == [[1], [2]]
-    assert [len(step) for step in steps.log] == [2]  # without the wait: [1, 1]
+    worker = scheduler(steps)
+    names = [f"s{i}" for i in range(8)]
+    futures = worker.submit_all([(name, decode(session(name), 1, 10 * i)) for i, name in enumerate(names)])
+    assert await asyncio.wait_for(asyncio.gather(*futures), WORK_TIMEOUT_S) == [[10 * i] for i in range(8)]
+    assert sorted(name for name, _ in steps.log[0]) == names and len(steps.log) == 1
     worker.stop()
 
 
-def test_planner_leaves_the_chunk_out_when_asked_unless_nothing_else_would_run():
-    planner = StepPlanner(max_step_tokens=64, prefill_allowance=lambda rows, prefills: 4, min_prefill_chunk=1)
+async def test_a_lone_job_steps_without_waiting_for_sessions_that_were_active_before():
+    """a and b decoded together; then only a sends work. It steps alone at once: b's next job is only sent
+    after a's result, so a worker that waited for b would never answer a."""
+    steps = Steps()
+    worker = scheduler(steps)
+    await asyncio.gather(*worker.submit_all([("a", decode(session("a"), 2, 0)), ("b", decode(session("b"), 2, 10))]))
+    assert [sorted(name for name, _ in step) for step in steps.log] == [["a", "b"], ["a", "b"]]
+    assert await asyncio.wait_for(worker.submit("a", decode(session("a"), 1, 5)), WORK_TIMEOUT_S) == [5]
+    assert await asyncio.wait_for(worker.submit("b", decode(session("b"), 1, 15)), WORK_TIMEOUT_S) == [15]
+    assert steps.log[2:] == [[("a", (5,))], [("b", (15,))]]
+    worker.stop()
 
-    def work(name, rows, chunkable):
-        item = SimpleNamespace(feed=Feed(session(name), list(range(rows)), 1, chunkable), fed=0)
-        item.rows_left = rows
-        return item
-    prefill, stream = work("p", 12, True), work("d", 1, False)
-    assert [part.session.name for _, part in planner.plan([prefill, stream], prefill=False)] == ["d"]
-    assert [part.session.name for _, part in planner.plan([prefill], prefill=False)] == ["p"]
+
+async def test_a_failing_job_in_a_batch_fails_only_its_own_future():
+    steps = Steps()
+    worker = scheduler(steps)
+
+    def bad_job():
+        yield Feed(session("bad"), [1])
+        raise ValueError("bad input")
+    futures = worker.submit_all([("a", decode(session("a"), 2, 10)), ("bad", bad_job()),
+                                 ("b", decode(session("b"), 2, 20))])
+    a, bad, b = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), WORK_TIMEOUT_S)
+    assert (a, b) == ([10, 11], [20, 21])
+    assert isinstance(bad, ValueError) and str(bad) == "bad input"
+    assert sorted(name for name, _ in steps.log[0]) == ["a", "b", "bad"]  # it failed after sharing their step
+    worker.stop()
+
+
+async def test_a_batch_sent_to_a_stopped_worker_fails_every_part():
+    worker = scheduler(Steps())
+    worker.stop()
+    futures = worker.submit_all([("a", decode(session("a"), 1)), ("b", decode(session("b"), 1))])
+    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+    assert [str(outcome) for outcome in outcomes] == ["the model worker has stopped"] * 2
+    with pytest.raises(RuntimeError, match="stopped"):
+        await worker.submit("c", decode(session("c"), 1))
 
 
 def test_planner_puts_decode_rows_first_then_prefill_within_the_allowance():

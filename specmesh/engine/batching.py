@@ -8,9 +8,14 @@ may split over several steps so that it never stalls the streams already running
 
 One worker thread runs the loop: take the jobs that arrived, plan a step (every
 decode Feed, then prefill chunks within what the step may cost), run it as one
-ragged forward (`specmesh.engine.ragged`), hand each job its logits. A job's own Python
-(sampling, verification, rollback) runs on the worker between steps, so a session
-is only ever touched by one thread. Jobs of one session run in arrival order, one
+ragged forward (`specmesh.engine.ragged`), hand each job its logits. It steps what
+it has been sent and waits for no session's next call: sessions share a step
+because the orchestrator sends one message per round for all sessions of a
+replica, whose parts `submit_all` queues together. Only new prompts reaching an
+idle engine are gathered a moment, so that a burst of them boards one step.
+
+A job's own Python (sampling, verification, rollback) runs on the worker between
+steps, so a session is only ever touched by one thread. Jobs of one session run in arrival order, one
 at a time: a pre-draft still stepping blocks the Propose that interrupts it until
 it notices, exactly as when each job had the worker to itself.
 """
@@ -23,7 +28,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
@@ -86,8 +91,8 @@ class StepPlanner:
         self.prefill_allowance = prefill_allowance
         self.min_prefill_chunk = min_prefill_chunk
 
-    def plan(self, active: Sequence[_Work], prefill: bool = True) -> list[tuple[_Work, Part]]:
-        """The step's parts; prefill False: decode rows only (unless nothing else is waiting)."""
+    def plan(self, active: Sequence[_Work]) -> list[tuple[_Work, Part]]:
+        """The step's parts."""
         planned, rows = [], 0
         for work in active:
             if work.feed is None or work.feed.chunkable:
@@ -98,7 +103,7 @@ class StepPlanner:
                                        parents=work.feed.parents)))
             rows += work.rows_left
         prefills = sum(1 for work in active if work.feed is not None and work.feed.chunkable)
-        if not prefills or (planned and not prefill):
+        if not prefills:
             return planned
         allowance = max(self.min_prefill_chunk, min(self.prefill_allowance(rows, prefills), self.max_step_tokens - rows))
         for work in active:
@@ -116,23 +121,13 @@ class StepScheduler:
     """The worker thread that batches jobs into steps; `run_step(parts)` does the forward."""
 
     def __init__(self, run_step: Callable[[list[Part]], tuple[list[torch.Tensor | None], int]],
-                 planner: StepPlanner, name: str = "model", expected_sessions: Callable[[], Iterable[str]] = tuple,
-                 gather_fraction: float = 0.1, max_gather_s: float = 0.02, max_prefill_gather_s: float = 0.1,
-                 max_prefill_skips: int = 2, burst_quiet_s: float = 0.01, max_burst_gather_s: float = 0.05,
-                 stragglers: Callable[[], Iterable[str]] = tuple, straggler_quiet_s: float = 0.005):
+                 planner: StepPlanner, name: str = "model", burst_quiet_s: float = 0.01,
+                 max_burst_gather_s: float = 0.05):
         self.run_step = run_step
         self.planner = planner
-        self.expected_sessions = expected_sessions  # keys of sessions that will send work soon (open, not idle)
-        self.gather_fraction, self.max_gather_s = gather_fraction, max_gather_s
-        self.max_prefill_gather_s = max_prefill_gather_s  # the wait before a step that would carry a chunk
-        self.max_prefill_skips = max_prefill_skips  # steps in a row a chunk may wait for a late stream
         # On an idle engine, prompts arriving within burst_quiet_s of each other board one step
         # (at most max_burst_gather_s of waiting).
         self.burst_quiet_s, self.max_burst_gather_s = burst_quiet_s, max_burst_gather_s
-        self.stragglers = stragglers  # keys of sessions away for a while (drafting), maybe back any moment
-        self.straggler_quiet_s = straggler_quiet_s
-        self._prefill_skips = 0
-        self.last_step_s = 0.0
         self._inbox: collections.deque[_Work] = collections.deque()
         self._wakeup = threading.Condition()
         self._active: list[_Work] = []  # jobs with a Feed to run, in arrival order
@@ -146,21 +141,25 @@ class StepScheduler:
         self._thread.start()
 
     async def submit(self, key: str | None, job: Job) -> Any:
-        return await self._enqueue(_Work(key, job, None, concurrent.futures.Future()))
+        """Run a job for the session `key`; its result."""
+        future, = self.submit_all([(key, job)])
+        return await future
 
-    def submit_all(self, keyed_jobs) -> list[asyncio.Future]:
-        """Jobs that board the same step: all enter the inbox at once; one future each, in order."""
+    def submit_all(self, keyed_jobs: Sequence[tuple[str | None, Job]]) -> list[asyncio.Future]:
+        """Queue jobs that board the same step (a batch's parts, one per session); a future per job, in order.
+
+        Call it on the event loop's thread. The jobs reach the worker together, so none steps
+        before the others are in. Once the worker is stopping, every future carries the RuntimeError.
+        """
         works = [_Work(key, job, None, concurrent.futures.Future()) for key, job in keyed_jobs]
-        with self._wakeup:
-            if self._stopping:
-                raise RuntimeError("the model worker has stopped")
-            self._inbox.extend(works)
-            self._wakeup.notify()
+        self._enqueue(works)
         return [asyncio.wrap_future(work.future) for work in works]
 
     async def call(self, fn: Callable[..., Any], *args, key: str | None = None) -> Any:
         """Run fn(*args) on the worker between steps (after the session's earlier jobs)."""
-        return await self._enqueue(_Work(key, None, lambda: fn(*args), concurrent.futures.Future()))
+        work = _Work(key, None, lambda: fn(*args), concurrent.futures.Future())
+        self._enqueue([work])
+        return await asyncio.wrap_future(work.future)
 
     @property
     def queued_rows(self) -> int:
@@ -171,27 +170,30 @@ class StepScheduler:
             self._stopping = True
             self._wakeup.notify()
 
-    async def _enqueue(self, work: _Work) -> Any:
+    def _enqueue(self, works: Sequence[_Work]) -> None:
+        """Hand the works to the worker in one go (one lock, one wake-up), or fail them all if it stopped."""
         with self._wakeup:
-            if self._stopping:
-                raise RuntimeError("the model worker has stopped")
-            self._inbox.append(work)
-            self._wakeup.notify()
-        return await asyncio.wrap_future(work.future)
+            if not self._stopping:
+                self._inbox.extend(works)
+                self._wakeup.notify()
+                return
+        for work in works:
+            work.future.set_exception(RuntimeError("the model worker has stopped"))
 
     def _loop(self) -> None:
-        while True:
-            with self._wakeup:
-                while not self._inbox and not self._active and not self._stopping:
-                    self._wakeup.wait()
-                if self._stopping:
-                    return
+        while self._wait_for_work():
             self._admit_arrived()
             if self._only_new_prompts():
                 self._gather_burst()
             if self._active:
-                aboard = self._gather()
-                self._step(prefill=aboard or self._prefill_skips >= self.max_prefill_skips)
+                self._step()
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until work arrives; False once the worker is stopping."""
+        with self._wakeup:
+            while not self._inbox and not self._active and not self._stopping:
+                self._wakeup.wait()
+            return not self._stopping
 
     def _admit_arrived(self) -> None:
         with self._wakeup:
@@ -200,37 +202,14 @@ class StepScheduler:
         for work in arrived:
             self._admit(work)
 
-    def _gather(self) -> bool:
-        """Wait a moment for the other sessions' next calls before stepping; whether all are here.
-
-        Each session's next Verify or Propose arrives a round trip after the step that
-        answered its last one; stepping at the first arrival would split the sessions
-        into a step of one and a step of the rest. The wait is bounded by a fraction of
-        the last step's time, and skipped when every expected session is already here.
-        Before a step that would carry a prefill chunk the wait may be longer: such a
-        step costs up to the prefill slowdown times a decode step, and a stream that
-        misses it waits for it and then for its own.
-        """
-        limit = self.max_prefill_gather_s if self._prefill_pending() else self.max_gather_s
-        deadline = time.monotonic() + min(limit, self.gather_fraction * self.last_step_s)
-        while not (aboard := self._all_aboard()):
-            with self._wakeup:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopping:
-                    return False
-                if not self._inbox:
-                    self._wakeup.wait(remaining)
-            self._admit_arrived()
-        self._wait_for_stragglers()
-        return aboard
-
     def _only_new_prompts(self) -> bool:
         """Nothing runs but prompts not fed yet: the engine was idle when they came."""
         return bool(self._active) and all(work.feed is not None and work.feed.chunkable and work.fed == 0
                                           for work in self._active)
 
     def _gather_burst(self) -> None:
-        """Let the rest of a burst of prompts board the first step.
+        """Let the rest of a burst of prompts board the first step: admit arrivals while they come
+        within burst_quiet_s of each other, for at most max_burst_gather_s.
 
         Requests sent together reach an idle engine a few ms apart (each passes the
         orchestrator and the servicer on its own). Stepping at the first would prefill it
@@ -238,35 +217,15 @@ class StepScheduler:
         each, which spreads their first tokens over many steps (figures: docs/design/tuning.md).
         A lone prompt waits burst_quiet_s.
         """
-        self._admit_while_arriving(self.burst_quiet_s, self.max_burst_gather_s, lambda: False)
-
-    def _wait_for_stragglers(self) -> None:
-        """Sessions away drafting come back when their drafts are done, and drafts stepped together
-        (the batch drafts one k: orchestrator.decoding.policy) come back a few ms apart: wait that long for them."""
-        self._admit_while_arriving(self.straggler_quiet_s, self.max_gather_s,
-                                   lambda: self._all_here(self.stragglers()))
-
-    def _admit_while_arriving(self, quiet_s: float, max_s: float, done: Callable[[], bool]) -> None:
-        """Admit arrivals while they come within quiet_s of each other, for at most max_s or until done()."""
-        deadline = time.monotonic() + max_s
-        while not self._stopping and not done():
+        deadline = time.monotonic() + self.max_burst_gather_s
+        while not self._stopping:
             with self._wakeup:
-                quiet = min(quiet_s, deadline - time.monotonic())
+                quiet = min(self.burst_quiet_s, deadline - time.monotonic())
                 if quiet > 0 and not self._inbox:
                     self._wakeup.wait(quiet)
                 if not self._inbox:
                     return
             self._admit_arrived()
-
-    def _all_aboard(self) -> bool:
-        return self._all_here(self.expected_sessions())
-
-    def _all_here(self, keys: Iterable[str]) -> bool:
-        here = {work.key for work in self._active}
-        return all(key in here for key in keys)
-
-    def _prefill_pending(self) -> bool:
-        return any(work.feed is not None and work.feed.chunkable for work in self._active)
 
     def _admit(self, work: _Work) -> None:
         if work.key is not None and work.key in self._busy:
@@ -315,13 +274,8 @@ class StepScheduler:
             self._busy.discard(work.key)
             self._parked.pop(work.key, None)
 
-    def _step(self, prefill: bool = True) -> None:
-        """One step. prefill False: a stream expected soon is not here yet, so a chunk waits for it
-        (a step that carried one would make it wait for the chunk and then for its own step),
-        unless chunks have waited max_prefill_skips steps in a row already."""
-        planned = self.planner.plan(self._active, prefill)
-        skipped = self._prefill_pending() and not any(part.prefill for _, part in planned)
-        self._prefill_skips = self._prefill_skips + 1 if skipped else 0
+    def _step(self) -> None:
+        planned = self.planner.plan(self._active)
         try:
             logits, step_ns = self.run_step([part for _, part in planned])
         except BaseException as error:  # noqa: BLE001 - every job of the step gets the error
@@ -332,7 +286,6 @@ class StepScheduler:
                 self._finish(work)
             return
         parts = [part for _, part in planned]
-        self.last_step_s = step_ns / 1e9
         self.steps += 1
         self.batched_steps += len({id(part.session) for part in parts}) > 1
         for observe in self.observers:

@@ -7,14 +7,16 @@ forward pass, which yields the logits that predict the token after it. Rolling
 back is a crop of the cache: positions past the new length are simply dropped.
 
 All model work runs on one worker thread per engine (specmesh.engine.batching), so the gRPC
-event loop stays responsive: the services submit jobs, and each step of the worker
-runs the pending rows of every session in one forward (specmesh.engine.ragged); on CUDA the
+event loop stays responsive: the services submit jobs (a batch's parts together, submit_all),
+and each step of the worker runs the pending rows of every session in one forward
+(specmesh.engine.ragged), with no wait for sessions that have sent nothing; on CUDA the
 decode rows run as one static step over preallocated KV, replayed as a CUDA graph
 (specmesh.engine.graph_steps).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -48,9 +50,6 @@ from specmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# A session away at the other service comes back within a round (k draft steps, then a target step);
-# last seen longer ago than this, it is not waited for (specmesh.engine.batching, stragglers; docs/design/tuning.md).
-AWAY_HORIZON_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -109,8 +108,7 @@ class ModelEngine:
             self.kv, self.graph = slot_budget(model, self.kv, config.max_sessions, self.context_window)
             self.context_window = self.graph.context_window
         planner = StepPlanner(config.max_step_tokens, self._prefill_allowance)
-        self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15],
-                                       expected_sessions=self._recently_active, stragglers=self._away)
+        self.scheduler = StepScheduler(self._run_step, planner, name=f"model-{config.model_name}"[:15])
         self.chunks = ChunkSteering()
         self.prefill_rate = PrefillThroughput()
         self.scheduler.observers.append(self._steer_chunks)
@@ -124,8 +122,9 @@ class ModelEngine:
         """Run a job (a generator of Feeds, specmesh.engine.batching) for the session; its result."""
         return await self.scheduler.submit(session.request_id, job)
 
-    def submit_all(self, jobs) -> list:
-        """Jobs of several sessions ((session, job) pairs) that board the same step; a future for each."""
+    def submit_all(self, jobs: Sequence[tuple[Session, Job]]) -> list[asyncio.Future]:
+        """Queue the jobs of a batch (a job per session) to board the same step; a future per job, in order.
+        On the event loop's thread (StepScheduler.submit_all)."""
         return self.scheduler.submit_all([(session.request_id, job) for session, job in jobs])
 
     def feed(self, session: Session, token_ids: Sequence[int], keep_rows: int | None = None,
@@ -270,20 +269,6 @@ class ModelEngine:
                 self._forward_rows(session, [0] * rows, 1)
         self.costs = StepCosts.measure(forward_rows)
         return self.costs
-
-    def _recently_active(self) -> list[str]:
-        """Sessions fed within the last few steps whose next call is likely on its way."""
-        return self._recent(back_soon=True)
-
-    def _away(self) -> list[str]:
-        """Sessions whose next call follows a round at the other service (a target's drafting
-        request, any draft request verifying), last seen within about a round."""
-        return self._recent(back_soon=False, horizon_s=AWAY_HORIZON_S)
-
-    def _recent(self, back_soon: bool, horizon_s: float = 0.5) -> list[str]:
-        horizon = time.monotonic() - max(horizon_s, 4 * self.scheduler.last_step_s)
-        return [session.request_id for session in list(self.sessions.values())
-                if session.back_soon == back_soon and session.last_used >= horizon]
 
     def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:
         """Prefill rows the next step may add to its decode_rows.

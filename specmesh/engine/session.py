@@ -31,9 +31,6 @@ class Session:
     ahead: object | None = None  # a service's own state that lives and dies with the session
     caller: str = ""  # who opened it (specmesh.server.security.caller_of), for the per-caller limit
     output_start: int = 0  # position of the first generated token (penalties count from here)
-    # Whether its next call follows its last by a bare round trip, so a step is worth a moment's wait
-    # for it (specmesh.engine.batching). A target session whose round drafted comes back after a draft round.
-    back_soon: bool = True
 
     @property
     def cached_length(self) -> int:
