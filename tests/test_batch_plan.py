@@ -5,6 +5,7 @@ millisecond of Python; pipelined rounds are priced as they run (the draft beside
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from types import SimpleNamespace
@@ -121,6 +122,21 @@ def test_a_batch_of_256_sessions_is_planned_within_a_millisecond():
     assert all(p.k > 0 for p in plans)  # the batch drafts (each at the best k, or one within MARGIN of it)
     print(f"256 sessions planned in {best * 1e3:.3f} ms")
     assert best < 1e-3, f"{best * 1e3:.2f} ms"
+
+
+async def test_sessions_that_ask_in_the_same_turns_are_planned_by_one_call():
+    """Every session a verification releases asks for its next plan before the event loop goes quiet: one
+    plan_batch call plans them all, and each gets the plan a call of its own would give."""
+    shared = speculation(gpu_target, lambda rows: 0.002)
+    parts = [shared.for_request(CLASSES[index % len(CLASSES)]) for index in range(8)]
+    for part in parts:
+        part.arrive()
+    calls, plan_batch = [], shared.plan_batch
+    shared.plan_batch = lambda batch, asks: calls.append(len(batch)) or plan_batch(batch, asks)
+    asks = [RoundAsk(4, 100 + index) for index in range(8)]
+    plans = await asyncio.gather(*(part.plan_with_batch(ask) for part, ask in zip(parts, asks)))
+    assert calls == [8]
+    assert [p.k for p in plans] == [p.k for p in plan_batch(parts, asks)]
 
 
 # ---- pipelined rounds: the draft runs beside the previous verification, so a hit costs the longer side

@@ -19,7 +19,8 @@ from serve_cli import start_serve
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
 
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
-VERIFY = ("TargetService/Verify", "TargetService/VerifyRounds")  # a call, or a message on the session's stream
+VERIFY = ("TargetService/Verify", "TargetService/VerifyRounds", "TargetService/VerifyBatches")  # a call, a message
+# on the session's stream, or a part of a batch
 # The processes export every 100 ms (OTEL_BSP_SCHEDULE_DELAY), but on a loaded 2-core machine
 # three processes and this one share the cores: the deadlines are for work finishing there.
 WORK_TIMEOUT_S = 120.0

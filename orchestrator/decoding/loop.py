@@ -183,7 +183,7 @@ class SpeculativeGeneration:
         with self.tracer.start_as_current_span("specmesh.round", attributes={
                 "specmesh.request_id": self.session_id, "specmesh.round": self._round,
                 "specmesh.position": position}) as span:
-            plan = self._plan_round()
+            plan = await self._plan_round()
             free = plan.free
             k, self._stop_below = self._draft_request(plan)
             span.set_attributes({"specmesh.draft_length": k, "specmesh.proposer": _proposer(k, free),
@@ -228,10 +228,11 @@ class SpeculativeGeneration:
         if self._document is not None:
             self._document.extend(tokens)
 
-    def _plan_round(self) -> RoundPlan:
-        """The policy's plan for this round; the draft's session opens here where the plan says so."""
+    async def _plan_round(self) -> RoundPlan:
+        """The policy's plan for this round, made with the other sessions planning now; the draft's session
+        opens here where the plan says so."""
         self._offered = False
-        self._plan = self.policy.plan(self._ask(self._draft_state(), self._offers))
+        self._plan = await self.policy.plan_with_batch(self._ask(self._draft_state(), self._offers))
         if self._plan.open_draft:
             self._open_draft()
         return self._plan

@@ -18,7 +18,7 @@ a fixed k is FixedLength, a plan like any other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.proposals import FreeProposal
@@ -106,6 +106,8 @@ class DraftLengthPolicy(Protocol):
 
     def plan(self, ask: RoundAsk) -> RoundPlan: ...
 
+    def plan_with_batch(self, ask: RoundAsk) -> Awaitable[RoundPlan]: ...  # one call plans the sessions asking together
+
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None: ...
 
     def close(self) -> None: ...
@@ -129,6 +131,9 @@ class FixedLength:
         k = 0 if ask.draft == DRAFT_AWAY else max(0, ask.k_max)
         return RoundPlan(k=k, ask=k, open_draft=k > 0 and ask.draft == DRAFT_CLOSED,
                          batch=BatchLoad(1, ask.context))
+
+    async def plan_with_batch(self, ask: RoundAsk) -> RoundPlan:
+        return self.plan(ask)  # a fixed k plans alone
 
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         rows = (len(plan.free.tokens) if plan.free is not None else 0) + outcome.alternatives

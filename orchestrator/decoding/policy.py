@@ -49,9 +49,10 @@ requests keep a fixed k, so that the same seed gives the same output whatever th
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
-from typing import Sequence
+from typing import Awaitable, Sequence
 
 from orchestrator.decoding.acceptance import (AcceptanceMemory, ConfidenceMemory, DraftConfidence, RequestAcceptance,
                                               expected_by_length)
@@ -59,6 +60,7 @@ from orchestrator.decoding.batch_rule import LENGTHS, BatchRule, BatchSums
 from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPENING, RoundAsk, RoundOutcome, RoundPlan
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
+from specmesh.gathering import WhenQuiet
 
 GREEDY, SAMPLED = "greedy", "sampled"  # the regimes learned apart
 MARGIN = 0.03  # predictions carry a few percent of noise: a smaller predicted gain is a tie, keep k
@@ -96,6 +98,11 @@ class DraftLength:
 
     def plan(self, ask: RoundAsk) -> RoundPlan:
         return self.shared.plan_batch([self], [ask])[0]
+
+    def plan_with_batch(self, ask: RoundAsk) -> Awaitable[RoundPlan]:
+        """This round's plan, made by one plan_batch call with the other sessions that ask in the same turns of
+        the event loop (those one verification released: Speculation.gathered)."""
+        return self.shared.gathered(self, ask)
 
     def learn(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         """A round's waits and outcome: `drafted` draft-model tokens (with the draft's `probabilities` of
@@ -243,6 +250,8 @@ class Speculation:
     confidence: dict[str, ConfidenceMemory] = field(
         default_factory=lambda: {GREEDY: ConfidenceMemory(), SAMPLED: ConfidenceMemory()})
     sums: BatchSums = field(default_factory=BatchSums)
+    _asking: list = field(default_factory=list)  # (part, ask, future): plans asked for since the last plan_batch
+    _quiet: WhenQuiet | None = None
 
     def for_request(self, prompt_class: str, sampled: bool = False) -> DraftLength:
         """A request's part: its prompt class's acceptance history, kept apart for sampled requests
@@ -260,6 +269,29 @@ class Speculation:
             self._take(part, ask)
         rule = self.rule()
         return [part.plan_round(rule, ask) for part, ask in zip(parts, asks)]
+
+    def gathered(self, part: DraftLength, ask: RoundAsk) -> asyncio.Future:
+        """`part`'s plan, from the plan_batch call that plans every session asking before the loop goes quiet."""
+        future = asyncio.get_running_loop().create_future()
+        self._asking.append((part, ask, future))
+        if self._quiet is None:
+            self._quiet = WhenQuiet(self._plan_asking)
+        self._quiet.added()
+        return future
+
+    def _plan_asking(self) -> None:
+        asking = [(part, ask, future) for part, ask, future in self._asking if not future.done()]
+        self._asking = []
+        if not asking:
+            return
+        try:
+            plans = self.plan_batch([part for part, _, _ in asking], [ask for _, ask, _ in asking])
+        except Exception as error:  # noqa: BLE001 - every asker gets it, as its own plan() call would raise it
+            for _, _, future in asking:
+                future.set_exception(error)
+            return
+        for (_, _, future), plan in zip(asking, plans):
+            future.set_result(plan)
 
     def rule(self) -> BatchRule:
         """The rule over the batch as it stands."""

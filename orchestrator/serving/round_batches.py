@@ -60,6 +60,11 @@ class RoundBatches:
                 raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
                                            grpc.aio.Metadata(), details=f"no response within {timeout:g} s") from None
 
+    @property
+    def parts_waiting(self) -> int:
+        """Parts sent whose callers still wait for them (not those that gave up: deadline, cancellation)."""
+        return self._stream.parts_waiting if self._stream is not None else 0
+
     def end(self) -> None:
         """Stop the stream; parts in flight fail UNAVAILABLE (a replica being forgotten)."""
         stream, self._stream = self._stream, None
@@ -89,6 +94,10 @@ class _BatchStream:
         self._outbox: asyncio.Queue[Message] = asyncio.Queue()
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def parts_waiting(self) -> int:
+        return sum(future is not None and not future.done() for futures in self._waiting.values() for future in futures)
 
     def send(self, batch: Message, futures: list[asyncio.Future]) -> None:
         self._waiting[batch.batch_id] = list(futures)
