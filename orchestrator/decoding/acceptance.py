@@ -109,12 +109,31 @@ class AcceptanceMemory:
         self.deployment = PositionCounts(decay=DEPLOYMENT_DECAY)
         self.classes: OrderedDict[str, PositionCounts] = OrderedDict()
         self.max_classes = max_classes
+        self.version = 0  # counts what it learned: the rates worked out below stand until it moves
+        self._class_rates: dict[str, tuple[int, float, tuple[float, list[float]]]] = {}
 
     def for_class(self, prompt_class: str) -> PositionCounts:
         return recently_used(self.classes, prompt_class, lambda: PositionCounts(decay=CLASS_DECAY), self.max_classes)
 
+    def observe(self, prompt_class: str, drafted: int, accepted: int) -> None:
+        """A round's outcome, at the deployment's level and its class's."""
+        self.deployment.observe(drafted, accepted)
+        self.for_class(prompt_class).observe(drafted, accepted)
+        self.version += 1
+
     def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
-        """A class's per-token rate and per-position rates, over the deployment's."""
+        """A class's per-token rate and per-position rates, over the deployment's: worked out once for every
+        request of the class that reads them before the memory learns again (the prior may be set directly)."""
+        cached = self._class_rates.get(prompt_class)
+        if cached is not None and cached[0] == self.version and cached[1] == self.prior:
+            return cached[2]
+        rates = self._class_rates_now(prompt_class)
+        self._class_rates[prompt_class] = (self.version, self.prior, rates)
+        if len(self._class_rates) > self.max_classes:
+            self._class_rates.pop(next(iter(self._class_rates)))
+        return rates
+
+    def _class_rates_now(self, prompt_class: str) -> tuple[float, list[float]]:
         deployment_rate = self.deployment.per_token(self.prior, weight=PRIOR_TOKENS)
         deployment_shape = self.deployment.rates([deployment_rate] * len(self.deployment.reached))
         counts = self.for_class(prompt_class)
@@ -139,8 +158,7 @@ class RequestAcceptance:
     def observe(self, drafted: int, accepted: int) -> None:
         """A round's outcome; at k = 0 (drafted 0) every level only decays (module docstring)."""
         self.own.observe(drafted, accepted)
-        self.memory.deployment.observe(drafted, accepted)
-        self.memory.for_class(self.prompt_class).observe(drafted, accepted)
+        self.memory.observe(self.prompt_class, drafted, accepted)
         self._rates = None
 
     def rates(self) -> list[float]:

@@ -17,7 +17,7 @@ a fixed k is FixedLength, a plan like any other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
@@ -56,6 +56,8 @@ class RoundPlan:
     batch: BatchLoad = BatchLoad()  # the batch the round is priced for
     row_rate: float | None = None  # tokens per second a row of a draft's second choice must earn; None: none
     confidence: float = 1.0  # how far the draft's probabilities hold as acceptance (DraftConfidence.factor)
+    # (draft tokens, alternative rows) -> the round's seconds: priced once for every session this plan serves
+    priced: dict = field(default_factory=dict)
 
     def alternatives(self, costs: RoundCosts, probabilities: list[float],
                      alternative_probabilities: list[float]) -> list[int]:
@@ -75,14 +77,20 @@ class RoundPlan:
             run *= probability
         drafted = len(probabilities)
         chosen: list[int] = []
-        round_s = costs.round_s(drafted, self.batch)
+        round_s = self._round_s(costs, drafted, 0)
         for chance, index in sorted(chances, reverse=True):
-            wider_s = costs.round_s(drafted, self.batch, len(chosen) + 1)  # the round with one row more
+            wider_s = self._round_s(costs, drafted, len(chosen) + 1)  # the round with one row more
             if chance < self.row_rate * (wider_s - round_s):
                 break
             chosen.append(index)
             round_s = wider_s
         return chosen
+
+    def _round_s(self, costs: RoundCosts, drafted: int, rows: int) -> float:
+        seconds = self.priced.get((drafted, rows))
+        if seconds is None:
+            seconds = self.priced[drafted, rows] = costs.round_s(drafted, self.batch, rows)
+        return seconds
 
 
 @dataclass(slots=True)

@@ -116,7 +116,7 @@ class DraftLength:
         self.acceptance.observe(drafted, 0 if offered else accepted)
         if offered:
             self._acceptance_of(free).observe(offered, accepted)
-        self.shared.refresh(self)
+        self.shared.refresh(self)  # its share is worked out anew where the batch's rule is next read
 
     def share(self) -> list[float]:
         """Its expected committed tokens at every draft length, capped by its k_max (uncapped before its first
@@ -250,6 +250,7 @@ class Speculation:
     confidence: dict[str, ConfidenceMemory] = field(
         default_factory=lambda: {GREEDY: ConfidenceMemory(), SAMPLED: ConfidenceMemory()})
     sums: BatchSums = field(default_factory=BatchSums)
+    _refreshed: dict = field(default_factory=dict)  # parts that learned since the rule was last read (ordered)
     _asking: list = field(default_factory=list)  # (part, ask, future): plans asked for since the last plan_batch
     _quiet: WhenQuiet | None = None
 
@@ -295,6 +296,7 @@ class Speculation:
 
     def rule(self) -> BatchRule:
         """The rule over the batch as it stands."""
+        self._place_refreshed()
         return BatchRule(self.costs, self.sums)
 
     def join(self, part: DraftLength) -> None:
@@ -302,12 +304,20 @@ class Speculation:
             self.sums.place(part, part.share(), part.context, part.k_max or 0)
 
     def leave(self, part: DraftLength) -> None:
+        self._refreshed.pop(part, None)
         self.sums.discard(part)
 
     def refresh(self, part: DraftLength) -> None:
-        """Its acceptance changed: so did its share of the batch's tokens."""
-        if part in self.sums:
-            self.sums.place(part, part.share(), part.context, part.k_max or 0)
+        """Its acceptance changed: so did its share of the batch's tokens. Placed anew when the rule is next
+        read, after every session a verification released has learned (its class's rates are then worked out
+        once for all of them, not once after each)."""
+        self._refreshed[part] = None
+
+    def _place_refreshed(self) -> None:
+        refreshed, self._refreshed = self._refreshed, {}
+        for part in refreshed:
+            if part in self.sums:
+                self.sums.place(part, part.share(), part.context, part.k_max or 0)
 
     def _take(self, part: DraftLength, ask: RoundAsk) -> None:
         """A session's k_max and context for this round, into the batch's sums (it joins if it had not)."""
