@@ -16,20 +16,21 @@ from typing import Callable
 class WhenQuiet:
     def __init__(self, flush: Callable[[], None]):
         self._flush = flush
-        self._scheduled = False
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None  # the loop a check waits on, if any
         self._added = False  # since the last check
 
     def added(self) -> None:
         """Something was added for the next flush (call from the event loop's thread)."""
         self._added = True
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._check)
+        loop = asyncio.get_running_loop()
+        if self._scheduled_on is not loop:  # none waiting, or one on a loop that has ended (it never runs)
+            self._scheduled_on = loop
+            loop.call_soon(self._check)
 
     def _check(self) -> None:
         if self._added:  # the turn that ran before this check added more: give it another
             self._added = False
             asyncio.get_running_loop().call_soon(self._check)
             return
-        self._scheduled = False
+        self._scheduled_on = None
         self._flush()

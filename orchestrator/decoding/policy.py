@@ -281,7 +281,9 @@ class Speculation:
         return future
 
     def _plan_asking(self) -> None:
-        asking = [(part, ask, future) for part, ask, future in self._asking if not future.done()]
+        loop = asyncio.get_running_loop()  # (asks left on an event loop that has ended are dropped)
+        asking = [(part, ask, future) for part, ask, future in self._asking
+                  if not future.done() and future.get_loop() is loop]
         self._asking = []
         if not asking:
             return

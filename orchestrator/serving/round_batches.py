@@ -76,8 +76,13 @@ class RoundBatches:
         self._pending = []
         if not parts:
             return
-        if self._stream is None or self._stream.ended:
-            self._stream = _BatchStream(self._open_call())
+        try:
+            if self._stream is None or self._stream.ended:
+                self._stream = _BatchStream(self._open_call())
+        except Exception as error:  # noqa: BLE001 - a channel closed under us: each part fails as its call would
+            for _, future in parts:
+                future.set_exception(_unavailable(f"no batch stream: {error}"))
+            return
         batch_id = next(self._batch_ids)
         self._stream.send(self.batch_type(batch_id=batch_id, parts=[request for request, _ in parts]),
                           [future for _, future in parts])
@@ -112,6 +117,8 @@ class _BatchStream:
                 await self.call.write(await self._outbox.get())
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # the stream ended: the reader says why
             pass
+        except Exception:  # noqa: BLE001 - a stream that cannot be written is ended; the reader fails its parts
+            self.call.cancel()
 
     async def _read(self) -> None:
         try:
@@ -121,8 +128,7 @@ class _BatchStream:
         except grpc.aio.AioRpcError as failed:
             error = broken_as_unavailable(failed)
         except asyncio.CancelledError:
-            error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                         details="the batch stream was stopped")
+            error = _unavailable("the batch stream was stopped")
         self._end(error)
 
     def _deliver(self, result: Message) -> None:
@@ -154,3 +160,7 @@ class _BatchStream:
                 if future is not None and not future.done():
                     future.set_exception(error)
         self._waiting.clear()
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
