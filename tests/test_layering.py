@@ -36,7 +36,8 @@ ORCHESTRATOR_TIERS = (
 # The runtime's own groups, lowest first: shared leaves, model loading, the engine, the server plumbing (whose
 # `service` starts a model service over a loaded engine).
 RUNTIME_TIERS = (
-    ("specmesh.errors", "specmesh.ewma", "specmesh.heap", "specmesh.roles", "specmesh.timing_noise", "specmesh.v1"),
+    ("specmesh.errors", "specmesh.ewma", "specmesh.gathering", "specmesh.heap", "specmesh.roles", "specmesh.timing_noise",
+     "specmesh.v1"),
     ("specmesh.loading",),
     ("specmesh.engine",),
     ("specmesh.server",),
