@@ -65,12 +65,6 @@ class RoundBatches:
         """Parts sent whose callers still wait for them (not those that gave up: deadline, cancellation)."""
         return self._stream.parts_waiting if self._stream is not None else 0
 
-    def end(self) -> None:
-        """Stop the stream; parts in flight fail UNAVAILABLE (a replica being forgotten)."""
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.cancel()
-
     def _flush(self) -> None:
         parts = [(request, future) for request, future in self._pending if not future.done()]
         self._pending = []
@@ -107,9 +101,6 @@ class _BatchStream:
     def send(self, batch: Message, futures: list[asyncio.Future]) -> None:
         self._waiting[batch.batch_id] = list(futures)
         self._outbox.put_nowait(batch)
-
-    def cancel(self) -> None:
-        self.call.cancel()
 
     async def _write(self) -> None:
         try:
