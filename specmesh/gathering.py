@@ -10,7 +10,9 @@ how long the others take: the loop's own ready queue says when they are done.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class WhenQuiet:
@@ -34,3 +36,26 @@ class WhenQuiet:
             return
         self._scheduled_on = None
         self._flush()
+
+
+class Gathered(Generic[T]):
+    """Calls answered together: `ask(item)` gives a future, and once the loop goes quiet `answer(items, futures)`
+    gets every item still awaited (not those whose caller gave up, nor any left on an event loop that ended)."""
+
+    def __init__(self, answer: Callable[[list[T], list[asyncio.Future]], None]):
+        self._answer = answer
+        self._asked: list[tuple[T, asyncio.Future]] = []
+        self._quiet = WhenQuiet(self._flush)
+
+    def ask(self, item: T) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self._asked.append((item, future))
+        self._quiet.added()
+        return future
+
+    def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        asked = [(item, future) for item, future in self._asked if not future.done() and future.get_loop() is loop]
+        self._asked = []
+        if asked:
+            self._answer([item for item, _ in asked], [future for _, future in asked])

@@ -60,7 +60,7 @@ from orchestrator.decoding.batch_rule import LENGTHS, BatchRule, BatchSums
 from orchestrator.decoding.costs import RoundCosts
 from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPENING, RoundAsk, RoundOutcome, RoundPlan
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
-from specmesh.gathering import WhenQuiet
+from specmesh.gathering import Gathered
 
 GREEDY, SAMPLED = "greedy", "sampled"  # the regimes learned apart
 MARGIN = 0.03  # predictions carry a few percent of noise: a smaller predicted gain is a tie, keep k
@@ -251,8 +251,9 @@ class Speculation:
         default_factory=lambda: {GREEDY: ConfidenceMemory(), SAMPLED: ConfidenceMemory()})
     sums: BatchSums = field(default_factory=BatchSums)
     _refreshed: dict = field(default_factory=dict)  # parts that learned since the rule was last read (ordered)
-    _asking: list = field(default_factory=list)  # (part, ask, future): plans asked for since the last plan_batch
-    _quiet: WhenQuiet | None = None
+
+    def __post_init__(self) -> None:
+        self._asking: Gathered[tuple[DraftLength, RoundAsk]] = Gathered(self._plan_asking)
 
     def for_request(self, prompt_class: str, sampled: bool = False) -> DraftLength:
         """A request's part: its prompt class's acceptance history, kept apart for sampled requests
@@ -273,27 +274,16 @@ class Speculation:
 
     def gathered(self, part: DraftLength, ask: RoundAsk) -> asyncio.Future:
         """`part`'s plan, from the plan_batch call that plans every session asking before the loop goes quiet."""
-        future = asyncio.get_running_loop().create_future()
-        self._asking.append((part, ask, future))
-        if self._quiet is None:
-            self._quiet = WhenQuiet(self._plan_asking)
-        self._quiet.added()
-        return future
+        return self._asking.ask((part, ask))
 
-    def _plan_asking(self) -> None:
-        loop = asyncio.get_running_loop()  # (asks left on an event loop that has ended are dropped)
-        asking = [(part, ask, future) for part, ask, future in self._asking
-                  if not future.done() and future.get_loop() is loop]
-        self._asking = []
-        if not asking:
-            return
+    def _plan_asking(self, asking: list[tuple[DraftLength, RoundAsk]], futures: list[asyncio.Future]) -> None:
         try:
-            plans = self.plan_batch([part for part, _, _ in asking], [ask for _, ask, _ in asking])
+            plans = self.plan_batch([part for part, _ in asking], [ask for _, ask in asking])
         except Exception as error:  # noqa: BLE001 - every asker gets it, as its own plan() call would raise it
-            for _, _, future in asking:
+            for future in futures:
                 future.set_exception(error)
             return
-        for (_, _, future), plan in zip(asking, plans):
+        for future, plan in zip(futures, plans):
             future.set_result(plan)
 
     def rule(self) -> BatchRule:

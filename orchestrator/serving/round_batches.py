@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from google.protobuf.message import Message
 
-from orchestrator.serving.round_streams import broken_as_unavailable, ended_error
-from specmesh.gathering import WhenQuiet
+from orchestrator.serving.round_streams import broken_as_unavailable, call_error, deadline_exceeded, ended_error
+from specmesh.gathering import Gathered
 from specmesh.server.telemetry import client_message_span
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
@@ -39,8 +39,7 @@ class RoundBatches:
         self.batch_type = batch_type
         self.method = method
         self.tracer_provider = tracer_provider
-        self._pending: list[tuple[Message, asyncio.Future]] = []  # parts for the next batch
-        self._quiet: WhenQuiet | None = None  # made in the event loop, at the first part
+        self._parts: Gathered[Message] = Gathered(self._send_batch)  # parts for the next batch
         self._stream: _BatchStream | None = None
         self._batch_ids = itertools.count(1)
         self.batches_sent = 0
@@ -48,38 +47,27 @@ class RoundBatches:
     async def send(self, request: Message, timeout: float) -> Message:
         """The part's response, as its unary call would give it; raises AioRpcError as that call would."""
         with client_message_span(self.tracer_provider, self.method, request):
-            future = asyncio.get_running_loop().create_future()
-            self._pending.append((request, future))
-            if self._quiet is None:
-                self._quiet = WhenQuiet(self._flush)
-            self._quiet.added()
+            future = self._parts.ask(request)
             try:
                 async with asyncio.timeout(timeout):
                     return await future
             except TimeoutError:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), details=f"no response within {timeout:g} s") from None
+                raise deadline_exceeded(timeout) from None
 
     @property
     def parts_waiting(self) -> int:
         """Parts sent whose callers still wait for them (not those that gave up: deadline, cancellation)."""
         return self._stream.parts_waiting if self._stream is not None else 0
 
-    def _flush(self) -> None:
-        parts = [(request, future) for request, future in self._pending if not future.done()]
-        self._pending = []
-        if not parts:
-            return
+    def _send_batch(self, requests: list[Message], futures: list[asyncio.Future]) -> None:
         try:
             if self._stream is None or self._stream.ended:
                 self._stream = _BatchStream(self._open_call())
         except Exception as error:  # noqa: BLE001 - a channel closed under us: each part fails as its call would
-            for _, future in parts:
-                future.set_exception(_unavailable(f"no batch stream: {error}"))
+            for future in futures:
+                future.set_exception(call_error(grpc.StatusCode.UNAVAILABLE, f"no batch stream: {error}"))
             return
-        batch_id = next(self._batch_ids)
-        self._stream.send(self.batch_type(batch_id=batch_id, parts=[request for request, _ in parts]),
-                          [future for _, future in parts])
+        self._stream.send(self.batch_type(batch_id=next(self._batch_ids), parts=requests), futures)
         self.batches_sent += 1
 
 
@@ -119,7 +107,7 @@ class _BatchStream:
         except grpc.aio.AioRpcError as failed:
             error = broken_as_unavailable(failed)
         except asyncio.CancelledError:
-            error = _unavailable("the batch stream was stopped")
+            error = call_error(grpc.StatusCode.UNAVAILABLE, "the batch stream was stopped")
         self._end(error)
 
     def _deliver(self, result: Message) -> None:
@@ -134,9 +122,8 @@ class _BatchStream:
             if future.done():  # its caller gave up (deadline, cancellation)
                 continue
             if part.HasField("error"):
-                future.set_exception(grpc.aio.AioRpcError(
-                    _CODES.get(part.error.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(), grpc.aio.Metadata(),
-                    details=part.error.message))
+                future.set_exception(call_error(_CODES.get(part.error.code, grpc.StatusCode.UNKNOWN),
+                                                part.error.message))
             else:
                 future.set_result(part.response)
         if all(future is None for future in futures):
@@ -151,7 +138,3 @@ class _BatchStream:
                 if future is not None and not future.done():
                     future.set_exception(error)
         self._waiting.clear()
-
-
-def _unavailable(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

@@ -55,8 +55,7 @@ def _as_call_error(error: BaseException, timeout: float) -> BaseException:
     """What the unary call would have raised: DEADLINE_EXCEEDED past its timeout; anything else as it is
     (a cancellation included), but a stream broken under the message as UNAVAILABLE."""
     if isinstance(error, asyncio.TimeoutError):
-        return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                    details=f"no response within {timeout:g} s")
+        return deadline_exceeded(timeout)
     if isinstance(error, grpc.aio.AioRpcError):
         return broken_as_unavailable(error)
     return error
@@ -67,8 +66,16 @@ def broken_as_unavailable(error: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
     to a lost replica is UNAVAILABLE, which failover acts on. The servers' own INTERNAL errors stay INTERNAL."""
     if error.code() != grpc.StatusCode.INTERNAL or (error.details() or "").startswith(INTERNAL_DETAILS_PREFIX):
         return error
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=f"the round stream broke: {error.details()}")
+    return call_error(grpc.StatusCode.UNAVAILABLE, f"the round stream broke: {error.details()}")
+
+
+def call_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a call ending with `code` raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def deadline_exceeded(timeout: float) -> grpc.aio.AioRpcError:
+    return call_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s")
 
 
 async def _exchange(call: grpc.aio.StreamStreamCall, request: Message) -> Message:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 import grpc
@@ -24,14 +23,13 @@ from opentelemetry import propagate, trace
 
 from specmesh.errors import SpecmeshError
 from specmesh.gathering import WhenQuiet
-from specmesh.server.grpc_server import INTERNAL_DETAILS_PREFIX
+from specmesh.server.grpc_server import unexpected_status
 from specmesh.server.telemetry import tracer
 from specmesh.v1 import common_pb2
 
 if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on (start time)
     from opentelemetry.sdk.trace import TracerProvider
 
-log = logging.getLogger(__name__)
 
 # A part checked and ready to run (a session and its job, specmesh.engine.batching), or its error.
 Prepare = Callable[[Message], Any]
@@ -39,15 +37,14 @@ SubmitAll = Callable[[Sequence[Any]], Sequence[asyncio.Future]]
 Respond = Callable[[Message, Any], Message]  # (the part's request, its result) -> its response
 
 
-def part_status(error: BaseException) -> common_pb2.PartStatus:
+def part_status(error: BaseException, method: str) -> common_pb2.PartStatus:
     """The status a part's own call would have ended with: a domain error's code, anything else INTERNAL."""
     if isinstance(error, SpecmeshError):
         return common_pb2.PartStatus(code=error.code.value[0], message=str(error))
     if isinstance(error, asyncio.CancelledError):
         return common_pb2.PartStatus(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled")
-    log.error("unexpected error in a batch part", exc_info=error)
-    return common_pb2.PartStatus(code=grpc.StatusCode.INTERNAL.value[0],
-                                 message=f"{INTERNAL_DETAILS_PREFIX}{type(error).__name__}")
+    status = unexpected_status(error, f"a part of {method}")
+    return common_pb2.PartStatus(code=status.code, message=status.message)
 
 
 class BatchAnswers:
@@ -140,7 +137,7 @@ class _Stream:
                 error: BaseException | None = None) -> None:
         part = self.answers.part_type(index=index)
         if error is not None:
-            part.error.CopyFrom(part_status(error))
+            part.error.CopyFrom(part_status(error, self.answers.method))
         else:
             part.response.CopyFrom(response)
         self._done.setdefault(batch_id, []).append(part)

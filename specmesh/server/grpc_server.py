@@ -59,12 +59,16 @@ def error_status(error: SpecmeshError) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
+def unexpected_status(error: BaseException, where: str) -> status_pb2.Status:
+    """INTERNAL for an error no domain error maps (logged with where it happened); its type only goes out."""
+    log.exception("unexpected error in %s", where, exc_info=error)
+    return status_pb2.Status(code=code_pb2.INTERNAL, message=f"{INTERNAL_DETAILS_PREFIX}{type(error).__name__}")
+
+
 async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(error, SpecmeshError):
         await context.abort_with_status(error_status(error))
-    log.exception("unexpected error in %s", method, exc_info=error)
-    status = status_pb2.Status(code=code_pb2.INTERNAL, message=f"{INTERNAL_DETAILS_PREFIX}{type(error).__name__}")
-    await context.abort_with_status(rpc_status.to_status(status))
+    await context.abort_with_status(rpc_status.to_status(unexpected_status(error, method)))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
