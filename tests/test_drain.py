@@ -34,6 +34,7 @@ from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb
 from target_service.server import SERVICE_NAME as TARGET_SERVICE_NAME
 from target_service.server import create_server as create_target_server
 from benchmarks.tiny_models import TINY_PROMPTS
+from orchestrator.serving.clients import open_channel
 
 PROMPT, MAX_TOKENS = TINY_PROMPTS[0], 48
 LONG = 200  # the target's greedy output for PROMPT has no EOS this early: a stream that runs for a while
@@ -89,7 +90,7 @@ class Orchestrator:
         self.http, http_port, self.http_task = await start_http_server(
             create_app(servicer, drain=drain_of(self.server)), "127.0.0.1", 0)
         self.base = f"http://127.0.0.1:{http_port}"
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.channel = open_channel(f"127.0.0.1:{port}")
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         return self
 
@@ -180,8 +181,8 @@ async def test_a_draining_model_service_serves_its_open_sessions_and_refuses_new
     servicer = await create_servicer(tokenizer, OrchestratorOptions(f"127.0.0.1:{target_port}", None))
     server, port, _ = await serve_grpc(servicer)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, \
-                grpc.aio.insecure_channel(f"127.0.0.1:{target_port}") as target_channel:
+        async with open_channel(f"127.0.0.1:{port}") as channel, \
+                open_channel(f"127.0.0.1:{target_port}") as target_channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             hold = TargetHold(engine)  # the stream stalls in flight after its prefill
             call = stub.Generate(request(), timeout=WORK_TIMEOUT_S)
@@ -245,7 +246,7 @@ class Serve:
 async def test_sigterm_on_serve_drains_then_exits_0(tiny_llama_dir, tiny_llama_perturbed_dir, tmp_path):
     serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 60.0, tmp_path)
     try:
-        async with grpc.aio.insecure_channel(serve.endpoint) as channel:
+        async with open_channel(serve.endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             call = stub.Generate(request(LONG), timeout=WORK_TIMEOUT_S)
             tokens = list((await call.read()).token_ids)
@@ -272,7 +273,7 @@ async def test_sigterm_with_a_short_grace_cuts_the_stream_off_and_exits_0(tiny_l
                                                                            tmp_path):
     serve = await asyncio.to_thread(Serve, tiny_llama_dir, tiny_llama_perturbed_dir, 0.5, tmp_path)
     try:
-        async with grpc.aio.insecure_channel(serve.endpoint) as channel:
+        async with open_channel(serve.endpoint) as channel:
             call = generation_pb2_grpc.GenerationStub(channel).Generate(request(LONG), timeout=WORK_TIMEOUT_S)
             await call.read()
             with serve.target_frozen():
@@ -302,7 +303,7 @@ async def test_sigterm_on_serve_with_ray_pools_drains_before_ray_shutdown(tiny_l
         *serve_config(tmp_path, shutdown_grace=60, target_replicas=1, draft_replicas=1, target_num_cpus=0.5,
                       draft_num_cpus=0.5, ray_namespace="specmesh-drain-test"))
     try:
-        async with grpc.aio.insecure_channel(endpoint) as channel:
+        async with open_channel(endpoint) as channel:
             pools = (await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(),
                                                                           timeout=30)).pools
             target_address = next(p for p in pools if p.pool == "target").replicas[0].address

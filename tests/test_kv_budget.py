@@ -27,6 +27,7 @@ from specmesh.engine.sampling_params import SamplingParams
 from specmesh.server.service import add_service_arguments
 from specmesh.v1 import common_pb2, target_pb2, target_pb2_grpc
 from benchmarks.tiny_models import TINY_PROMPTS
+from orchestrator.serving.clients import open_channel
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 10 tokens
 
@@ -46,7 +47,7 @@ async def target(tiny_llama_dir, device):
     engine = budget_engine(tiny_llama_dir, device, tokens=100, max_waiting=2)
     metrics = ServiceMetrics.for_engine("target", engine)
     server, port = await start_model_server("target", engine)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = open_channel(f"127.0.0.1:{port}")
     yield engine, metrics, target_pb2_grpc.TargetServiceStub(channel)
     await channel.close()
     await server.stop(None)
@@ -365,7 +366,7 @@ async def test_a_prefill_that_would_end_past_its_deadline_is_refused_at_once(tin
     gate = threading.Event()
     held = asyncio.ensure_future(engine.run(gate.wait, 30))  # the worker is busy: prefills queue up
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with open_channel(f"127.0.0.1:{port}") as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             queued = asyncio.ensure_future(stub.OpenSession(target_pb2.TargetOpenRequest(
                 request_id="long", prompt_token_ids=list(range(5, 125)), max_new_tokens=8), timeout=60))

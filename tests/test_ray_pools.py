@@ -39,6 +39,7 @@ from orchestrator.control.ray_replica import ReplicaActor  # noqa: E402
 from specmesh.server.service import ServiceOptions  # noqa: E402
 from specmesh.v1 import admin_pb2, common_pb2, draft_pb2_grpc, generation_pb2, target_pb2_grpc  # noqa: E402
 from benchmarks.tiny_models import TINY_PROMPTS  # noqa: E402
+from orchestrator.serving.clients import open_channel
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time on a test machine
 
@@ -72,7 +73,7 @@ async def ray_stack(ray_cluster, tiny_llama_dir, tiny_llama_perturbed_dir):
     _, tokenizer = load(str(tiny_llama_dir), "cpu")
     servicer = await servicer_over_pools(tokenizer, pools, LoopConfig(num_speculative_tokens=2))
     server, port, _ = await serve_grpc(servicer)
-    stack = RayStack(pools, servicer, server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"), str(tiny_llama_dir))
+    stack = RayStack(pools, servicer, server, open_channel(f"127.0.0.1:{port}"), str(tiny_llama_dir))
     await stack.wait_serving("target", 2)
     await stack.wait_serving("draft", 2)
     yield stack
@@ -112,7 +113,7 @@ async def test_replicas_bind_the_host_and_refuse_calls_without_the_token(ray_sta
     for role, stub in stubs.items():
         for replica in ray_stack.pools.pools[role].routable():
             assert replica.address.startswith("127.0.0.1:"), replica  # --host, not every interface
-            async with grpc.aio.insecure_channel(replica.address) as channel:
+            async with open_channel(replica.address) as channel:
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub(channel).GetModelInfo(common_pb2.ModelInfoRequest(), timeout=10)

@@ -59,7 +59,7 @@ async def test_server_tls_generates_the_targets_tokens(pki, tiny_llama_dir, tiny
                               channel_tls=client_tls(pki), client_tls=client_tls(pki))
     try:
         token_ids, _, last = await stack.generate(prompt=TINY_PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.port}") as plaintext:
+        async with open_channel(f"127.0.0.1:{stack.port}") as plaintext:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await generate_with(plaintext)
     finally:

@@ -18,6 +18,7 @@ from orchestrator.control.build import create_server
 from parity import target_greedy
 from specmesh.v1 import generation_pb2
 from benchmarks.tiny_models import TINY_PROMPTS
+from orchestrator.serving.clients import open_channel
 
 BAD_REQUESTS = [  # (request fields, the field the error must name)
     ({"prompt": ""}, "prompt"),
@@ -132,7 +133,7 @@ async def test_stop_string_ends_generation_without_it(llama_stack):
 
 
 async def test_health_and_reflection(llama_stack):
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{llama_stack.port}")
+    channel = open_channel(f"127.0.0.1:{llama_stack.port}")
     health = health_pb2_grpc.HealthStub(channel)
     reply = await health.Check(health_pb2.HealthCheckRequest(service="specmesh.v1.Generation"), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING

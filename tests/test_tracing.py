@@ -17,6 +17,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from serve_cli import start_serve
 from specmesh.v1 import generation_pb2, generation_pb2_grpc
+from orchestrator.serving.clients import open_channel
 
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
 VERIFY = ("TargetService/Verify", "TargetService/VerifyRounds", "TargetService/VerifyBatches")  # a call, a message
@@ -63,7 +64,7 @@ def attributes(span: trace_pb2.Span) -> dict:
 
 
 async def generate(endpoint: str) -> generation_pb2.GenerateResponse:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with open_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = generation_pb2.GenerateRequest(prompt="def add(a, b):", max_tokens=16, temperature=0.0,
                                                  prompt_class="code")

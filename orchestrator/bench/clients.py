@@ -22,6 +22,7 @@ from orchestrator.bench.metrics import COUNTED, RequestRecord, token_digest
 from orchestrator.bench.modes import is_peer_mode
 from orchestrator.prompts.sets import BenchPrompt
 from orchestrator.bench.round_parts import ByMode, RoundParts, scrape_round_parts
+from orchestrator.serving.clients import open_channel
 from specmesh.loading.models import chat_token_ids
 from specmesh.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -71,7 +72,7 @@ class _Timer:
 
 class GrpcClient:
     def __init__(self, endpoint: str, tokenizer=None):
-        self.channel = grpc.aio.insecure_channel(endpoint)
+        self.channel = open_channel(endpoint)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.tokenizer = tokenizer  # for chat prompts
 
@@ -175,7 +176,7 @@ def read_chunk(chunk: dict, timer: _Timer, stats: dict[int, dict]) -> None:
 async def clear_suffix_index(endpoint: str) -> None:
     """Empty the server's suffix index (Admin.ClearSuffixIndex), so that what earlier configurations
     generated is not proposed to this one."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with open_channel(endpoint) as channel:
         await admin_pb2_grpc.AdminStub(channel).ClearSuffixIndex(admin_pb2.ClearSuffixIndexRequest(), timeout=30)
 
 
@@ -184,7 +185,7 @@ async def served_weights(endpoint: str) -> dict[str, tuple[str, str]]:
     (Admin.ListReplicas); a pool whose replicas have not reported yet is missing, and all are where the
     call fails (said on stderr: the peer then loads as the flags say)."""
     try:
-        async with grpc.aio.insecure_channel(endpoint) as channel:
+        async with open_channel(endpoint) as channel:
             listed = await admin_pb2_grpc.AdminStub(channel).ListReplicas(admin_pb2.ListReplicasRequest(),
                                                                           timeout=30)
     except grpc.aio.AioRpcError as error:

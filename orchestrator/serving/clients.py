@@ -38,9 +38,15 @@ class UpstreamError(SpecmeshError):
 
 def open_channel(endpoint: str, tls: TLSConfig | None = None,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
-    """A channel to `endpoint`: TLS (with a client certificate for mutual TLS) when `tls` is given."""
+    """A channel to `endpoint`: TLS (with a client certificate for mutual TLS) when `tls` is given.
+
+    The channel keeps its own connections (a local subchannel pool). With gRPC's global pool a channel
+    shares its connection, and its reconnect backoff, with every other channel to the same address: a new
+    channel to a service restarted on an address an old channel still watches would fail UNAVAILABLE at
+    once ("connection refused", the old server's) until that backoff ran out."""
     options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
-               ("grpc.max_send_message_length", _MAX_MESSAGE)]
+               ("grpc.max_send_message_length", _MAX_MESSAGE),
+               ("grpc.use_local_subchannel_pool", 1)]
     if tls is not None:
         return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options + tls.channel_options(),
                                        interceptors=interceptors)
