@@ -3,6 +3,8 @@ one step a call, the KV cache a fresh prefill's, stops at EOS; the rule that siz
 
 from __future__ import annotations
 
+import math
+
 import grpc
 import pytest
 import torch
@@ -129,6 +131,24 @@ def test_a_round_that_decoded_ahead_is_priced_as_one_step():
     assert costs.target_latency.value == pytest.approx(0.010)  # the call's latency, once
     assert costs.wall_by_k[0].value == pytest.approx(0.018)  # its latency and one step of 8 ms
     assert costs.undrafted_s == pytest.approx(0.050)  # the time spent target-only is the whole round's
+
+
+def test_the_steps_of_a_call_that_decoded_ahead_are_not_taken_for_the_calls_latency():
+    """A service's own work around each step (3 ms here) grows with the steps a call decodes ahead. Taken as
+    the call's latency it would price a one-step drafting round with all of it, and ask for ever more tokens
+    ahead (a longer latency asks for more, which shows a longer one)."""
+    costs = RoundCosts()
+    costs.observe(0, 0.0, 0.010, BatchLoad(), verify_forward_s=0.006)  # one step: a 4 ms call around a 6 ms step
+    for _ in range(40):
+        per_call = costs.tokens_ahead(BatchLoad(), 100) + 1
+        costs.observe(0, 0.0, 0.010 + (per_call - 1) * 0.009, BatchLoad(), verify_forward_s=0.006 * per_call,
+                      target_steps=per_call)
+    assert costs.target_latency.value == pytest.approx(0.004)
+    assert costs.target_step_overhead.value == pytest.approx(0.003)
+    per_call = costs.tokens_ahead(BatchLoad(), 100) + 1
+    assert per_call == math.ceil(0.004 / (AHEAD_SHARE * 0.009)) < MAX_DECODE_AHEAD
+    assert costs.target_only_s(BatchLoad()) == pytest.approx((0.010 + (per_call - 1) * 0.009) / per_call)
+    assert costs.round_s(0, BatchLoad()) == pytest.approx(0.010)  # a drafting round's Verify: one step, one call
 
 
 def test_the_policy_prices_a_target_only_round_as_the_rule_decodes_it():

@@ -23,7 +23,7 @@ from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
 from orchestrator.decoding.costs import BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.plan import DRAFT_CLOSED, RoundOutcome
+from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, RoundOutcome
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
@@ -325,6 +325,39 @@ def test_the_latency_shifts_the_best_k_longer():
                                random.Random(4), latency, 0.001)
         usual[latency] = sorted(chosen[-100:])[50]  # the median of the settled rounds
     assert usual[0.005] > usual[0.0] > 0, usual
+
+
+def decode_with_the_draft(policy, rounds: int, draft: str, rng: random.Random) -> tuple[float, float]:
+    """(tokens, seconds) of rounds on a host whose target service does 3 ms of its own work around each 6 ms
+    step (one step's worth is in a call's 1 ms latency, every further step of a call that decodes ahead
+    adds it again), with a 1.5 ms draft step behind a 4 ms call; target-only rounds decode ahead as the
+    rule asks, as the loop does. `draft`: DRAFT_OPEN, or DRAFT_AWAY (an unreachable draft)."""
+    costs, tokens, seconds = policy.shared.costs, 0.0, 0.0
+    for _ in range(rounds):
+        planned = plan(policy, K_MAX, draft=draft)
+        k = planned.k
+        steps = 1 if k else 1 + costs.tokens_ahead(planned.batch, 32)
+        accepted = next((j for j in range(k) if rng.random() >= 0.8), k)
+        draft_forward, verify_forward = k * 0.0015, steps * 0.006
+        timing = RoundTiming(draft_s=draft_forward + 0.004 if k else 0.0, verify_s=0.004 + 0.009 * (steps - 1) + 0.006,
+                             draft_forward_s=draft_forward, verify_forward_s=verify_forward, target_steps=steps)
+        policy.learn(planned, RoundOutcome(timing, k, accepted))
+        tokens, seconds = tokens + (accepted + 1 if k else steps), seconds + timing.draft_s + timing.verify_s
+    return tokens, seconds
+
+
+@pytest.mark.unit
+def test_the_draft_is_used_again_after_rounds_that_decoded_ahead():
+    """A draft that was away (unreachable) for a while: the target-only rounds meanwhile decoded ahead, each
+    further step adding the service's own work to the call. Once the draft is back, drafting (about 1.6x the
+    tokens per second of target-only here) is chosen again: the calls' latency the rule prices a drafting
+    round with is a one-step call's, not a long target-only call's."""
+    policy = speculation(lambda rows: 0.006, lambda rows: 0.0015).for_request("code")
+    rng = random.Random(6)
+    away_tokens, away_s = decode_with_the_draft(policy, 60, DRAFT_AWAY, rng)
+    assert policy.shared.costs.tokens_ahead(BatchLoad(), 32) < 31  # the calls did not grow without end
+    tokens, seconds = decode_with_the_draft(policy, 300, DRAFT_OPEN, rng)
+    assert tokens / seconds >= 1.4 * away_tokens / away_s, (tokens / seconds, away_tokens / away_s)
 
 
 # ---- on real services: the output stays the target's own, and k follows the draft's cost

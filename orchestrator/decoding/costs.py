@@ -98,6 +98,9 @@ class RoundCosts:
         self.target_latency = Ewma(LATENCY_WEIGHT)  # seconds a Verify takes beyond the target's forward
         self.draft_forward = Ewma(RATIO_WEIGHT)  # seconds of one draft step, as the draft reports its forwards
         self.target_forward = Ewma(RATIO_WEIGHT)  # seconds of one target step, as the target reports its forwards
+        # seconds each further step of a Verify that decodes ahead adds beyond its forward (the service's own work
+        # around a step): a one-step call's latency holds one step's such work, a call of n steps n times it
+        self.target_step_overhead = Ewma(RATIO_WEIGHT)
         self.undrafted_s = 0.0  # wall time of the target-only rounds since the last drafting round
         self.hit_rate = Ewma(HIT_WEIGHT)  # pipelined rounds whose pre-drafted branch was used; empty: sequential
         self.wall_by_k: dict[int, Ewma] = {}  # without reports: a round's seconds by its draft length
@@ -144,10 +147,12 @@ class RoundCosts:
 
     def target_only_s(self, batch: BatchLoad) -> float:
         """Seconds a token of target-only decoding takes: its share of a Verify that decodes ahead
-        (orchestrator.decoding.decode_ahead), one step and its part of the call's latency."""
+        (orchestrator.decoding.decode_ahead): the first token a one-step round, each further one a step and
+        the service's own work around it."""
         round_s, latency = self.round_s(0, batch), self.target_latency.get(0.0)
-        per_call = tokens_per_call(latency, max(round_s - latency, 0.0), self.decode_ahead)
-        return round_s - latency * (1.0 - 1.0 / per_call)
+        step_s = self._ahead_step_s(round_s, latency)
+        per_call = tokens_per_call(latency, step_s, self.decode_ahead)
+        return (round_s + (per_call - 1) * step_s) / per_call
 
     def tokens_ahead(self, batch: BatchLoad, limit: int) -> int:
         """decode_ahead for the next target-only Verify, as target_only_s prices it: at most `limit`, and 0
@@ -155,7 +160,12 @@ class RoundCosts:
         latency = self.target_latency.value
         if latency is None or not self.known:
             return 0
-        return tokens_ahead(latency, max(self.round_s(0, batch) - latency, 0.0), self.decode_ahead, limit)
+        step_s = self._ahead_step_s(self.round_s(0, batch), latency)
+        return tokens_ahead(latency, step_s, self.decode_ahead, limit)
+
+    def _ahead_step_s(self, round_s: float, latency: float) -> float:
+        """Seconds each token after the first of a Verify that decodes ahead adds: a step and its overhead."""
+        return max(round_s - latency, 0.0) + self.target_step_overhead.get(0.0)
 
     def observe_draft_forward(self, forward_s: float, steps: int) -> None:
         """A proposal of `steps` draft tokens that the draft reports took `forward_s` of forwards."""
@@ -185,7 +195,7 @@ class RoundCosts:
             self.hit_rate.update(1.0 if predraft == HIT else 0.0)
         drafted_after = drafted and predraft != HIT  # the draft's side on the critical path: it shows its cost
         if target_steps > 1:
-            verify_s, verify_forward_s = _one_step(verify_s, verify_forward_s, target_steps)
+            verify_s, verify_forward_s = self._one_step(verify_s, verify_forward_s, target_steps)
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
         if drafted:
             self.undrafted_s = 0.0
@@ -202,6 +212,22 @@ class RoundCosts:
         self.target_ratio.update(_bounded(verify_s / tables[0].step_s(batch.target_step(drafted, lookup))))
         if drafted_after:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
+
+    def _one_step(self, verify_s: float, forward_s: float | None, steps: int) -> tuple[float, float | None]:
+        """(wait, forward) of a Verify of `steps` steps as a Verify of one step would have taken them: the
+        call's latency as one-step calls showed it, and one step's forward. What the wait holds beyond those
+        is the service's own work around each further step (target_step_overhead). Were it taken as the
+        call's latency, a drafting round (one step a call) would be priced with every step's overhead of a
+        long target-only call, and more tokens ahead a call would show a longer latency, which asks for more
+        tokens ahead. (Without a forward time, the wait's share; before a one-step call, latency once.)"""
+        if forward_s is None:
+            return verify_s / steps, None
+        forward_s = min(max(0.0, forward_s), verify_s)
+        beyond, latency = verify_s - forward_s, self.target_latency.value
+        if latency is None:
+            return beyond + forward_s / steps, forward_s / steps
+        self.target_step_overhead.update(max(0.0, beyond - latency) / (steps - 1))
+        return min(beyond, latency) + forward_s / steps, forward_s / steps
 
     @staticmethod
     def _split(latency: Ewma, wait_s: float, forward_s: float) -> float:
@@ -235,15 +261,6 @@ class RoundCosts:
         if nearest is not None:
             return seen[nearest] * (rows_beyond_one + 1) / (nearest + 1)
         return min(seen.values())
-
-
-def _one_step(verify_s: float, forward_s: float | None, steps: int) -> tuple[float, float | None]:
-    """(wait, forward) of a Verify of `steps` steps as one of a single step: the call's latency once,
-    one step's forward (without a reported forward, the wait's share)."""
-    if forward_s is None:
-        return verify_s / steps, None
-    forward_s = min(max(0.0, forward_s), verify_s)
-    return verify_s - forward_s + forward_s / steps, forward_s / steps
 
 
 def _bounded(ratio: float) -> float:
