@@ -34,6 +34,7 @@ from benchmarks.links import (
     parse_ready_line,
 )
 from benchmarks.netns import NamespacePair, netns_available
+from orchestrator.serving.clients import open_channel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 IO_TIMEOUT_S = 10.0
@@ -307,8 +308,7 @@ async def _check(stub: health_pb2_grpc.HealthStub, timeout: float, wait_for_read
 
 async def test_grpc_through_the_link_delays_stalls_and_reconnects(health_server):
     async with DelayLine(("127.0.0.1", health_server), LinkSpec(rtt_ms=10)) as line:
-        # A channel of its own, not one shared from grpc's global subchannel pool.
-        channel = grpc.aio.insecure_channel(line.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        channel = open_channel(line.address)  # a connection of its own (open_channel's local subchannel pool)
         async with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             await _check(stub, IO_TIMEOUT_S)
