@@ -223,11 +223,11 @@ class RoundCosts:
         if forward_s is None:
             return verify_s / steps, None
         forward_s = min(max(0.0, forward_s), verify_s)
-        beyond, latency = verify_s - forward_s, self.target_latency.value
+        beyond, latency, step_forward_s = verify_s - forward_s, self.target_latency.value, forward_s / steps
         if latency is None:
-            return beyond + forward_s / steps, forward_s / steps
+            return beyond + step_forward_s, step_forward_s
         self.target_step_overhead.update(max(0.0, beyond - latency) / (steps - 1))
-        return min(beyond, latency) + forward_s / steps, forward_s / steps
+        return min(beyond, latency) + step_forward_s, step_forward_s
 
     @staticmethod
     def _split(latency: Ewma, wait_s: float, forward_s: float) -> float:
