@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 
@@ -28,7 +28,6 @@ from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.engine.sampling_params import SamplingParams
 from specmesh.engine.sampling import generator_at, logits_to_probs, sample_token
 from specmesh.v1 import common_pb2
-
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,17 @@ class BranchProposal:
     next_token_id: int
     proposal: Proposal  # no tokens: nothing to draft for this outcome
     planned: tuple[tuple[int, int], ...] = ()  # on the first branch: the keys of the branches to follow
+
+
+@dataclass(frozen=True)
+class PredraftStart:
+    """A pre-draft begun (DraftEngine.predraft_start): its first job, and what its later branches need."""
+
+    session: Session
+    position: int  # of the assumed tokens
+    num_tokens: int  # per branch
+    interrupted: Callable[[], bool]  # a newer call for the session arrived
+    main: tuple[Session, Any]  # (session, the all-accepted branch's job -> BranchProposal), to submit
 
 
 class DraftEngine:
@@ -182,6 +192,16 @@ class DraftEngine:
                        assumed: Sequence[int], num_tokens: int,
                        extra_branches: int) -> AsyncIterator[BranchProposal]:
         """Branches for round_number, the all-accepted one first; stops when a newer call arrives."""
+        started = self.predraft_start(request_id, round_number, commit, position, assumed, num_tokens,
+                                      extra_branches)
+        main = self.engine.submit(*started.main)
+        async for branch in self.predraft_branches(started, main):
+            yield branch
+
+    def predraft_start(self, request_id: str, round_number: int, commit: CommitSpec | None, position: int,
+                       assumed: Sequence[int], num_tokens: int, extra_branches: int) -> "PredraftStart":
+        """A PreDraft checked and its session told: the job of its all-accepted branch, for ModelEngine.submit
+        (or submit_all beside a batch's other parts), then predraft_branches. Raises on a bad request."""
         _check_count("num_tokens", num_tokens, 1, MAX_DRAFT_TOKENS)
         _check_count("extra_branches", extra_branches, 0, MAX_DRAFT_TOKENS)
         if not 1 <= len(assumed) <= MAX_DRAFT_TOKENS:
@@ -191,20 +211,27 @@ class DraftEngine:
 
         def interrupted() -> bool:
             return state.calls != call
+        job = self._predraft_main(session, commit, position, list(assumed), num_tokens, extra_branches, interrupted)
+        return PredraftStart(session, position, num_tokens, interrupted, (session, job))
+
+    async def predraft_branches(self, started: "PredraftStart",
+                                main: Awaitable[BranchProposal]) -> AsyncIterator[BranchProposal]:
+        """The started pre-draft's branches: its all-accepted one (`main`, the result of its submitted job), then
+        the planned rejection branches, each drafted once the one before is out, until a newer call arrives."""
+        session, interrupted = started.session, started.interrupted
         try:
-            main = await self.engine.submit(session, self._predraft_main(
-                session, commit, position, list(assumed), num_tokens, extra_branches, interrupted))
+            main = await main
             yield main
             for accepted, next_token in main.planned:
                 if interrupted():
                     return
                 branch = await self.engine.submit(session, self._predraft_extra(
-                    session, position + accepted, next_token, num_tokens, interrupted))
+                    session, started.position + accepted, next_token, started.num_tokens, interrupted))
                 if branch is not None:
                     yield BranchProposal(accepted, next_token, branch)
         except (asyncio.CancelledError, GeneratorExit):
             if not interrupted():  # the caller stopped listening: stop the worker's forward steps too
-                state.calls += 1
+                session.ahead.calls += 1
             raise
 
     def close(self, request_id: str) -> bool:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable
 
 import grpc
 
-from draft_service.engine import CommitSpec, DraftEngine, Proposal
+from draft_service.engine import BranchProposal, CommitSpec, DraftEngine, Proposal
 from specmesh.server.metrics import ServiceMetrics
 from specmesh.engine.sampling_params import sampling_from_pb
 from specmesh.server.security import caller_of
 from specmesh.server.grpc_server import answer_in_order
-from specmesh.server.batches import BatchAnswers
+from specmesh.server.batches import BatchAnswers, StreamedParts
 from specmesh.server.telemetry import PROPOSE_BATCHES, PROPOSE_ROUNDS, annotate_current_span
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -28,9 +28,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine = engine
         self.metrics = metrics
         self.tracer_provider = tracer_provider
+        predrafts = StreamedParts("predrafts", "branches", draft_pb2.BranchPart, "branch", self._predraft_start)
         self.batches = BatchAnswers(PROPOSE_BATCHES, self._proposal, engine.engine.submit_all,
                                     self._propose_response, draft_pb2.ProposeBatchResult, draft_pb2.ProposePart,
-                                    tracer_provider)
+                                    tracer_provider, predrafts)
 
     async def OpenSession(self, request: draft_pb2.DraftOpenRequest, context: grpc.aio.ServicerContext):
         forward_ns = await self.engine.open(request.request_id, list(request.prompt_token_ids),
@@ -75,6 +76,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         commit = commit_from_pb(request.commit) if request.HasField("commit") else None
         branches = self.engine.predraft(request.request_id, request.round, commit, request.position,
                                         list(request.assumed_token_ids), request.num_tokens, request.extra_branches)
+        async for branch in self._branch_messages(request, branches):
+            yield branch
+
+    def _predraft_start(self, request: draft_pb2.PreDraftRequest):
+        """A batch's pre-draft checked -> (its first job, follow(that job's future) -> its DraftBranches)."""
+        commit = commit_from_pb(request.commit) if request.HasField("commit") else None
+        started = self.engine.predraft_start(request.request_id, request.round, commit, request.position,
+                                             list(request.assumed_token_ids), request.num_tokens,
+                                             request.extra_branches)
+
+        def follow(main: Awaitable[BranchProposal]) -> AsyncIterator[draft_pb2.DraftBranch]:
+            return self._branch_messages(request, self.engine.predraft_branches(started, main))
+        return started.main, follow
+
+    async def _branch_messages(self, request: draft_pb2.PreDraftRequest,
+                               branches: AsyncIterator[BranchProposal]) -> AsyncIterator[draft_pb2.DraftBranch]:
         count, forward_ns = 0, 0
         async for branch in branches:
             proposal = branch.proposal

@@ -123,15 +123,17 @@ async def test_pipelined_sampling_follows_target_distribution(tiny_llama_dir, ti
 async def test_draft_dying_mid_pipelined_round_completes_identically(
         monkeypatch, tiny_llama_dir, tiny_llama_perturbed_dir, device):
     entered = asyncio.Event()
-    predraft = DraftEngine.predraft
+    branches = DraftEngine.predraft_branches
+    started = []
 
-    async def held_predraft(self, request_id, round_number, *args):
-        if round_number >= 3:  # hold the pre-draft mid-round until its server dies
+    async def held_branches(self, *args):
+        started.append(args)
+        if len(started) >= 2:  # hold the second pre-draft mid-round until its server dies
             entered.set()
             await asyncio.sleep(3600)
-        async for branch in predraft(self, request_id, round_number, *args):
+        async for branch in branches(self, *args):
             yield branch
-    monkeypatch.setattr(DraftEngine, "predraft", held_predraft)
+    monkeypatch.setattr(DraftEngine, "predraft_branches", held_branches)
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=2, device=device, pipeline="on")
     prompt = TINY_PROMPTS[1]
     try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import grpc
 
-from orchestrator.serving.round_batches import RoundBatches
+from orchestrator.serving.round_batches import BatchedBranches, RoundBatches
 from orchestrator.serving.round_streams import RoundStream
 from specmesh.errors import SpecmeshError
 from specmesh.engine.sampling_params import SamplingParams, sampling_to_pb
@@ -117,11 +117,14 @@ class DraftClient(_RoundCalls):
 
     def predraft(self, request_id: str, round_number: int, commit: draft_pb2.Commit | None, position: int,
                  assumed_token_ids: Sequence[int], num_tokens: int, extra_branches: int,
-                 timeout: float) -> grpc.aio.UnaryStreamCall:
-        """The PreDraft stream: iterate it for branches, cancel it to stop listening."""
+                 timeout: float) -> grpc.aio.UnaryStreamCall | BatchedBranches:
+        """The pre-draft's branches: iterate them, cancel to stop listening. With round batches a part of the
+        next batch (no call of its own), else a PreDraft call."""
         request = draft_pb2.PreDraftRequest(request_id=request_id, round=round_number, commit=commit,
                                             position=position, assumed_token_ids=assumed_token_ids,
                                             num_tokens=num_tokens, extra_branches=extra_branches)
+        if self.round_calls == "batch":
+            return self.batches.stream(request, timeout)
         return self.stub.PreDraft(request, timeout=timeout)
 
     async def close(self, request_id: str) -> None:

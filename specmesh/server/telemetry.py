@@ -151,6 +151,18 @@ def _client_message_span(provider: TracerProvider, method: str, request: Message
         yield span
 
 
+def start_client_part_span(provider: TracerProvider | None, method: str, request: Message) -> trace.Span | None:
+    """The client span of a part answered over time (a batch's pre-draft), started and not made current (the
+    caller ends it when the part's answers end); its context goes into the request's trace_context."""
+    if provider is None:
+        return None
+    span = tracer(provider).start_span(method, kind=trace.SpanKind.CLIENT)
+    _describe_request(span, request)
+    if span.is_recording():
+        propagate.inject(request.trace_context, context=trace.set_span_in_context(span))
+    return span
+
+
 def server_message_span(provider: TracerProvider | None, method: str, request: Message):
     """The server span of one message of a round stream: a child of the context the message carries."""
     if provider is None:  # tracing off: the carried context is not even parsed

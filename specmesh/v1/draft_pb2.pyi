@@ -85,7 +85,14 @@ class ProposeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., probabilities: _Optional[_Iterable[float]] = ..., alternative_token_ids: _Optional[_Iterable[int]] = ..., alternative_probabilities: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PreDraftRequest(_message.Message):
-    __slots__ = ("request_id", "round", "commit", "position", "assumed_token_ids", "num_tokens", "extra_branches")
+    __slots__ = ("request_id", "round", "commit", "position", "assumed_token_ids", "num_tokens", "extra_branches", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +100,7 @@ class PreDraftRequest(_message.Message):
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     commit: Commit
@@ -100,7 +108,8 @@ class PreDraftRequest(_message.Message):
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     extra_branches: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra_branches: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., position: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., extra_branches: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftBranch(_message.Message):
     __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "position", "token_ids", "distributions", "forward_ns", "planned_accepted_counts", "planned_next_token_ids")
@@ -127,12 +136,26 @@ class DraftBranch(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.TokenDistribution, _Mapping]]] = ..., forward_ns: _Optional[int] = ..., planned_accepted_counts: _Optional[_Iterable[int]] = ..., planned_next_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
-    __slots__ = ("batch_id", "parts")
+    __slots__ = ("batch_id", "parts", "predrafts")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     parts: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+    predrafts: _containers.RepeatedCompositeFieldContainer[PreDraftRequest]
+    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., predrafts: _Optional[_Iterable[_Union[PreDraftRequest, _Mapping]]] = ...) -> None: ...
+
+class BranchPart(_message.Message):
+    __slots__ = ("index", "branch", "error", "last")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    branch: DraftBranch
+    error: _common_pb2.PartStatus
+    last: bool
+    def __init__(self, index: _Optional[int] = ..., branch: _Optional[_Union[DraftBranch, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.PartStatus, _Mapping]] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class ProposePart(_message.Message):
     __slots__ = ("index", "response", "error")
@@ -145,9 +168,11 @@ class ProposePart(_message.Message):
     def __init__(self, index: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.PartStatus, _Mapping]] = ...) -> None: ...
 
 class ProposeBatchResult(_message.Message):
-    __slots__ = ("batch_id", "parts")
+    __slots__ = ("batch_id", "parts", "branches")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     parts: _containers.RepeatedCompositeFieldContainer[ProposePart]
-    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ProposePart, _Mapping]]] = ...) -> None: ...
+    branches: _containers.RepeatedCompositeFieldContainer[BranchPart]
+    def __init__(self, batch_id: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[ProposePart, _Mapping]]] = ..., branches: _Optional[_Iterable[_Union[BranchPart, _Mapping]]] = ...) -> None: ...
