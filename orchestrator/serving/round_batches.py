@@ -38,6 +38,11 @@ if TYPE_CHECKING:  # annotations only: the tracing SDK loads where tracing is on
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def _part_error(status) -> grpc.aio.AioRpcError:
+    """What a part's own call would have raised, from the PartStatus its replica answered."""
+    return call_error(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
+
+
 class RoundBatches:
     def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], batch_type: type[Message], method: str,
                  tracer_provider: TracerProvider | None = None):
@@ -203,8 +208,7 @@ class _BatchStream:
             if future.done():  # its caller gave up (deadline, cancellation)
                 continue
             if part.HasField("error"):
-                future.set_exception(call_error(_CODES.get(part.error.code, grpc.StatusCode.UNKNOWN),
-                                                part.error.message))
+                future.set_exception(_part_error(part.error))
             else:
                 future.set_result(part.response)
         if all(future is None for future in futures):
@@ -217,7 +221,7 @@ class _BatchStream:
             if branches is None:
                 continue
             if part.HasField("error"):
-                branches.end(call_error(_CODES.get(part.error.code, grpc.StatusCode.UNKNOWN), part.error.message))
+                branches.end(_part_error(part.error))
             elif part.HasField("branch"):
                 branches.add(part.branch)
             if part.last:
