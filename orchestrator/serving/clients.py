@@ -59,11 +59,12 @@ class _RoundCalls:
     session's round to the replica in one message (orchestrator.serving.round_batches)."""
 
     def __init__(self, open_stream, stream_method: str, open_batches, batch_type, batch_method: str,
-                 round_calls: str, tracer_provider: TracerProvider | None):
+                 round_calls: str, tracer_provider: TracerProvider | None,
+                 streamed_fields: tuple[str, str] | None = None):
         self._open_stream, self._stream_method = open_stream, stream_method
         self.round_calls, self.tracer_provider = round_calls, tracer_provider
         self._streams: dict[str, RoundStream] = {}
-        self.batches = RoundBatches(open_batches, batch_type, batch_method, tracer_provider)
+        self.batches = RoundBatches(open_batches, batch_type, batch_method, tracer_provider, streamed_fields)
 
     async def _round(self, unary, request_id: str, request, timeout: float):
         if self.round_calls == "batch":
@@ -96,7 +97,7 @@ class DraftClient(_RoundCalls):
                  tracer_provider: TracerProvider | None = None):
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)
         super().__init__(self.stub.ProposeRounds, PROPOSE_ROUNDS, self.stub.ProposeBatches, draft_pb2.ProposeBatch,
-                         PROPOSE_BATCHES, round_calls, tracer_provider)
+                         PROPOSE_BATCHES, round_calls, tracer_provider, streamed_fields=("predrafts", "branches"))
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)

@@ -45,8 +45,11 @@ def _part_error(status) -> grpc.aio.AioRpcError:
 
 class RoundBatches:
     def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall], batch_type: type[Message], method: str,
-                 tracer_provider: TracerProvider | None = None):
+                 tracer_provider: TracerProvider | None = None, streamed_fields: tuple[str, str] | None = None):
+        """streamed_fields: the batch's field for streamed parts and the result's field for their answers
+        (the draft's ("predrafts", "branches")); None where the batch carries none."""
         self._open_call = open_call
+        self.streamed_fields = streamed_fields
         self.batch_type = batch_type
         self.method = method
         self.tracer_provider = tracer_provider
@@ -83,7 +86,7 @@ class RoundBatches:
         streamed = [item for item in asked if isinstance(item, BatchedBranches)]
         try:
             if self._stream is None or self._stream.ended:
-                self._stream = _BatchStream(self._open_call())
+                self._stream = _BatchStream(self._open_call(), self.streamed_fields)
         except Exception as error:  # noqa: BLE001 - a channel closed under us: each part fails as its call would
             failure = call_error(grpc.StatusCode.UNAVAILABLE, f"no batch stream: {error}")
             for future in futures:
@@ -92,8 +95,8 @@ class RoundBatches:
                 branches.end(failure)
             return
         batch = self.batch_type(batch_id=next(self._batch_ids), parts=[request for request, _ in parts])
-        if streamed:
-            batch.predrafts.extend(branches.request for branches in streamed)
+        if streamed:  # only a batch type with streamed_fields is asked for streamed parts (stream())
+            getattr(batch, self.streamed_fields[0]).extend(branches.request for branches in streamed)
         for branches in streamed:
             branches.sent.set_result(None)
         self._stream.send(batch, [future for _, future in parts], streamed)
@@ -154,8 +157,9 @@ class BatchedBranches:
 class _BatchStream:
     """One open VerifyBatches/ProposeBatches call: a writer and a reader task, the batches in flight."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall):
+    def __init__(self, call: grpc.aio.StreamStreamCall, streamed_fields: tuple[str, str] | None = None):
         self.call = call
+        self._streamed_answers = streamed_fields[1] if streamed_fields else ""
         self.ended = False
         self._waiting: dict[int, list[asyncio.Future | None]] = {}  # batch id -> its parts' futures
         self._streaming: dict[int, list[BatchedBranches | None]] = {}  # batch id -> its streamed parts
@@ -196,7 +200,7 @@ class _BatchStream:
 
     def _deliver(self, result: Message) -> None:
         if result.batch_id in self._streaming:
-            self._deliver_streamed(result.batch_id, result.branches)
+            self._deliver_streamed(result.batch_id, getattr(result, self._streamed_answers))
         futures = self._waiting.get(result.batch_id)
         if futures is None:
             return
@@ -222,8 +226,8 @@ class _BatchStream:
                 continue
             if part.HasField("error"):
                 branches.end(_part_error(part.error))
-            elif part.HasField("branch"):
-                branches.add(part.branch)
+            elif part.WhichOneof("result") is not None:
+                branches.add(getattr(part, part.WhichOneof("result")))
             if part.last:
                 branches.end()
                 streamed[part.index] = None
