@@ -17,8 +17,8 @@ so the forward's work is never dead code to a compiler.
 
 Emulated GPU step times (benchmark-only; `set_acceptance_pair.py --profile NAME`): with a `step_profile`
 in the config (a table of benchmarks/gpu_profiles.py), each forward runs the lean part of the model (the
-cache grows, the kept rows' embeddings are projected and steered; `lean_forward`; a ragged step of several
-sessions runs the small real network), then sleeps up to the time the table gives a GPU step of its rows
+cache grows, the kept rows' embeddings are projected and steered; `lean_forward`, and `lean_ragged_forward`
+for a ragged step of several sessions), then sleeps up to the time the table gives a GPU step of its rows
 and sessions. The step time is then
 emulated, not measured: the sleep releases the GIL and leaves the CPU free, as the host of a GPU is
 while its kernels run. A forward whose real compute exceeds the table's time does not sleep; it counts
@@ -143,10 +143,12 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
         if self.config.step_profile is None:
             return self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
         started = time.perf_counter()
-        if input_ids is not None and kwargs.get("segments") is None:
-            output = self.lean_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
-        else:  # a ragged step's segments: the network's own attention places each session's rows
+        if input_ids is None:
             output = self.steered_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
+        elif kwargs.get("segments") is not None:
+            output = self.lean_ragged_forward(input_ids, position_ids, logits_to_keep, kwargs["segments"])
+        else:
+            output = self.lean_forward(input_ids, position_ids, cache, logits_to_keep, **kwargs)
         if output.logits.is_cuda:  # kernels run asynchronously: wait for them before reading the clock
             torch.cuda.synchronize(output.logits.device)
         rows, sessions = step_shape(input_ids, kwargs.get("inputs_embeds"), kwargs.get("segments"))
@@ -176,18 +178,36 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
         cache = cache if cache is not None else kwargs.get("past_key_values")
         past = cache.get_seq_length() if cache is not None else 0  # before this forward
         if cache is not None:
-            config = self.config
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            shape = (input_ids.shape[0], config.num_key_value_heads, input_ids.shape[1], head_dim)
-            empty = torch.zeros(shape, dtype=self.dtype, device=input_ids.device)  # [batch, kv heads, rows, dim]
-            for layer in range(config.num_hidden_layers):
-                cache.update(empty, empty, layer)
+            self.grow_cache(cache, input_ids.shape[0], input_ids.shape[1], input_ids.device)
         if position_ids is None:
             position_ids = (past + torch.arange(input_ids.shape[1], device=input_ids.device)).expand_as(input_ids)
         tokens = kept_rows(input_ids, logits_to_keep)  # [batch, kept]
         positions = kept_rows(position_ids.to(input_ids.device).expand_as(input_ids), logits_to_keep)
         logits = self.lm_head(self.model.embed_tokens(tokens))  # [batch, kept, V]
         return CausalLMOutputWithPast(logits=self.steer(logits, tokens, positions), past_key_values=cache)
+
+    def lean_ragged_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            logits_to_keep: torch.Tensor, segments) -> CausalLMOutputWithPast:
+        """lean_forward for a ragged step (specmesh.engine.ragged): input_ids and position_ids [1, T], every
+        session's new rows; each segment's session cache grows by its rows, the kept rows are projected and
+        steered. Without it a step of 64 sessions would run the small network's per-session attention, CPU
+        time that stands in for GPU work and would crowd the services out of a small host."""
+        for segment in segments:
+            if segment.cache is not None:
+                self.grow_cache(segment.cache, 1, segment.rows, input_ids.device)
+        tokens = kept_rows(input_ids, logits_to_keep)  # [1, kept]
+        positions = kept_rows(position_ids.to(input_ids.device), logits_to_keep)
+        logits = self.lm_head(self.model.embed_tokens(tokens))  # [1, kept, V]
+        return CausalLMOutputWithPast(logits=self.steer(logits, tokens, positions))
+
+    def grow_cache(self, cache, batch: int, rows: int, device: torch.device) -> None:
+        """Every layer of `cache` grows by `rows` positions of zero keys and values."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        empty = torch.zeros((batch, config.num_key_value_heads, rows, head_dim), dtype=self.dtype,
+                            device=device)  # [batch, kv heads, rows, dim]
+        for layer in range(config.num_hidden_layers):
+            cache.update(empty, empty, layer)
 
     def steered_forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, cache,
                         logits_to_keep: int | torch.Tensor, **kwargs):

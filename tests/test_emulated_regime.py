@@ -19,7 +19,8 @@ from benchmarks.modeling_set_acceptance import (SetAcceptanceConfig, draft_next,
 from benchmarks.regime_bound import E, pipelined_bound, sequential_bound
 from benchmarks.set_acceptance_pair import build_pair
 from harness import start_stack
-from specmesh.engine.ragged import Segment
+from specmesh.engine.batching import Part
+from specmesh.engine.ragged import Segment, ragged_forward
 
 PROFILE = "h100-8b"
 PROMPTS = ["def add(a, b):", "the quick brown fox"]
@@ -130,6 +131,31 @@ def test_padding_never_changes_the_targets_tokens(pair):
         ids = tokenizer.encode(prompt)
         assert greedy(padded, ids, tokenizer.pad_token_id) == greedy(unpadded, ids, tokenizer.pad_token_id)
     assert padded.emulated_steps >= MAX_TOKENS and unpadded.emulated_steps == 0
+
+
+@pytest.mark.unit
+def test_a_ragged_step_of_several_sessions_is_lean_and_steers_as_the_network_does(pair):
+    """A step of several sessions (specmesh.engine.ragged) on the profiled pair skips the network's
+    attention, yet each kept row gets the network's token and each session's cache grows by its rows."""
+    padded, unpadded = hf(pair["target"]), hf(pair["target"], step_profile=None)
+    feeds = [([300, 301, 302], 1), ([400], 1), ([500, 501], 2)]  # (new rows, kept rows) per session
+
+    def step(model) -> tuple[list[list[int]], list[int]]:
+        sessions = [type("Session", (), {"cache": DynamicCache()})() for _ in feeds]
+        for session in sessions:  # a few cached positions first, so positions differ by session
+            with torch.inference_mode():
+                model(torch.tensor([[7, 8]]), past_key_values=session.cache, use_cache=True)
+        parts = [Part(session, ids, keep) for session, (ids, keep) in zip(sessions, feeds)]
+        logits = ragged_forward(model, parts, padding=2, device=torch.device("cpu"), logits_device=torch.device("cpu"))
+        return [rows.argmax(-1).tolist() for rows in logits], [s.cache.get_seq_length() for s in sessions]
+
+    layer_calls = []
+    padded.model.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
+    before = padded.emulated_steps
+    assert step(padded) == step(unpadded)
+    assert not layer_calls  # the network's layers never ran
+    assert step(padded)[1] == [2 + len(ids) for ids, _ in feeds]
+    assert padded.emulated_steps == before + 2 * (len(feeds) + 1)  # each session's prefill, then the ragged step
 
 
 @pytest.mark.unit
