@@ -56,7 +56,9 @@ def channel_to(port: int, token: str | None = None, own_connection: bool = False
     """A plaintext channel to 127.0.0.1:port sending `token`; `own_connection`: a caller of its own
     (gRPC otherwise shares one connection among a process's channels with the same settings)."""
     options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
-    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options, interceptors=token_interceptors(token))
+    # grpc's own interceptors only: the bidirectional calls' StreamCallMetadata is for open_channel's clients
+    interceptors = [item for item in token_interceptors(token) if isinstance(item, grpc.aio.ClientInterceptor)]
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options, interceptors=interceptors)
 
 
 def open_request(role: str, request_id: str, prompt=(1, 2, 3)):

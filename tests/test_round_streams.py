@@ -215,6 +215,10 @@ async def test_round_streams_need_the_internal_token_like_every_call(tiny_llama_
         keyed = open_channel(address, interceptors=token_interceptors("secret"))
         try:
             assert len(await verify_rounds(TargetClient(keyed, round_calls="stream"), "keyed", 2)) == 2
+            batched = TargetClient(keyed, round_calls="batch")
+            assert len(await verify_rounds(batched, "keyed-batch", 2)) == 2
+            # the token went as the stream call's own metadata: no interceptor's queue and task per message
+            assert "Intercepted" not in type(batched.batches._stream.call).__name__
             stranger = TargetClient(bare, round_calls="stream")
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stranger.stub.VerifyRounds().read()

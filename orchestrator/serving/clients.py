@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import functools
 import logging
+import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import grpc
@@ -14,8 +15,8 @@ from orchestrator.serving.round_batches import BatchedBranches, RoundBatches
 from orchestrator.serving.round_streams import RoundStream
 from specmesh.errors import SpecmeshError
 from specmesh.engine.sampling_params import SamplingParams, sampling_to_pb
-from specmesh.server.security import (TLSConfig, add_api_key_arguments, add_client_tls_arguments, api_key_from_args,
-                                      bearer_metadata, client_tls_from_args)
+from specmesh.server.security import (StreamCallMetadata, TLSConfig, add_api_key_arguments, add_client_tls_arguments,
+                                      api_key_from_args, bearer_metadata, client_tls_from_args)
 from specmesh.server.telemetry import PROPOSE_BATCHES, PROPOSE_ROUNDS, VERIFY_BATCHES, VERIFY_ROUNDS
 from specmesh.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 5.0
 CLOSE_ATTEMPTS = 3
 _MAX_MESSAGE = 64 * 1024 * 1024
+# A channel's StreamCallMetadata (open_channel), sent by the clients with each bidirectional call they open.
+_STREAM_METADATA: weakref.WeakKeyDictionary[grpc.aio.Channel, tuple] = weakref.WeakKeyDictionary()
 
 
 class UpstreamError(SpecmeshError):
@@ -37,8 +40,10 @@ class UpstreamError(SpecmeshError):
 
 
 def open_channel(endpoint: str, tls: TLSConfig | None = None,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+                 interceptors: Sequence[grpc.aio.ClientInterceptor | StreamCallMetadata] = ()) -> grpc.aio.Channel:
     """A channel to `endpoint`: TLS (with a client certificate for mutual TLS) when `tls` is given.
+    `interceptors` may hold StreamCallMetadata: the Draft/TargetClient over the channel sends it with the
+    bidirectional calls it opens.
 
     The channel keeps its own connections (a local subchannel pool). With gRPC's global pool a channel
     shares its connection, and its reconnect backoff, with every other channel to the same address: a new
@@ -47,10 +52,23 @@ def open_channel(endpoint: str, tls: TLSConfig | None = None,
     options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                ("grpc.max_send_message_length", _MAX_MESSAGE),
                ("grpc.use_local_subchannel_pool", 1)]
+    stream_metadata = tuple(pair for item in interceptors if isinstance(item, StreamCallMetadata)
+                            for pair in item.metadata)
+    interceptors = [item for item in interceptors if not isinstance(item, StreamCallMetadata)]
     if tls is not None:
-        return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options + tls.channel_options(),
-                                       interceptors=interceptors)
-    return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
+        channel = grpc.aio.secure_channel(endpoint, tls.channel_credentials(),
+                                          options=options + tls.channel_options(), interceptors=interceptors)
+    else:
+        channel = grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
+    if stream_metadata:
+        _STREAM_METADATA[channel] = stream_metadata
+    return channel
+
+
+def _with_stream_metadata(channel: grpc.aio.Channel, open_call):
+    """`open_call` (a stub's bidirectional method) sending the channel's StreamCallMetadata, if it has any."""
+    metadata = _STREAM_METADATA.get(channel)
+    return functools.partial(open_call, metadata=metadata) if metadata else open_call
 
 
 class _RoundCalls:
@@ -58,9 +76,11 @@ class _RoundCalls:
     the session's own (orchestrator.serving.round_streams); or a part of a batch that carries every
     session's round to the replica in one message (orchestrator.serving.round_batches)."""
 
-    def __init__(self, open_stream, stream_method: str, open_batches, batch_type, batch_method: str,
-                 round_calls: str, tracer_provider: TracerProvider | None,
+    def __init__(self, channel: grpc.aio.Channel, open_stream, stream_method: str, open_batches, batch_type,
+                 batch_method: str, round_calls: str, tracer_provider: TracerProvider | None,
                  streamed_fields: tuple[str, str] | None = None):
+        open_stream, open_batches = (_with_stream_metadata(channel, open_stream),
+                                     _with_stream_metadata(channel, open_batches))
         self._open_stream, self._stream_method = open_stream, stream_method
         self.round_calls, self.tracer_provider = round_calls, tracer_provider
         self._streams: dict[str, RoundStream] = {}
@@ -96,8 +116,9 @@ class DraftClient(_RoundCalls):
     def __init__(self, channel: grpc.aio.Channel, round_calls: str = "unary",
                  tracer_provider: TracerProvider | None = None):
         self.stub = draft_pb2_grpc.DraftServiceStub(channel)
-        super().__init__(self.stub.ProposeRounds, PROPOSE_ROUNDS, self.stub.ProposeBatches, draft_pb2.ProposeBatch,
-                         PROPOSE_BATCHES, round_calls, tracer_provider, streamed_fields=("predrafts", "branches"))
+        super().__init__(channel, self.stub.ProposeRounds, PROPOSE_ROUNDS, self.stub.ProposeBatches,
+                         draft_pb2.ProposeBatch, PROPOSE_BATCHES, round_calls, tracer_provider,
+                         streamed_fields=("predrafts", "branches"))
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
@@ -137,8 +158,8 @@ class TargetClient(_RoundCalls):
     def __init__(self, channel: grpc.aio.Channel, round_calls: str = "unary",
                  tracer_provider: TracerProvider | None = None):
         self.stub = target_pb2_grpc.TargetServiceStub(channel)
-        super().__init__(self.stub.VerifyRounds, VERIFY_ROUNDS, self.stub.VerifyBatches, target_pb2.VerifyBatch,
-                         VERIFY_BATCHES, round_calls, tracer_provider)
+        super().__init__(channel, self.stub.VerifyRounds, VERIFY_ROUNDS, self.stub.VerifyBatches,
+                         target_pb2.VerifyBatch, VERIFY_BATCHES, round_calls, tracer_provider)
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
         return await self.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout)
