@@ -19,9 +19,9 @@ Emulated GPU step times (benchmark-only; `set_acceptance_pair.py --profile NAME`
 in the config (a table of benchmarks/gpu_profiles.py), each forward runs the lean part of the model (the
 cache grows, the kept rows' embeddings are projected and steered; `lean_forward`, and `lean_ragged_forward`
 for a ragged step of several sessions), then sleeps up to the time the table gives a GPU step of its rows
-and sessions. The step time is then
-emulated, not measured: the sleep releases the GIL and leaves the CPU free, as the host of a GPU is
-while its kernels run. A forward whose real compute exceeds the table's time does not sleep; it counts
+and sessions (less the oversleep measured so far, so that steps take the table's time on average). The step
+time is then emulated, not measured: the sleep releases the GIL and leaves the CPU free, as the host of a
+GPU is while its kernels run. A forward whose real compute exceeds the table's time does not sleep; it counts
 in `emulation_overruns` (and warns once): such a run is not a faithful emulation, and says so.
 """
 
@@ -41,6 +41,7 @@ SCALAR_STEER_ROWS = 64
 MIX_ROUNDS = ((1103515245, 12345), (214013, 2531011), (1664525, 1013904223))
 AGREE_SALT = 0x2545F491  # the draft's agree-or-not draw
 OTHER_SALT = 0x5BD1E995  # which other token a disagreeing draft proposes
+OVERSLEEP_WEIGHT = 0.1  # of one padded step in the estimate of how much longer time.sleep sleeps than asked
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
         super().__init__(config)
         self.emulated_steps = 0  # forwards padded to the step profile
         self.emulation_overruns = 0  # forwards whose real compute took longer than the profile's time
+        # How much longer than asked time.sleep has slept here (timer slack, the wake-up): a padded step asks
+        # for that much less, so that steps take the profile's time on average, not 0.1-0.2 ms more each.
+        self.oversleep_s = 0.0
 
     def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 cache=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
@@ -160,7 +164,11 @@ class SetAcceptanceForCausalLM(Qwen2ForCausalLM):
         self.emulated_steps += 1
         remaining = step_s - (time.perf_counter() - started)
         if remaining > 0:
-            time.sleep(remaining)  # releases the GIL: the CPU stays free for the services around the model
+            asked = max(0.0, remaining - self.oversleep_s)
+            before = time.perf_counter()
+            time.sleep(asked)  # releases the GIL: the CPU stays free for the services around the model
+            over = time.perf_counter() - before - asked
+            self.oversleep_s += OVERSLEEP_WEIGHT * (over - self.oversleep_s)
             return
         self.emulation_overruns += 1
         if self.emulation_overruns == 1:

@@ -6,6 +6,7 @@ the host is shared and noisy."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -156,6 +157,34 @@ def test_a_ragged_step_of_several_sessions_is_lean_and_steers_as_the_network_doe
     assert not layer_calls  # the network's layers never ran
     assert step(padded)[1] == [2 + len(ids) for ids, _ in feeds]
     assert padded.emulated_steps == before + 2 * (len(feeds) + 1)  # each session's prefill, then the ragged step
+
+
+class OversleepingClock:
+    """time.sleep and time.perf_counter of a host whose sleeps last 0.3 ms longer than asked."""
+
+    def __init__(self, oversleep_s: float = 0.0003):
+        self.now, self.oversleep_s = 100.0, oversleep_s
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds + self.oversleep_s
+
+
+@pytest.mark.unit
+def test_padded_steps_ask_for_less_sleep_as_the_host_oversleeps_and_take_the_profiles_time(pair, monkeypatch):
+    model = hf(pair["draft-0.8"])
+    clock = OversleepingClock()
+    monkeypatch.setattr(sys.modules[type(model).__module__], "time", clock)
+    steps = []
+    for _ in range(100):
+        started = clock.now
+        model.pad_step(started, 0.001)
+        steps.append(clock.now - started)
+    assert steps[0] == pytest.approx(0.0013)  # nothing measured yet: the host's whole oversleep
+    assert model.oversleep_s == pytest.approx(0.0003, rel=0.01)
+    assert steps[-1] == pytest.approx(0.001, rel=0.01)
 
 
 @pytest.mark.unit
