@@ -189,12 +189,22 @@ class _Stream:
 
     def _finish(self, batch_id: int, index: int, response: Message | None = None,
                 error: BaseException | None = None) -> None:
-        part = self.answers.part_type(index=index)
+        part = self._part(self.answers.part_type, "response", index, response, error)
+        self._done.setdefault(batch_id, []).append(part)
+        self._counted_out()
+
+    def _part(self, part_type: type[Message], answer_field: str, index: int, answer: Message | None,
+              error: BaseException | None, **fields) -> Message:
+        """A part's answer message: its error's status where it failed, else its answer (where it has one)."""
+        part = part_type(index=index, **fields)
         if error is not None:
             part.error.CopyFrom(part_status(error, self.answers.method))
-        else:
-            part.response.CopyFrom(response)
-        self._done.setdefault(batch_id, []).append(part)
+        elif answer is not None:
+            getattr(part, answer_field).CopyFrom(answer)
+        return part
+
+    def _counted_out(self) -> None:
+        """A part is answered for good: no longer open on this stream nor in flight on the service."""
         self._open_parts -= 1
         self.answers.in_flight -= 1
         self._quiet.added()
@@ -202,16 +212,12 @@ class _Stream:
     def _answer_streamed(self, batch_id: int, index: int, answer: Message | None = None,
                          error: BaseException | None = None, last: bool = False) -> None:
         streamed = self.answers.streamed
-        part = streamed.part_type(index=index, last=last)
-        if error is not None:
-            part.error.CopyFrom(part_status(error, self.answers.method))
-        elif answer is not None:
-            getattr(part, streamed.answer_field).CopyFrom(answer)
+        part = self._part(streamed.part_type, streamed.answer_field, index, answer, error, last=last)
         self._streamed_done.setdefault(batch_id, []).append(part)
         if last:
-            self._open_parts -= 1
-            self.answers.in_flight -= 1
-        self._quiet.added()
+            self._counted_out()
+        else:
+            self._quiet.added()
 
     def _flush(self) -> None:
         done, self._done = self._done, {}

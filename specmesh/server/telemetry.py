@@ -144,10 +144,8 @@ def client_message_span(provider: TracerProvider | None, method: str,
 
 @contextlib.contextmanager
 def _client_message_span(provider: TracerProvider, method: str, request: Message) -> Iterator[trace.Span]:
-    with tracer(provider).start_as_current_span(method, kind=trace.SpanKind.CLIENT) as span:
-        _describe_request(span, request)
-        if span.is_recording():
-            propagate.inject(request.trace_context)
+    span = start_client_part_span(provider, method, request)
+    with trace.use_span(span, end_on_exit=True):
         yield span
 
 
