@@ -21,7 +21,7 @@ import torch
 from benchmarks.tiny_models import TINY_PROMPTS
 from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
-from orchestrator.decoding.costs import BatchLoad
+from orchestrator.decoding.costs import RETRY_SHARE, BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
 from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, RoundOutcome
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
@@ -327,22 +327,26 @@ def test_the_latency_shifts_the_best_k_longer():
     assert usual[0.005] > usual[0.0] > 0, usual
 
 
-def decode_with_the_draft(policy, rounds: int, draft: str, rng: random.Random) -> tuple[float, float]:
+def decode_with_the_draft(policy, rounds: int, draft: str, rng: random.Random, acceptance: float = 0.8,
+                          chosen: list[tuple[int, float]] | None = None) -> tuple[float, float]:
     """(tokens, seconds) of rounds on a host whose target service does 3 ms of its own work around each 6 ms
     step (one step's worth is in a call's 1 ms latency, every further step of a call that decodes ahead
     adds it again), with a 1.5 ms draft step behind a 4 ms call; target-only rounds decode ahead as the
-    rule asks, as the loop does. `draft`: DRAFT_OPEN, or DRAFT_AWAY (an unreachable draft)."""
+    rule asks, as the loop does. `draft`: DRAFT_OPEN, or DRAFT_AWAY (an unreachable draft); `chosen` gets
+    each round's (k, seconds)."""
     costs, tokens, seconds = policy.shared.costs, 0.0, 0.0
     for _ in range(rounds):
         planned = plan(policy, K_MAX, draft=draft)
         k = planned.k
         steps = 1 if k else 1 + costs.tokens_ahead(planned.batch, 32)
-        accepted = next((j for j in range(k) if rng.random() >= 0.8), k)
+        accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
         draft_forward, verify_forward = k * 0.0015, steps * 0.006
         timing = RoundTiming(draft_s=draft_forward + 0.004 if k else 0.0, verify_s=0.004 + 0.009 * (steps - 1) + 0.006,
                              draft_forward_s=draft_forward, verify_forward_s=verify_forward, target_steps=steps)
         policy.learn(planned, RoundOutcome(timing, k, accepted))
         tokens, seconds = tokens + (accepted + 1 if k else steps), seconds + timing.draft_s + timing.verify_s
+        if chosen is not None:
+            chosen.append((k, timing.draft_s + timing.verify_s))
     return tokens, seconds
 
 
@@ -358,6 +362,33 @@ def test_the_draft_is_used_again_after_rounds_that_decoded_ahead():
     assert policy.shared.costs.tokens_ahead(BatchLoad(), 32) < 31  # the calls did not grow without end
     tokens, seconds = decode_with_the_draft(policy, 300, DRAFT_OPEN, rng)
     assert tokens / seconds >= 1.4 * away_tokens / away_s, (tokens / seconds, away_tokens / away_s)
+
+
+@pytest.mark.unit
+def test_acceptance_estimated_low_on_unlucky_rounds_is_measured_again_within_a_bounded_time():
+    """Rounds whose drafts were all rejected (a draft that was wrong for a while, or bad luck in the first
+    rounds) turn drafting off. The target-only rounds then decode ahead many tokens each, so the estimates'
+    decay round by round would take long to bring drafting back; a probe once the target-only time reaches
+    1/RETRY_SHARE of a drafting round's cost measures the draft again, and drafting resumes."""
+    policy = speculation(lambda rows: 0.006, lambda rows: 0.0015).for_request("code")
+    rng = random.Random(7)
+    decode_with_the_draft(policy, 12, DRAFT_OPEN, rng, acceptance=0.0)
+    assert plan(policy, K_MAX).k == 0  # locked out by the rejections
+    rounds: list[tuple[int, float]] = []
+    decode_with_the_draft(policy, 120, DRAFT_OPEN, rng, acceptance=0.8, chosen=rounds)
+    first = next(index for index, (k, _) in enumerate(rounds) if k > 0)
+    assert sum(seconds for _, seconds in rounds[:first]) < 3.0, rounds[:first + 1]
+    assert sum(k > 0 for k, _ in rounds[-40:]) >= 30, rounds[-40:]  # drafting again
+
+
+@pytest.mark.unit
+def test_probing_a_draft_that_never_pays_costs_a_bounded_share_of_the_time():
+    policy = speculation(lambda rows: 0.006, lambda rows: 0.0015).for_request("chat")
+    rounds: list[tuple[int, float]] = []
+    decode_with_the_draft(policy, 600, DRAFT_OPEN, random.Random(8), acceptance=0.0, chosen=rounds)
+    settled = rounds[100:]
+    drafting_s = sum(seconds for k, seconds in settled if k > 0)
+    assert 0 < drafting_s <= 2 * RETRY_SHARE * sum(seconds for _, seconds in settled), settled
 
 
 # ---- on real services: the output stays the target's own, and k follows the draft's cost

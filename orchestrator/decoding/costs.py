@@ -44,7 +44,11 @@ At k = 0 nothing shows what drafting costs now: a draft that was slow (busy with
 tenant, or behind a link that stalled) would stay priced slow for good. So in target-only
 rounds the draft's correction fades back towards what its service reports, its latency towards
 the target's, and without reports the drafting rounds' wall clock fades towards the target-only
-one; drafting is tried again once it looks worth it.
+one; drafting is tried again once it looks worth it. What does not fade fast enough is acceptance
+estimated low on a few unlucky first rounds: it decays back round by round, and a target-only round
+that decodes ahead holds many tokens. So once the target-only rounds since the last drafting one took
+1/RETRY_SHARE times what a drafting round costs, one is tried whatever the estimates say (`probe_due`):
+a probe, a bounded share of the time, that measures acceptance and latency anew.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class RoundCosts:
         # around a step): a one-step call's latency holds one step's such work, a call of n steps n times it
         self.target_step_overhead = Ewma(RATIO_WEIGHT)
         self.undrafted_s = 0.0  # wall time of the target-only rounds since the last drafting round
+        self.last_drafted = 0  # draft tokens of the latest drafting round of any request: a probe's length
         self.hit_rate = Ewma(HIT_WEIGHT)  # pipelined rounds whose pre-drafted branch was used; empty: sequential
         self.wall_by_k: dict[int, Ewma] = {}  # without reports: a round's seconds by its draft length
 
@@ -198,7 +203,7 @@ class RoundCosts:
             verify_s, verify_forward_s = self._one_step(verify_s, verify_forward_s, target_steps)
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
         if drafted:
-            self.undrafted_s = 0.0
+            self.undrafted_s, self.last_drafted = 0.0, drafted
         else:
             self._fade(round_s)  # the round's whole wall time, before the split below takes its forward part
         if verify_forward_s is not None:
@@ -212,6 +217,11 @@ class RoundCosts:
         self.target_ratio.update(_bounded(verify_s / tables[0].step_s(batch.target_step(drafted, lookup))))
         if drafted_after:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
+
+    def probe_due(self, k: int, batch: BatchLoad) -> bool:
+        """Whether a drafting round of k is to be tried whatever the estimates say: the target-only rounds since
+        the last drafting one took 1/RETRY_SHARE times what it costs (module docstring)."""
+        return self.known and k > 0 and self.undrafted_s * RETRY_SHARE >= self.round_s(k, batch)
 
     def _one_step(self, verify_s: float, forward_s: float | None, steps: int) -> tuple[float, float | None]:
         """(wait, forward) of a Verify of `steps` steps as a Verify of one step would have taken them: the

@@ -139,11 +139,13 @@ class DraftLength:
 
     def _plan_round(self, rule: BatchRule, ask: RoundAsk, offers: list[FreeProposal]) -> RoundPlan:
         k = self._rule_k(rule)
+        probe = self._probe_k(rule) if k == 0 else 0
+        k = k or probe
         open_draft = False
         if ask.draft == DRAFT_AWAY:
             k = 0
         elif k and ask.draft == DRAFT_CLOSED:  # its first round that wants draft tokens
-            open_draft = self._worth_opening(rule, k, ask.context, ask.tokens_left)
+            open_draft = bool(probe) or self._worth_opening(rule, k, ask.context, ask.tokens_left)
             k = 0  # never wait for the draft's prefill
         elif ask.draft == DRAFT_OPENING:
             k = 0
@@ -165,6 +167,14 @@ class DraftLength:
             if rule.goodput(best) > (1.0 + MARGIN) * rule.goodput(self.k):
                 self.k = best
         return min(self.k, self.k_max)
+
+    def _probe_k(self, rule: BatchRule) -> int:
+        """A drafting round's k where one is due whatever the estimates say (RoundCosts.probe_due), else 0: the
+        length the latest drafting round had, so that the probe measures what drafting was."""
+        if not self.k_max:
+            return 0
+        k = min(self.k_max, self.costs.last_drafted or self.k_max)
+        return k if self.costs.probe_due(k, rule.batch) else 0
 
     def _draft_request(self, rule: BatchRule, k: int, factor: float) -> tuple[int, float]:
         """(tokens to ask the draft for, the run probability it stops below) for a round of k draft tokens
