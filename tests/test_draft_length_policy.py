@@ -23,7 +23,7 @@ from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
 from orchestrator.decoding.costs import RETRY_SHARE, BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, RoundOutcome
+from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, RoundAsk, RoundOutcome
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
@@ -389,6 +389,51 @@ def test_probing_a_draft_that_never_pays_costs_a_bounded_share_of_the_time():
     settled = rounds[100:]
     drafting_s = sum(seconds for k, seconds in settled if k > 0)
     assert 0 < drafting_s <= 2 * RETRY_SHARE * sum(seconds for _, seconds in settled), settled
+
+
+def run_batch(shared, parts: list, drafts: dict, batch_rounds: int, rng: random.Random) -> list[list]:
+    """Rounds of `parts` decoding side by side, one plan_batch each, with a draft that never pays (its 1.5 ms
+    steps behind a 4 ms call; 1 % of its first tokens accepted) and target-only rounds that decode ahead; a
+    session whose plan opens its draft has it open from its next round. Each batch round's plans."""
+    rounds = []
+    for batch_round in range(batch_rounds):
+        asks = [RoundAsk(K_MAX, 16 + batch_round, tokens_left=10_000, draft=drafts[part]) for part in parts]
+        plans = shared.plan_batch(parts, asks)
+        for part, planned in zip(parts, plans):
+            if planned.open_draft:
+                drafts[part] = DRAFT_OPEN
+            k, steps = planned.k, 1 if planned.k else 1 + shared.costs.tokens_ahead(planned.batch, 32)
+            timing = RoundTiming(draft_s=k * 0.0015 + 0.004 if k else 0.0, verify_s=0.004 + 0.009 * (steps - 1) + 0.006,
+                                 draft_forward_s=k * 0.0015, verify_forward_s=steps * 0.006, target_steps=steps)
+            part.learn(planned, RoundOutcome(timing, k, int(k > 0 and rng.random() < 0.01)))
+        rounds.append(plans)
+    return rounds
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("draft", [DRAFT_OPEN, DRAFT_CLOSED])
+def test_a_batch_probes_one_session_at_a_time_at_the_pace_of_its_wall_clock(draft):
+    """32 sessions decoding side by side with a draft that never pays (learned by an earlier batch). Their
+    target-only rounds run at once, so the time that buys a probe is the batch's wall clock, not the sum of
+    the sessions' rounds, and a probe is one session's round, not that of every session planning while one
+    is due. What else drafts is the rule's own try once the evidence has faded, for the whole batch at once,
+    at the pace of the batch's rounds. A closed draft is opened by a session that probes, and by no other."""
+    shared, rng = speculation(lambda rows: 0.006, lambda rows: 0.0015), random.Random(9)
+    earlier = [shared.for_request("chat") for _ in range(32)]
+    run_batch(shared, earlier, {part: DRAFT_OPEN for part in earlier}, 100, rng)
+    for part in earlier:
+        part.close()
+    parts = [shared.for_request("chat") for _ in range(32)]
+    for part in parts:
+        part.arrive()
+    rounds = run_batch(shared, parts, {part: draft for part in parts}, 400, rng)
+    drafting = [sum(planned.k > 0 or planned.open_draft for planned in plans) for plans in rounds]
+    assert set(drafting) <= {0, 1, len(parts)}, drafting
+    assert drafting.count(1) >= 5, drafting  # probes
+    assert sum(map(bool, drafting)) <= 0.1 * len(rounds), drafting  # summed over sessions: every few rounds
+    if draft == DRAFT_CLOSED:
+        opened = sum(planned.open_draft for plans in rounds for planned in plans)
+        assert opened <= drafting.count(1), (opened, drafting)
 
 
 # ---- on real services: the output stays the target's own, and k follows the draft's cost

@@ -13,7 +13,11 @@ history and a few rounds of its own outweigh it.
 
 Evidence decays with every round, target-only rounds included: after a stretch at k = 0
 the estimates drift back towards their priors, so a choice made on old evidence is tried
-again (no separate probing). At most MAX_CLASSES classes are kept (least recently used out).
+again. A target-only round decays the levels shared by the requests (deployment, class) by
+its share of the batch it ran in: n requests' rounds run side by side, so the shared
+evidence fades with the batch's rounds, not n times as fast (at 64 requests, a class would
+forget a hundred rounds of rejections in two of the batch's rounds, and every request would
+draft again at once). At most MAX_CLASSES classes are kept (least recently used out).
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ class PositionCounts:
         self.tokens = 0.0  # accepted draft tokens
         self.rejections = 0.0  # rounds that ended in a rejection
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        if self.decay < 1.0:
-            self.reached = [n * self.decay for n in self.reached]
-            self.accepted = [a * self.decay for a in self.accepted]
-            self.tokens *= self.decay
-            self.rejections *= self.decay
+    def observe(self, drafted: int, accepted: int, share: float = 1.0) -> None:
+        """A round's outcome; a target-only round (drafted 0) counts for `share` of a round in the decay."""
+        decay = self.decay if drafted or share == 1.0 else self.decay ** share
+        if decay < 1.0:
+            self.reached = [n * decay for n in self.reached]
+            self.accepted = [a * decay for a in self.accepted]
+            self.tokens *= decay
+            self.rejections *= decay
         for position in range(min(accepted + 1, drafted, len(self.reached))):
             self.reached[position] += 1.0
         for position in range(min(accepted, len(self.accepted))):
@@ -115,10 +121,11 @@ class AcceptanceMemory:
     def for_class(self, prompt_class: str) -> PositionCounts:
         return recently_used(self.classes, prompt_class, lambda: PositionCounts(decay=CLASS_DECAY), self.max_classes)
 
-    def observe(self, prompt_class: str, drafted: int, accepted: int) -> None:
-        """A round's outcome, at the deployment's level and its class's."""
-        self.deployment.observe(drafted, accepted)
-        self.for_class(prompt_class).observe(drafted, accepted)
+    def observe(self, prompt_class: str, drafted: int, accepted: int, share: float = 1.0) -> None:
+        """A round's outcome, at the deployment's level and its class's; a target-only round's decay by its
+        `share` of the batch (module docstring)."""
+        self.deployment.observe(drafted, accepted, share)
+        self.for_class(prompt_class).observe(drafted, accepted, share)
         self.version += 1
 
     def class_rates(self, prompt_class: str) -> tuple[float, list[float]]:
@@ -155,10 +162,11 @@ class RequestAcceptance:
         self.own = PositionCounts(decay=REQUEST_DECAY)
         self._rates: list[float] | None = None
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A round's outcome; at k = 0 (drafted 0) every level only decays (module docstring)."""
+    def observe(self, drafted: int, accepted: int, batch_requests: int = 1) -> None:
+        """A round's outcome, in a batch of `batch_requests`; at k = 0 (drafted 0) every level only decays, the
+        shared ones by the round's share of the batch (module docstring)."""
         self.own.observe(drafted, accepted)
-        self.memory.observe(self.prompt_class, drafted, accepted)
+        self.memory.observe(self.prompt_class, drafted, accepted, 1.0 / max(1, batch_requests))
         self._rates = None
 
     def rates(self) -> list[float]:

@@ -44,11 +44,16 @@ At k = 0 nothing shows what drafting costs now: a draft that was slow (busy with
 tenant, or behind a link that stalled) would stay priced slow for good. So in target-only
 rounds the draft's correction fades back towards what its service reports, its latency towards
 the target's, and without reports the drafting rounds' wall clock fades towards the target-only
-one; drafting is tried again once it looks worth it. What does not fade fast enough is acceptance
-estimated low on a few unlucky first rounds: it decays back round by round, and a target-only round
-that decodes ahead holds many tokens. So once the target-only rounds since the last drafting one took
-1/RETRY_SHARE times what a drafting round costs, one is tried whatever the estimates say (`probe_due`):
-a probe, a bounded share of the time, that measures acceptance and latency anew.
+one, at the pace of the batch's rounds (each of n sessions' side by side counts 1/n); drafting is
+tried again once it looks worth it. What does not fade fast enough is acceptance estimated low on a
+few unlucky first rounds: it decays back round by round, and a target-only round that decodes ahead
+holds many tokens. So once the target-only rounds since the last drafting one took
+1/RETRY_SHARE times what a drafting round costs, one session's next round drafts whatever the estimates
+say (`claim_probe`): a probe, a bounded share of the time, that measures acceptance and latency anew.
+That time is the batch's wall clock, not the sum of its sessions' rounds: n sessions' target-only rounds
+run side by side, so each counts 1/n of its wall time (counted as a sum, 64 sessions would probe 64 times
+as often). And a probe is one session's: claiming it starts the count again, so the other sessions of the
+same batch do not all draft at once.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ HIT_WEIGHT = 0.1  # of a pipelined round in the pre-draft hit rate: one bit a ro
 # Trying an unpaying draft again may cost this share of the time the target-only rounds take: within the
 # noise of any host, so that a long link never costs measurably more than not drafting at all.
 RETRY_SHARE = 0.02
-FADE_WEIGHT = 0.05  # what target-only rounds no longer show fades, a twentieth a round (so drafting is tried again)
+FADE_WEIGHT = 0.05  # what target-only rounds no longer show fades, a twentieth a batch's round: drafting tried again
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ class RoundCosts:
         # seconds each further step of a Verify that decodes ahead adds beyond its forward (the service's own work
         # around a step): a one-step call's latency holds one step's such work, a call of n steps n times it
         self.target_step_overhead = Ewma(RATIO_WEIGHT)
-        self.undrafted_s = 0.0  # wall time of the target-only rounds since the last drafting round
+        self.undrafted_s = 0.0  # the batch's wall time in target-only rounds since the last drafting round or probe
         self.last_drafted = 0  # draft tokens of the latest drafting round of any request: a probe's length
         self.hit_rate = Ewma(HIT_WEIGHT)  # pipelined rounds whose pre-drafted branch was used; empty: sequential
         self.wall_by_k: dict[int, Ewma] = {}  # without reports: a round's seconds by its draft length
@@ -205,7 +210,8 @@ class RoundCosts:
         if drafted:
             self.undrafted_s, self.last_drafted = 0.0, drafted
         else:
-            self._fade(round_s)  # the round's whole wall time, before the split below takes its forward part
+            # the round's whole wall time (before the split below takes its forward part): its share of the batch's
+            self._fade(round_s, 1.0 / max(1, batch.requests))
         if verify_forward_s is not None:
             verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
             self.target_forward.update(verify_s)
@@ -218,10 +224,14 @@ class RoundCosts:
         if drafted_after:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
 
-    def probe_due(self, k: int, batch: BatchLoad) -> bool:
-        """Whether a drafting round of k is to be tried whatever the estimates say: the target-only rounds since
-        the last drafting one took 1/RETRY_SHARE times what it costs (module docstring)."""
-        return self.known and k > 0 and self.undrafted_s * RETRY_SHARE >= self.round_s(k, batch)
+    def claim_probe(self, k: int, batch: BatchLoad) -> bool:
+        """Whether a drafting round of k is to be tried whatever the estimates say, by the session asking: the
+        target-only rounds since the last drafting one (or probe) took 1/RETRY_SHARE times what the batch's
+        drafting round costs (module docstring). A claim starts the count again: one session probes."""
+        if not (self.known and k > 0 and self.undrafted_s * RETRY_SHARE >= self.round_s(k, batch)):
+            return False
+        self.undrafted_s = 0.0
+        return True
 
     def _one_step(self, verify_s: float, forward_s: float | None, steps: int) -> tuple[float, float | None]:
         """(wait, forward) of a Verify of `steps` steps as a Verify of one step would have taken them: the
@@ -246,20 +256,23 @@ class RoundCosts:
         latency.update(wait_s - forward_s)
         return forward_s
 
-    def _fade(self, round_s: float) -> None:
+    def _fade(self, round_s: float, share: float) -> None:
+        """A target-only round of `round_s`, one of the batch's sessions' (`share`: 1/n of n side by side): it
+        counts for that share of the batch's time and of a fading step."""
+        fade = FADE_WEIGHT if share == 1.0 else 1.0 - (1.0 - FADE_WEIGHT) ** share
         if self.draft_ratio.value is not None:
-            self.draft_ratio.value += FADE_WEIGHT * (1.0 - self.draft_ratio.value)
+            self.draft_ratio.value += fade * (1.0 - self.draft_ratio.value)
         # A drafting round tried again pays the draft's latency once more: it is forgotten (and so measured
         # anew) only once the target-only rounds since the last drafting one took 1/RETRY_SHARE times what it
         # costs beyond the target's, so that such tries stay a small share of the time, however long the link.
-        self.undrafted_s += round_s
+        self.undrafted_s += round_s * share
         excess = self.draft_latency.get(0.0) - self.target_latency.get(0.0)
         if excess > 0 and self.undrafted_s * RETRY_SHARE >= excess:
             self.draft_latency.reset()
         target_only = self.wall_by_k.get(0)
         for k, wall in self.wall_by_k.items():
             if k and target_only is not None and target_only.value is not None and wall.value is not None:
-                wall.value += FADE_WEIGHT * (target_only.value - wall.value)
+                wall.value += fade * (target_only.value - wall.value)
 
     def _wall_s(self, rows_beyond_one: int) -> float:
         """A round's wall clock as seen: measured, or no cheaper per row than the nearest larger one

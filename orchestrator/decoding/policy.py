@@ -58,7 +58,8 @@ from orchestrator.decoding.acceptance import (AcceptanceMemory, ConfidenceMemory
                                               expected_by_length)
 from orchestrator.decoding.batch_rule import LENGTHS, BatchRule, BatchSums
 from orchestrator.decoding.costs import RoundCosts
-from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPENING, RoundAsk, RoundOutcome, RoundPlan
+from orchestrator.decoding.plan import (DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, DRAFT_OPENING, RoundAsk, RoundOutcome,
+                                        RoundPlan)
 from orchestrator.decoding.proposals import LOOKUP, FreeProposal
 from specmesh.gathering import Gathered
 
@@ -88,6 +89,7 @@ class DraftLength:
         self.k = 0
         self.k_max: int | None = None  # of its latest plan; None before its first
         self.context = 0  # committed tokens: the cached context its rows attend over
+        self.probing = False  # a probe opened its draft: its first round with the draft open drafts
 
     def arrive(self) -> None:
         """In flight from its prefill on: the first requests of a burst see each other."""
@@ -113,7 +115,7 @@ class DraftLength:
         if drafted and outcome.probabilities:
             self.confidence.observe(list(outcome.probabilities[:drafted]), accepted)
         self.costs.observe_round(outcome.timing, drafted, plan.batch, offered + outcome.alternatives)
-        self.acceptance.observe(drafted, 0 if offered else accepted)
+        self.acceptance.observe(drafted, 0 if offered else accepted, plan.batch.requests)
         if offered:
             self._acceptance_of(free).observe(offered, accepted)
         self.shared.refresh(self)  # its share is worked out anew where the batch's rule is next read
@@ -128,8 +130,9 @@ class DraftLength:
         the same situation (their k, k_max, draft session and confidence; nothing on offer, no draft to open)
         get the same plan: it is worked out once per batch state."""
         offers = ask.offers()
-        if offers or ask.draft == DRAFT_CLOSED:
-            return self._plan_round(rule, ask, offers)
+        probe = self._probe_k(rule, ask)
+        if probe or offers or ask.draft == DRAFT_CLOSED:
+            return self._plan_round(rule, ask, offers, probe)
         situation = (self.k, self.k_max, ask.draft, self.confidence)
         planned = rule.plans.get(situation)
         if planned is None:
@@ -137,10 +140,8 @@ class DraftLength:
         plan, self.k = planned
         return plan
 
-    def _plan_round(self, rule: BatchRule, ask: RoundAsk, offers: list[FreeProposal]) -> RoundPlan:
-        k = self._rule_k(rule)
-        probe = self._probe_k(rule) if k == 0 else 0
-        k = k or probe
+    def _plan_round(self, rule: BatchRule, ask: RoundAsk, offers: list[FreeProposal], probe: int = 0) -> RoundPlan:
+        k = self._rule_k(rule) or probe
         open_draft = False
         if ask.draft == DRAFT_AWAY:
             k = 0
@@ -168,13 +169,20 @@ class DraftLength:
                 self.k = best
         return min(self.k, self.k_max)
 
-    def _probe_k(self, rule: BatchRule) -> int:
-        """A drafting round's k where one is due whatever the estimates say (RoundCosts.probe_due), else 0: the
-        length the latest drafting round had, so that the probe measures what drafting was."""
-        if not self.k_max:
+    def _probe_k(self, rule: BatchRule, ask: RoundAsk) -> int:
+        """A drafting round's k where this session probes (RoundCosts.claim_probe: the rule drafts nowhere and
+        a probe is due), else 0: the length the latest drafting round had, so that the probe measures what
+        drafting was. A session whose draft is closed opens it with the probe and drafts once it is open."""
+        if not rule.known or not self.k_max or ask.draft in (DRAFT_AWAY, DRAFT_OPENING):
             return 0
         k = min(self.k_max, self.costs.last_drafted or self.k_max)
-        return k if self.costs.probe_due(k, rule.batch) else 0
+        if self.probing:  # its probe opened its draft
+            self.probing = ask.draft != DRAFT_OPEN
+            return 0 if self.probing else k
+        if self._rule_k(rule) or not self.costs.claim_probe(k, rule.batch):
+            return 0
+        self.probing = ask.draft == DRAFT_CLOSED
+        return k
 
     def _draft_request(self, rule: BatchRule, k: int, factor: float) -> tuple[int, float]:
         """(tokens to ask the draft for, the run probability it stops below) for a round of k draft tokens
