@@ -14,8 +14,9 @@ import pytest
 
 from orchestrator.decoding.acceptance import expected_tokens
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
-from orchestrator.decoding.plan import RoundAsk, RoundOutcome
+from orchestrator.decoding.plan import DRAFT_OPEN, RoundAsk, RoundOutcome
 from orchestrator.decoding.policy import MARGIN, DraftLength, Speculation
+from orchestrator.decoding.proposals import LOOKUP, SUFFIX, FreeProposal
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.timing import HIT, MISS
 from policy_costs import cpu_target, gpu_target, plan, speculation
@@ -122,6 +123,34 @@ def test_a_batch_of_256_sessions_is_planned_within_a_millisecond():
     assert all(p.k > 0 for p in plans)  # the batch drafts (each at the best k, or one within MARGIN of it)
     print(f"256 sessions planned in {best * 1e3:.3f} ms")
     assert best < 1e-3, f"{best * 1e3:.2f} ms"
+
+
+def priced_rounds(sessions: int) -> tuple[list, list, list]:
+    """(the round shapes (k, free rows) priced by one plan_batch call of `sessions` sessions each offered 32 free
+    tokens, its plans, each session's plan worked out alone over the same state)."""
+    shared = speculation(gpu_target, lambda rows: 0.002)
+    offered = [FreeProposal(SUFFIX, list(range(32)), 16), FreeProposal(LOOKUP, list(range(12)))]
+    parts = [shared.for_request("code") for _ in range(sessions)]
+    asks = [RoundAsk(8, 100, tokens_left=500, draft=DRAFT_OPEN, offers=lambda: offered) for _ in parts]
+    shared.plan_batch(parts, asks)  # every session joins the batch's sums
+    priced, round_s = [], shared.costs.round_s
+    shared.costs.round_s = lambda k, batch, lookup=0: priced.append((k, lookup)) or round_s(k, batch, lookup)
+    plans = shared.plan_batch(parts, asks)
+    shared.costs.round_s = round_s
+    rule = shared.rule()
+    alone = [part._plan_round(rule, ask, ask.offers()) for part, ask in zip(parts, asks)]
+    return priced, plans, alone
+
+
+def test_a_batch_weighing_free_proposals_prices_each_round_shape_once():
+    """Sessions each offered 32 free tokens: a round with every count of them is priced once for the batch,
+    not once per session (each weighs all 32 counts), and each session's plan is what it would be alone."""
+    priced, plans, alone = priced_rounds(64)
+    assert max(lookup for _, lookup in priced) >= 31  # every count of the offer was weighed
+    # a shape priced again is RoundCosts' own (its target-only price reads its one-token round): a few, where
+    # each session pricing every count of its offer would repeat each shape 64 times
+    assert len(priced) - len(set(priced)) <= 4, len(priced)
+    assert [(p.k, p.free) for p in plans] == [(p.k, p.free) for p in alone]
 
 
 async def test_sessions_that_ask_in_the_same_turns_are_planned_by_one_call():

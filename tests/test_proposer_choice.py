@@ -72,7 +72,7 @@ def test_a_long_repeat_found_in_the_index_beats_the_draft_model():
     # Alone, a suffix round runs no draft step: it is priced as the target's step over 1 + count rows.
     acceptance = policy.suffix[suffix_bucket(40)]
     own = policy.acceptance.expected_tokens(k)
-    assert policy._free_goodput(shared.rule(), acceptance, own, count, k) == pytest.approx(
+    assert policy._free_goodput(shared.rule(), acceptance.expected_tokens(count), own, count, k) == pytest.approx(
         acceptance.expected_tokens(count) / _round_s(0, 1 + count))
 
 
@@ -132,7 +132,7 @@ def test_beside_requests_that_draft_a_suffix_round_still_pays_their_draft_steps(
     batch, own = rule.batch, policy.acceptance.expected_tokens(k)
     others = 3 * own  # three requests of its class, without rounds of their own yet
     # 4 sessions: the others' k draft steps, and a target step over their 3 (k + 1) rows and this one's 1 + m.
-    assert policy._free_goodput(rule, acceptance, own, 10, k) == pytest.approx(
+    assert policy._free_goodput(rule, acceptance.expected_tokens(10), own, 10, k) == pytest.approx(
         (others + acceptance.expected_tokens(10)) / shared.costs.round_s(k, batch, 10 - k))
     assert shared.costs.round_s(k, batch, 10 - k) > shared.costs.round_s(0, batch, 10)
 

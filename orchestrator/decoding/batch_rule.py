@@ -91,6 +91,7 @@ class BatchRule:
         self.batch = BatchLoad(requests=max(1, len(sums)), context=sums.context)
         self.known = costs.known  # whether rounds can be priced yet
         self._goodput: dict[int, float] = {}
+        self._round_s: dict[tuple[int, int], float] = {}
         self._per_token_s: dict[int, float] = {}
         self._best: int | None = None
         self.plans: dict[tuple, tuple] = {}  # a situation's plan and k after it (DraftLength.plan_round)
@@ -105,9 +106,17 @@ class BatchRule:
         decoding ahead would also put off the proposals that teach the policy their acceptance.)"""
         rate = self._goodput.get(k)
         if rate is None:
-            round_s = self.costs.target_only_s(self.batch) if k == 0 else self.costs.round_s(k, self.batch)
+            round_s = self.costs.target_only_s(self.batch) if k == 0 else self.round_s(k)
             rate = self._goodput[k] = self.tokens(k) / max(round_s, 1e-9)
         return rate
+
+    def round_s(self, k: int, lookup: int = 0) -> float:
+        """RoundCosts.round_s over this state of the batch, worked out once per (k, lookup): a free proposal's
+        every length is priced by each session that weighs one."""
+        seconds = self._round_s.get((k, lookup))
+        if seconds is None:
+            seconds = self._round_s[k, lookup] = self.costs.round_s(k, self.batch, lookup)
+        return seconds
 
     def best_k(self) -> int:
         if self._best is None:
@@ -120,5 +129,5 @@ class BatchRule:
         cost = self._per_token_s.get(k_max)
         if cost is None:
             cost = self._per_token_s[k_max] = (
-                self.costs.round_s(k_max, self.batch) - self.costs.round_s(1, self.batch)) / (k_max - 1)
+                self.round_s(k_max) - self.round_s(1)) / (k_max - 1)
         return cost

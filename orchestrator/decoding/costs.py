@@ -224,11 +224,11 @@ class RoundCosts:
         if drafted_after:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
 
-    def claim_probe(self, k: int, batch: BatchLoad) -> bool:
-        """Whether a drafting round of k is to be tried whatever the estimates say, by the session asking: the
-        target-only rounds since the last drafting one (or probe) took 1/RETRY_SHARE times what the batch's
-        drafting round costs (module docstring). A claim starts the count again: one session probes."""
-        if not (self.known and k > 0 and self.undrafted_s * RETRY_SHARE >= self.round_s(k, batch)):
+    def claim_probe(self, round_s: float) -> bool:
+        """Whether a drafting round is to be tried whatever the estimates say, by the session asking: the
+        target-only rounds since the last drafting one (or probe) took 1/RETRY_SHARE times `round_s`, what the
+        batch's drafting round costs (module docstring). A claim starts the count again: one session probes."""
+        if not (self.known and self.undrafted_s * RETRY_SHARE >= round_s):
             return False
         self.undrafted_s = 0.0
         return True

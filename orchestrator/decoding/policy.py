@@ -179,7 +179,7 @@ class DraftLength:
         if self.probing:  # its probe opened its draft
             self.probing = ask.draft != DRAFT_OPEN
             return 0 if self.probing else k
-        if self._rule_k(rule) or not self.costs.claim_probe(k, rule.batch):
+        if self._rule_k(rule) or not self.costs.claim_probe(rule.round_s(k)):
             return 0
         self.probing = ask.draft == DRAFT_CLOSED
         return k
@@ -213,12 +213,14 @@ class DraftLength:
         if not offers or not rule.known:
             return None
         own = self.acceptance.expected_tokens(min(k, self.k_max))
-        drafted = rule.tokens(k) / max(self.costs.round_s(k, rule.batch), 1e-9)
+        drafted = rule.tokens(k) / max(rule.round_s(k), 1e-9)
         best, best_count, best_goodput = None, 0, (1.0 + MARGIN) * drafted
         for offer in offers:
-            acceptance = self._acceptance_of(offer)
-            count = self._free_length(rule, acceptance, own, len(offer.tokens), k)
-            goodput = self._free_goodput(rule, acceptance, own, count, k)
+            available = len(offer.tokens)
+            # [E(m) for m in 0..available]: the offer's expected tokens at every length, in one pass
+            expected = expected_by_length(self._acceptance_of(offer).rates(), available, available + 1)
+            count = self._free_length(rule, expected, own, k)
+            goodput = self._free_goodput(rule, expected[count], own, count, k)
             if count and goodput > best_goodput:
                 best, best_count, best_goodput = offer, count, goodput
         return best.first(best_count) if best is not None else None
@@ -231,25 +233,25 @@ class DraftLength:
             self.suffix[bucket] = RequestAcceptance(self.shared.suffix, bucket)
         return self.suffix[bucket]
 
-    def _free_goodput(self, rule: BatchRule, acceptance: RequestAcceptance, own: float, m: int, k: int) -> float:
+    def _free_goodput(self, rule: BatchRule, expected: float, own: float, m: int, k: int) -> float:
         """The batch's tokens per second when this request (its `own` expected tokens at k) verifies m free
-        tokens in place of drafting k. Alone, the round then runs no draft step; beside requests drafting k,
-        they still run theirs."""
-        batch = rule.batch
-        if k == 0 or batch.requests == 1:
-            round_s = self.costs.round_s(0, batch, m)
+        tokens (`expected` tokens committed) in place of drafting k. Alone, the round then runs no draft step;
+        beside requests drafting k, they still run theirs."""
+        if k == 0 or rule.batch.requests == 1:
+            round_s = rule.round_s(0, m)
         else:
-            round_s = self.costs.round_s(k, batch, m - k)
-        return (rule.tokens(k) - own + acceptance.expected_tokens(m)) / max(round_s, 1e-9)
+            round_s = rule.round_s(k, m - k)
+        return (rule.tokens(k) - own + expected) / max(round_s, 1e-9)
 
-    def _free_length(self, rule: BatchRule, acceptance: RequestAcceptance, own: float, available: int, k: int) -> int:
-        """The count of `available` free tokens that maximises the batch's tokens per second, or 0 where
-        none beats verifying none by MARGIN."""
+    def _free_length(self, rule: BatchRule, expected: list[float], own: float, k: int) -> int:
+        """The count of free tokens (`expected`: the tokens committed at each count, 0 up to all on offer)
+        that maximises the batch's tokens per second, or 0 where none beats verifying none by MARGIN."""
+        available = len(expected) - 1
         if available <= 0:
             return 0
 
         def goodput(m: int) -> float:
-            return self._free_goodput(rule, acceptance, own, m, k)
+            return self._free_goodput(rule, expected[m], own, m, k)
         best = max(range(1, available + 1), key=goodput)
         return best if goodput(best) > (1.0 + MARGIN) * goodput(0) else 0
 
