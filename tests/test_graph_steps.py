@@ -132,13 +132,19 @@ async def test_pipelined_rounds_with_forked_branches_stay_lossless(tiny_llama_di
         results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
                                          for p in TINY_PROMPTS[:3]))
         assert await stack.wait_sessions_freed() == (0, 0)
+        # Every slot back, sessions and forks alike. A pre-draft's forks go back when its job ends, which may
+        # be a step after its session was closed (the job learns of the close at its next step).
+        for engine in (stack.target_engine, stack.draft_engine):
+            await eventually(lambda: free_slots(engine), engine.graph.pool.slots)
     finally:
         await stack.stop()
     for prompt, (token_ids, _, _) in zip(TINY_PROMPTS, results):
         assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, prompt, MAX_TOKENS), prompt
-    for engine in (stack.target_engine, stack.draft_engine):  # every slot back: sessions and forks alike
-        gc.collect()
-        assert engine.graph.pool.free == engine.graph.pool.slots
+
+
+def free_slots(engine) -> int:
+    gc.collect()  # a fork's slot goes back with its cache
+    return engine.graph.pool.free
 
 
 def test_a_feed_past_the_slot_fails_cleanly_and_keeps_the_cache(tiny_llama_dir, device):
