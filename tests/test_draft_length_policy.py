@@ -584,6 +584,8 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
         for index, (prompt, (_, port)) in enumerate(zip(prompts, drafts))]
     lost = generations[1]
 
+    killed_at: list[int] = []  # the lost request's draft tokens when its replica died
+
     async def run(generation: SpeculativeGeneration) -> list[int]:
         tokens = []
         async for batch in generation.tokens():
@@ -593,6 +595,7 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
             if generation.stats.draft_tokens and drafts[1][0] is not None:
                 await drafts[1][0].stop(None)  # its draft replica dies after its first drafting round
                 drafts[1] = (None, None)
+                killed_at.append(generation.stats.draft_tokens)
         return tokens
 
     try:
@@ -603,5 +606,8 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
                 await server.stop(None)
     for prompt, tokens in zip(prompts, outputs):
         assert tuple(tokens) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens), prompt
-    assert lost.stats.draft_fallback and not generations[0].stats.draft_fallback
-    assert generations[0].stats.draft_tokens > lost.stats.draft_tokens > 0
+    assert not generations[0].stats.draft_fallback
+    # The lost request found its draft gone if it asked for it again; the rule may also have chosen
+    # target-only rounds from then on (a probe comes rarely): either way no draft token came after the loss.
+    assert lost.stats.draft_tokens == killed_at[0] > 0
+    assert generations[0].stats.draft_tokens > lost.stats.draft_tokens
