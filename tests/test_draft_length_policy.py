@@ -563,11 +563,13 @@ async def test_first_tokens_never_wait_for_the_drafts_prefill(tiny_llama_deep_di
     assert tuple(token_ids) == target_greedy(str(tiny_llama_deep_dir), device, TINY_PROMPTS[2], max_tokens)
 
 
-async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_that_drafts(tiny_llama_dir, device):
+async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_that_drafts(
+        tiny_llama_deep_dir, tiny_llama_dir, device):
     """Two requests share the policy, each on its own draft replica. One replica dies after its first
     drafting round: that request decodes target-only from then on, the other keeps drafting, and both
-    outputs stay the target's own."""
-    target_server, target_port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
+    outputs stay the target's own. (A cheaper draft that agrees on every token: drafting pays, so the
+    survivor's rule goes on drafting; with an equal-cost pair it may rightly stop.)"""
+    target_server, target_port = await start_model_server("target", make_engine(tiny_llama_deep_dir, device, "target"))
     drafts = [await start_model_server("draft", make_engine(tiny_llama_dir, device, "draft")) for _ in range(2)]
     _, tokenizer = load(str(tiny_llama_dir), device)
     shared = Speculation()  # no reported costs: every request drafts until rounds are timed
@@ -605,7 +607,7 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
             if server is not None:
                 await server.stop(None)
     for prompt, tokens in zip(prompts, outputs):
-        assert tuple(tokens) == target_greedy(str(tiny_llama_dir), device, prompt, max_tokens), prompt
+        assert tuple(tokens) == target_greedy(str(tiny_llama_deep_dir), device, prompt, max_tokens), prompt
     assert not generations[0].stats.draft_fallback
     # The lost request found its draft gone if it asked for it again; the rule may also have chosen
     # target-only rounds from then on (a probe comes rarely): either way no draft token came after the loss.
