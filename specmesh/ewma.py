@@ -28,3 +28,9 @@ class Ewma:
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
+
+
+def kept_over(keep: float, share: float) -> float:
+    """What an average that keeps `keep` of its evidence over one step keeps over `share` of a step (a
+    session's round among n side by side counts 1/n of the batch's): `share` steps of it make one step's."""
+    return keep if share == 1.0 else keep ** share

@@ -138,7 +138,7 @@ def priced_rounds(sessions: int) -> tuple[list, list, list]:
     plans = shared.plan_batch(parts, asks)
     shared.costs.round_s = round_s
     rule = shared.rule()
-    alone = [part._plan_round(rule, ask, ask.offers()) for part, ask in zip(parts, asks)]
+    alone = [part.plan_round(rule, ask) for part, ask in zip(parts, asks)]
     return priced, plans, alone
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from specmesh.ewma import kept_over
 from specmesh.roles import MAX_DRAFT_TOKENS
 
 DEFAULT_ACCEPTANCE = 0.7  # before any history: a same-family pair; a few rounds replace it
@@ -51,7 +52,7 @@ class PositionCounts:
 
     def observe(self, drafted: int, accepted: int, share: float = 1.0) -> None:
         """A round's outcome; a target-only round (drafted 0) counts for `share` of a round in the decay."""
-        decay = self.decay if drafted or share == 1.0 else self.decay ** share
+        decay = self.decay if drafted else kept_over(self.decay, share)
         if decay < 1.0:
             self.reached = [n * decay for n in self.reached]
             self.accepted = [a * decay for a in self.accepted]

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from orchestrator.decoding.decode_ahead import tokens_ahead, tokens_per_call
 from orchestrator.decoding.request import RoundTiming
 from orchestrator.decoding.timing import HIT
-from specmesh.ewma import Ewma
+from specmesh.ewma import Ewma, kept_over
 from specmesh.roles import MAX_DECODE_AHEAD
 from specmesh.engine.step_costs import StepCosts
 from specmesh.engine.step_model import StepShape
@@ -259,7 +259,7 @@ class RoundCosts:
     def _fade(self, round_s: float, share: float) -> None:
         """A target-only round of `round_s`, one of the batch's sessions' (`share`: 1/n of n side by side): it
         counts for that share of the batch's time and of a fading step."""
-        fade = FADE_WEIGHT if share == 1.0 else 1.0 - (1.0 - FADE_WEIGHT) ** share
+        fade = 1.0 - kept_over(1.0 - FADE_WEIGHT, share)
         if self.draft_ratio.value is not None:
             self.draft_ratio.value += fade * (1.0 - self.draft_ratio.value)
         # A drafting round tried again pays the draft's latency once more: it is forgotten (and so measured

@@ -130,23 +130,26 @@ class DraftLength:
         the same situation (their k, k_max, draft session and confidence; nothing on offer, no draft to open)
         get the same plan: it is worked out once per batch state."""
         offers = ask.offers()
-        probe = self._probe_k(rule, ask)
+        k = self._rule_k(rule)
+        probe = self._probe_k(rule, ask, k)
         if probe or offers or ask.draft == DRAFT_CLOSED:
-            return self._plan_round(rule, ask, offers, probe)
+            return self._plan_round(rule, ask, offers, k or probe, probing=bool(probe))
         situation = (self.k, self.k_max, ask.draft, self.confidence)
         planned = rule.plans.get(situation)
         if planned is None:
-            planned = rule.plans[situation] = (self._plan_round(rule, ask, offers), self.k)
+            planned = rule.plans[situation] = (self._plan_round(rule, ask, offers, k), self.k)
         plan, self.k = planned
         return plan
 
-    def _plan_round(self, rule: BatchRule, ask: RoundAsk, offers: list[FreeProposal], probe: int = 0) -> RoundPlan:
-        k = self._rule_k(rule) or probe
+    def _plan_round(self, rule: BatchRule, ask: RoundAsk, offers: list[FreeProposal], k: int,
+                    probing: bool = False) -> RoundPlan:
+        """The plan of a round the rule (or a probe: `probing`) gives k draft tokens, as the session's draft
+        and the free proposals on offer allow."""
         open_draft = False
         if ask.draft == DRAFT_AWAY:
             k = 0
         elif k and ask.draft == DRAFT_CLOSED:  # its first round that wants draft tokens
-            open_draft = bool(probe) or self._worth_opening(rule, k, ask.context, ask.tokens_left)
+            open_draft = probing or self._worth_opening(rule, k, ask.context, ask.tokens_left)
             k = 0  # never wait for the draft's prefill
         elif ask.draft == DRAFT_OPENING:
             k = 0
@@ -169,9 +172,9 @@ class DraftLength:
                 self.k = best
         return min(self.k, self.k_max)
 
-    def _probe_k(self, rule: BatchRule, ask: RoundAsk) -> int:
-        """A drafting round's k where this session probes (RoundCosts.claim_probe: the rule drafts nowhere and
-        a probe is due), else 0: the length the latest drafting round had, so that the probe measures what
+    def _probe_k(self, rule: BatchRule, ask: RoundAsk, rule_k: int) -> int:
+        """A drafting round's k where this session probes (RoundCosts.claim_probe: the rule's k, `rule_k`, is 0
+        and a probe is due), else 0: the length the latest drafting round had, so that the probe measures what
         drafting was. A session whose draft is closed opens it with the probe and drafts once it is open."""
         if not rule.known or not self.k_max or ask.draft in (DRAFT_AWAY, DRAFT_OPENING):
             return 0
@@ -179,7 +182,7 @@ class DraftLength:
         if self.probing:  # its probe opened its draft
             self.probing = ask.draft != DRAFT_OPEN
             return 0 if self.probing else k
-        if self._rule_k(rule) or not self.costs.claim_probe(rule.round_s(k)):
+        if rule_k or not self.costs.claim_probe(rule.round_s(k)):
             return 0
         self.probing = ask.draft == DRAFT_CLOSED
         return k
