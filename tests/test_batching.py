@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from engine_helpers import next_logits_fresh, session_over
-from harness import eventually, load, make_engine, start_stack
+from harness import WORK_TIMEOUT_S, eventually, load, make_engine, start_stack
 from parity import target_greedy
 from specmesh.engine.batching import Part
 from benchmarks.tiny_models import TINY_PROMPTS
@@ -144,7 +145,21 @@ async def test_a_long_prompt_is_chunked_between_steps_of_running_streams(tiny_ll
         # with its prompt still queued, and four new prompts go in together, unchunked)
         await eventually(lambda: len(sessions := list(target.sessions.values())) == 3
                          and all(s.cached_length >= s.output_start - 1 for s in sessions))
-        long_ids, _, _ = await stack.generate(prompt=long_prompt, max_tokens=4, temperature=0.0)
+        # The target's worker is held while the long prompt arrives, so that the streams are still decoding
+        # when it goes in: on a loaded machine they could otherwise finish first. Released once the prompt's
+        # prefill waits for it, with a stream's round.
+        holding, gate = threading.Event(), threading.Event()
+        held = asyncio.ensure_future(target.run(lambda: holding.set() or gate.wait(WORK_TIMEOUT_S)))
+        try:
+            assert await asyncio.to_thread(holding.wait, WORK_TIMEOUT_S)
+            long_run = asyncio.ensure_future(stack.generate(prompt=long_prompt, max_tokens=4, temperature=0.0))
+            # a stream's round waits beside the prompt: it arrived, or it was mid-job when the worker stopped
+            await eventually(lambda: any(s.output_start > 100 for s in target.sessions.values())
+                             and target.scheduler.arrived + (target.scheduler.queued_rows > 0) >= 2)
+        finally:
+            gate.set()
+            await held
+        long_ids, _, _ = await long_run
         await asyncio.gather(*running)
     finally:
         await stack.stop()

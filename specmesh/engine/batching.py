@@ -165,6 +165,11 @@ class StepScheduler:
     def queued_rows(self) -> int:
         return sum(work.rows_left for work in list(self._active))
 
+    @property
+    def arrived(self) -> int:
+        """Jobs and calls handed in that the worker has not taken up yet (it takes them between steps)."""
+        return len(self._inbox)
+
     def stop(self) -> None:
         with self._wakeup:
             self._stopping = True
