@@ -32,7 +32,7 @@ from pathlib import Path
 from benchmarks.gpu_profiles import PROFILES, scaled
 from benchmarks.regime_plot import plot_speedups, table
 from benchmarks.regime_report import Counts, Regime, cell_figures, read_counts
-from benchmarks.regime_stack import PLACEMENTS, RegimeStack, ensure_pair
+from benchmarks.regime_stack import DRAFT_MODEL_ONLY, PLACEMENTS, RegimeStack, ensure_pair
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,7 @@ class RegimeRun:
 
     def run_placement(self, placement: str, links: list[tuple[float, str]]) -> None:
         work = self.work / f"{self.profile}-a{self.alpha:g}-{placement}"
-        # The emulated pair's outputs are a hash walk in which unrelated prompts can merge: the suffix index
-        # and prompt lookup would find repeats no real workload has. The regime measures the draft model.
-        settings = {"suffix-index": False, "prompt-lookup": False}
-        stack = RegimeStack(self.target_dir, self.draft_dir, placement, work, settings).start()
+        stack = RegimeStack(self.target_dir, self.draft_dir, placement, work, DRAFT_MODEL_ONLY).start()
         try:
             for rtt_ms, bandwidth in links:
                 stack.set_links(rtt_ms * self.sweep.time_scale, bandwidth)

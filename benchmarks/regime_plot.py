@@ -13,7 +13,8 @@ COLUMNS = (  # (header, the row's key or a function of the row, format)
     ("hit", "predraft_hit_rate", "{:.2f}"), ("tok/round", "tokens_per_round", "{:.2f}"),
     ("B/round", "bytes_per_round", "{:.0f}"), ("B/token", "bytes_per_token", "{:.0f}"),
     ("overhead ms/round", "overhead_ms_per_round", "{:.2f}"),
-    ("target ms/token", "target_busy_ms_per_token", "{:.2f}"), ("greedy same", "greedy_identical", "{}"),
+    ("target ms/token", "target_busy_ms_per_token", "{:.2f}"),
+    ("sessions/target step", "sessions_per_target_step", "{:.2f}"), ("greedy same", "greedy_identical", "{}"),
 )
 
 

@@ -25,6 +25,7 @@ ORCHESTRATOR_COUNTERS = {  # what a cell reads of the orchestrator's /metrics
     "misses": ("specmesh_predraft_misses_total", {}),
 }
 SERVICE_BUSY = "specmesh_step_busy_seconds_total"
+SERVICE_STEPS, SERVICE_SESSIONS = "specmesh_step_sessions_count", "specmesh_step_sessions_sum"  # steps; sessions in them
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> list[tuple[str, dict, float]]:
@@ -50,6 +51,8 @@ class Counts:
     misses: float
     target_busy_s: float
     draft_busy_s: float
+    target_steps: float
+    target_step_sessions: float  # summed over the target's steps: how many sessions each carried
     wire_bytes: float  # both directions of every link
     cpu_s: dict[str, float]  # CPU time by process of the stack
 
@@ -60,11 +63,15 @@ class Counts:
 
 def read_counts(orchestrator_url: str, target_urls: list[str], draft_urls: list[str], links: dict[str, dict],
                 cpu_s: dict[str, float]) -> Counts:
-    """The stack's counters now; the services' busy time summed over every service of a role."""
+    """The stack's counters now; the services' busy time (and the targets' steps) summed over every service of
+    a role."""
     orchestrator = scrape(orchestrator_url)
     values = {key: total(orchestrator, name, labels) for key, (name, labels) in ORCHESTRATOR_COUNTERS.items()}
-    return Counts(**values, target_busy_s=sum(total(scrape(url), SERVICE_BUSY) for url in target_urls),
+    targets = [scrape(url) for url in target_urls]
+    return Counts(**values, target_busy_s=sum(total(samples, SERVICE_BUSY) for samples in targets),
                   draft_busy_s=sum(total(scrape(url), SERVICE_BUSY) for url in draft_urls),
+                  target_steps=sum(total(samples, SERVICE_STEPS) for samples in targets),
+                  target_step_sessions=sum(total(samples, SERVICE_SESSIONS) for samples in targets),
                   wire_bytes=sum(link["bytes_up"] + link["bytes_down"] for link in links.values()), cpu_s=cpu_s)
 
 
@@ -126,6 +133,8 @@ def cell_figures(mode: dict, counts: Counts, regime: Regime, baseline_tok_s: flo
         "bytes_per_token": counts.wire_bytes / max(1.0, counts.tokens),
         "target_busy_ms_per_token": counts.target_busy_s * 1e3 / max(1.0, counts.tokens),
         "draft_busy_ms_per_token": counts.draft_busy_s * 1e3 / max(1.0, counts.tokens),
+        # The bound has every session in flight board each of the target's steps; this is how many did.
+        "sessions_per_target_step": counts.target_step_sessions / max(1.0, counts.target_steps),
         "itl_p50_ms": overall["itl_ms"].get("p50"), "itl_p99_ms": overall["itl_ms"].get("p99"),
         "round_ms": {key: parts.get(key) for key in ("decode_ms", "wall_ms", "draft_busy_ms", "target_busy_ms",
                                                       "overlap_ms", "wire_ms", "idle_ms", "between_ms")},

@@ -15,7 +15,7 @@ as on separate machines:
   link at all (every service on one host, the stack users get without a network);
 - `specmesh serve` attached to the two services, one of them through the link (`target-endpoints`, `draft-endpoints`,
   `internal-token-file`), pipelining on: the emulated draft and target are separate GPUs, where `auto`
-  turns it on.
+  turns it on; the suffix index and prompt lookup off (`DRAFT_MODEL_ONLY`), as in the benchmarks.
 
 It prints the client endpoint and runs until Ctrl-C. `RegimeStack` is the same for benchmarks, which change
 the links' delay and bandwidth while the stack runs (`set_links`) and read the bytes they carried. With no link
@@ -82,6 +82,11 @@ class Service:
     process: subprocess.Popen
     address: str
     metrics_url: str
+
+
+# The emulated pair's outputs are a hash walk in which unrelated prompts can merge: the suffix index and prompt
+# lookup would find repeats no real workload has. The regime measures the draft model.
+DRAFT_MODEL_ONLY = {"suffix-index": False, "prompt-lookup": False}
 
 
 @dataclass
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pair = ensure_pair(args.work, args.profile, [args.alpha], args.time_scale)
     stack = RegimeStack(pair["target"], pair[f"draft-{args.alpha:g}"], args.placement,
-                        args.work / f"stack-{args.placement}").start()
+                        args.work / f"stack-{args.placement}", DRAFT_MODEL_ONLY).start()
     try:
         stack.set_links(args.rtt_ms * args.time_scale, args.bandwidth)
         print(f"regime stack ready (emulated {args.profile}, alpha {args.alpha:g}, {args.placement}, rtt "

@@ -51,7 +51,7 @@ from pathlib import Path
 from benchmarks.gpu_profiles import PROFILES, scaled
 from benchmarks.regime import counts, given_sweep, outputs_by_prompt, run_bench, sweep_parser
 from benchmarks.regime_report import Counts, Regime
-from benchmarks.regime_stack import ROLES, RegimeStack, ensure_pair
+from benchmarks.regime_stack import DRAFT_MODEL_ONLY, ROLES, RegimeStack, ensure_pair
 
 Layout = tuple[int, int]  # (target replicas, draft replicas)
 
@@ -78,14 +78,11 @@ SMALL = ScaleSweep(layouts=((2, 1),), concurrency=(2,), min_prompts=4, max_token
 def serve_settings(speculation: str) -> dict:
     """The orchestrator's config keys for a speculation mode: "off", "on" (the default policy) or "k=N" (a
     fixed k of N every round)."""
-    # The emulated pair's outputs are a hash walk in which unrelated prompts can merge: the suffix index and
-    # prompt lookup would find repeats no real workload has (as in benchmarks/regime.py).
-    settings = {"suffix-index": False, "prompt-lookup": False}
     if speculation == "off":
-        return {**settings, "num-speculative-tokens": 0}
+        return {**DRAFT_MODEL_ONLY, "num-speculative-tokens": 0}
     if speculation.startswith("k="):
-        return {**settings, "num-speculative-tokens": int(speculation[2:]), "speculation-policy": "fixed"}
-    return settings
+        return {**DRAFT_MODEL_ONLY, "num-speculative-tokens": int(speculation[2:]), "speculation-policy": "fixed"}
+    return dict(DRAFT_MODEL_ONLY)
 
 
 def speculation_mode(text: str) -> str:
@@ -140,6 +137,8 @@ def cell_row(sweep: ScaleSweep, layout: Layout, speculation: str, concurrency: i
         "orchestrator_ceiling_tokens_per_s": spent.tokens / cpu["orchestrator"] if cpu["orchestrator"] else None,
         "stack_cpu_share": sum(cpu.values()) / wall_s, "load_generator_cpu_share": load_cpu_s / wall_s,
         "itl_p50_ms": overall["itl_ms"].get("p50"), "itl_p99_ms": overall["itl_ms"].get("p99"),
+        # the bound has every session on a target board each of its steps; this is how many did
+        "sessions_per_target_step": spent.target_step_sessions / max(1.0, spent.target_steps),
         "wall_s": wall_s,
     }
 
@@ -195,8 +194,8 @@ class ScaleRun:
 def table(rows: list[dict]) -> str:
     """The cells as a markdown table (emulated)."""
     head = ("| layout | spec | c | tok/s (emulated) | bound | of bound | orch. CPU s/1k tok | orch. CPU/core "
-            "| orch. 1-core tok/s | target CPU s/1k | draft CPU s/1k | stack CPU/core | ITL p50 ms | ITL p99 ms "
-            "| identical |")
+            "| orch. 1-core tok/s | target CPU s/1k | draft CPU s/1k | stack CPU/core | sessions/target step "
+            "| ITL p50 ms | ITL p99 ms | identical |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cpu = r["cpu_s_per_1k_tokens"]
@@ -204,7 +203,7 @@ def table(rows: list[dict]) -> str:
                      f"| {r['bound_tokens_per_s']:.0f} | {r['of_bound']:.2f} | {cpu['orchestrator']:.2f} "
                      f"| {r['orchestrator_cpu_share']:.0%} | {r['orchestrator_ceiling_tokens_per_s'] or 0:.0f} "
                      f"| {cpu['target']:.2f} | {cpu['draft']:.2f} | {r['stack_cpu_share']:.0%} "
-                     f"| {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['greedy_identical']} |")
+                     f"| {r['sessions_per_target_step']:.2f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['greedy_identical']} |")
     return "\n".join(lines) + "\n"
 
 

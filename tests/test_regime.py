@@ -8,7 +8,7 @@ from benchmark_runs import run_small
 
 FIGURES = ("tokens_per_s", "speedup", "bound_sequential", "bound_pipelined", "bound_pipelined_h1",
            "predraft_hit_rate", "bytes_per_round", "bytes_per_token", "target_busy_ms_per_token",
-           "overhead_ms_per_round", "round_ms", "cpu_ms_per_round", "tokens_per_round")
+           "overhead_ms_per_round", "round_ms", "cpu_ms_per_round", "tokens_per_round", "sessions_per_target_step")
 
 
 def test_the_small_sweep_reports_every_cell_against_its_bound(tmp_path):
@@ -22,6 +22,7 @@ def test_the_small_sweep_reports_every_cell_against_its_bound(tmp_path):
         assert cell["greedy_identical"] is True  # lossless over the link as without it
         assert cell["bound_pipelined_h1"] >= cell["bound_pipelined"] >= cell["bound_sequential"] > 1.0
         assert {"orchestrator", "target", "draft"} <= set(cell["cpu_ms_per_round"])
+        assert 1.0 <= cell["sessions_per_target_step"] <= cell["concurrency"]
     direct, linked = cells["direct"], cells["beside-target"]
     assert direct["bytes_per_round"] == 0 and linked["bytes_per_round"] > 0  # only links count bytes
     assert (linked["rtt_ms"], linked["bandwidth"]) == (5.0, "1gbit")

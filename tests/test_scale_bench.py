@@ -8,7 +8,7 @@ from benchmarks.scale import SMALL, engines_bound, replica_shares
 from benchmark_runs import run_small
 
 FIGURES = ("tokens_per_s", "bound_tokens_per_s", "bound_h1_tokens_per_s", "of_bound", "committed_tokens",
-           "orchestrator_cpu_share", "itl_p50_ms", "itl_p99_ms", "wall_s")
+           "orchestrator_cpu_share", "itl_p50_ms", "itl_p99_ms", "sessions_per_target_step", "wall_s")
 
 
 def test_the_small_run_reports_every_cell_against_the_engines_bound(tmp_path):
@@ -22,6 +22,7 @@ def test_the_small_run_reports_every_cell_against_the_engines_bound(tmp_path):
         assert cell["failed"] == 0 and cell["tokens_per_s"] > 0 and cell["committed_tokens"] > 0
         assert set(cell["cpu_s_per_1k_tokens"]) == {"orchestrator", "target", "draft"}
         assert cell["cpu_s_per_1k_tokens"]["orchestrator"] > 0
+        assert 1.0 <= cell["sessions_per_target_step"] <= cell["concurrency"]
         assert cell["greedy_identical"] is True  # over two target replicas as over one
     assert cells["on"]["bound_h1_tokens_per_s"] > cells["off"]["bound_tokens_per_s"]  # drafting can pay here
     assert out.with_suffix(".md").read_text().count("\n") == 2 + len(cells)
