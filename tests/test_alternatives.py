@@ -8,6 +8,7 @@ the output stays the target's own greedy sequence.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from typing import Callable
@@ -22,7 +23,7 @@ from harness import GRAPH_STEPS, make_engine, start_stack
 from orchestrator.decoding.plan import RoundOutcome
 from orchestrator.decoding.policy import Speculation
 from orchestrator.decoding.request import RoundTiming
-from parity import MAX_TOKENS, greedy_outputs_then_stop, target_greedy
+from parity import MAX_TOKENS, target_greedy
 from policy_costs import plan, speculation
 from specmesh.engine.batching import Part
 from specmesh.errors import InvalidArgument
@@ -158,6 +159,7 @@ async def test_unsound_alternatives_are_refused_naming_the_field_and_the_session
 
 
 FLAT_TARGET = {rows: 0.01 for rows in (1, 2, 4, 8, 16, 32, 64)}  # extra rows free: every alternative is worth one
+ALTERNATIVES_SEEN = 150  # alternatives verified before their acceptance is judged (about 1 in 10 accepted)
 
 
 @pytest.mark.parametrize("target_name, draft_name", [("tiny_llama_dir", "tiny_llama_perturbed_dir"),
@@ -166,14 +168,26 @@ async def test_served_greedy_output_is_the_targets_own_with_alternatives_committ
                                                                                  draft_name):
     target_dir = str(request.getfixturevalue(target_name))
     # Target-only rounds of one token, priced as before decoding ahead: the draft and its target are the same
-    # tiny size, and target-only rounds that decode ahead would win over drafting, the subject here.
+    # tiny size, and target-only rounds that decode ahead would win over drafting, the subject here. No suffix
+    # index: the passes below repeat the prompts, and it would draft the repeats.
     stack = await start_stack(target_dir, request.getfixturevalue(draft_name), k=4, device=device, adaptive_k=True,
-                              calibrate=True, target_step_costs=FLAT_TARGET, loop_options={"decode_ahead": 0})
-    results = await greedy_outputs_then_stop(stack)  # all at once: trees meet other sessions' rows in steps
-    for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
-        assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt
-        assert last.stats.alternative_accepted_tokens <= last.stats.alternative_tokens
-    stats = [last.stats for _, _, last in results]
+                              calibrate=True, target_step_costs=FLAT_TARGET,
+                              loop_options={"decode_ahead": 0, "suffix_index": False})
+    # Passes over the prompts, all at once (trees meet other sessions' rows in steps), until ALTERNATIVES_SEEN
+    # alternatives were verified: how many a pass offers depends on the rule's timings (fewer on a loaded
+    # host), and about one in ten is accepted, so that none accepted is a failure, not bad luck.
+    stats, passes = [], 0
+    try:
+        while sum(s.alternative_tokens for s in stats) < ALTERNATIVES_SEEN and passes < 10:
+            results = await asyncio.gather(*(stack.generate(prompt=p, max_tokens=MAX_TOKENS, temperature=0.0)
+                                             for p in TINY_PROMPTS))
+            for prompt, (token_ids, _, last) in zip(TINY_PROMPTS, results):
+                assert tuple(token_ids) == target_greedy(target_dir, device, prompt, MAX_TOKENS), prompt
+                assert last.stats.alternative_accepted_tokens <= last.stats.alternative_tokens
+            stats += [last.stats for _, _, last in results]
+            passes += 1
+    finally:
+        await stack.stop()
     assert sum(s.alternative_tokens for s in stats) > 0
     assert sum(s.alternative_accepted_tokens for s in stats) > 0
     rounds, committed = sum(s.rounds for s in stats), sum(s.completion_tokens - 1 for s in stats)
