@@ -56,6 +56,12 @@ class Counts:
     wire_bytes: float  # both directions of every link
     cpu_s: dict[str, float]  # CPU time by process of the stack
 
+    @property
+    def sessions_per_target_step(self) -> float:
+        """The sessions a target step carried, on average: the bound has every session in flight on a target
+        board each of its steps."""
+        return self.target_step_sessions / max(1.0, self.target_steps)
+
     def __sub__(self, other: "Counts") -> "Counts":
         scalars = {f: getattr(self, f) - getattr(other, f) for f in self.__dataclass_fields__ if f != "cpu_s"}
         return Counts(**scalars, cpu_s={name: self.cpu_s[name] - other.cpu_s.get(name, 0.0) for name in self.cpu_s})
@@ -133,8 +139,7 @@ def cell_figures(mode: dict, counts: Counts, regime: Regime, baseline_tok_s: flo
         "bytes_per_token": counts.wire_bytes / max(1.0, counts.tokens),
         "target_busy_ms_per_token": counts.target_busy_s * 1e3 / max(1.0, counts.tokens),
         "draft_busy_ms_per_token": counts.draft_busy_s * 1e3 / max(1.0, counts.tokens),
-        # The bound has every session in flight board each of the target's steps; this is how many did.
-        "sessions_per_target_step": counts.target_step_sessions / max(1.0, counts.target_steps),
+        "sessions_per_target_step": counts.sessions_per_target_step,
         "itl_p50_ms": overall["itl_ms"].get("p50"), "itl_p99_ms": overall["itl_ms"].get("p99"),
         "round_ms": {key: parts.get(key) for key in ("decode_ms", "wall_ms", "draft_busy_ms", "target_busy_ms",
                                                       "overlap_ms", "wire_ms", "idle_ms", "between_ms")},

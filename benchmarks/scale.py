@@ -137,8 +137,7 @@ def cell_row(sweep: ScaleSweep, layout: Layout, speculation: str, concurrency: i
         "orchestrator_ceiling_tokens_per_s": spent.tokens / cpu["orchestrator"] if cpu["orchestrator"] else None,
         "stack_cpu_share": sum(cpu.values()) / wall_s, "load_generator_cpu_share": load_cpu_s / wall_s,
         "itl_p50_ms": overall["itl_ms"].get("p50"), "itl_p99_ms": overall["itl_ms"].get("p99"),
-        # the bound has every session on a target board each of its steps; this is how many did
-        "sessions_per_target_step": spent.target_step_sessions / max(1.0, spent.target_steps),
+        "sessions_per_target_step": spent.sessions_per_target_step,
         "wall_s": wall_s,
     }
 

@@ -6,7 +6,7 @@
 Against a running stack (`python -m benchmarks.regime_stack` prints its endpoint; the services' metrics
 addresses are in their logs under its work folder): for each mode in turn, `concurrency` clients each send
 greedy requests of `max_tokens` tokens, one after another, for `seconds`; each request has a prompt of its
-own (made up of numbered words, so no two share more than a few tokens). The services' step counters
+own (numbered, twelve words drawn at random; the same prompts in every mode). The services' step counters
 (`specmesh_step_rows`, `specmesh_step_sessions`, `specmesh_step_busy_seconds_total`) are read before and
 after. Modes, as `specmesh bench` names them: `off` (speculation off), `on` (the server's policy), `k=N` (N draft
 tokens every round).
@@ -56,7 +56,7 @@ async def load(endpoint: str, mode: str, concurrency: int, max_tokens: int, seco
     """Closed-loop clients for `seconds`: (requests, committed tokens, wall seconds)."""
     speculation, k = request_speculation(mode, None)
     stub = generation_pb2_grpc.GenerationStub(open_channel(endpoint))
-    texts = prompts(4096)  # the same prompts in every mode
+    texts = prompts(4096)
     end, counted = time.monotonic() + seconds, {"requests": 0, "tokens": 0}
 
     async def client(index: int) -> None:
@@ -92,12 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| mode | tok/s | target steps/s | target sessions/step | target rows/step | target busy "
           "| draft steps/s | draft sessions/step | draft rows/step | draft busy |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    services = {"target": args.target_metrics, "draft": args.draft_metrics}
     for mode in args.modes:
-        before = {role: step_counters(url) for role, url in (("target", args.target_metrics),
-                                                             ("draft", args.draft_metrics))}
+        before = {role: step_counters(url) for role, url in services.items()}
         served = asyncio.run(load(args.endpoint, mode, args.concurrency, args.max_tokens, args.seconds))
-        after = {role: step_counters(url) for role, url in (("target", args.target_metrics),
-                                                            ("draft", args.draft_metrics))}
+        after = {role: step_counters(url) for role, url in services.items()}
         row = {"mode": mode, "concurrency": args.concurrency, **served,
                **{f"{role}_{key}": value for role in before
                   for key, value in fill(before[role], after[role], served["seconds"]).items()}}
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {mode} | {row['tokens'] / row['seconds']:.0f} | "
               + " | ".join(f"{row[f'{role}_steps_per_s']:.0f} | {row[f'{role}_sessions_per_step']:.2f} | "
                            f"{row[f'{role}_rows_per_step']:.1f} | {row[f'{role}_busy']:.2f}"
-                           for role in ("target", "draft")) + " |", flush=True)
+                           for role in services) + " |", flush=True)
     if args.out:
         with open(args.out, "w") as out:
             json.dump(rows, out, indent=1)
