@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                **{f"{role}_{key}": value for role in before
                   for key, value in fill(before[role], after[role], served["seconds"]).items()}}
         rows.append(row)
-        print(f"| {mode} | {row['tokens'] / row['seconds']:.0f} | "
-              + " | ".join(f"{row[f'{role}_steps_per_s']:.0f} | {row[f'{role}_sessions_per_step']:.2f} | "
+        print(f"| {mode} | {row['tokens'] / row['seconds']:.3g} | "
+              + " | ".join(f"{row[f'{role}_steps_per_s']:.3g} | {row[f'{role}_sessions_per_step']:.2f} | "
                            f"{row[f'{role}_rows_per_step']:.1f} | {row[f'{role}_busy']:.2f}"
                            for role in services) + " |", flush=True)
     if args.out:

@@ -23,7 +23,7 @@ from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
 from orchestrator.decoding.costs import RETRY_SHARE, BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, RoundAsk, RoundOutcome
+from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, DRAFT_OPENING, RoundAsk, RoundOutcome
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
@@ -313,7 +313,9 @@ def test_a_links_round_trip_is_priced_once_a_round(draft_latency_s):
     assert tokens / seconds >= 0.95 * max(rates), (rates.index(max(rates)), chosen)
     if draft_latency_s == 0.080:
         assert chosen.count(0) >= len(chosen) - 3, chosen
-    assert policy.shared.costs.target_latency.value == pytest.approx(0.001)
+    costs = policy.shared.costs  # the Verify's latency, learned from each kind of round that ran
+    assert [latency.value for latency in (costs.target_latency, costs.drafting_target_latency)
+            if latency.value is not None] == pytest.approx([0.001] * (1 + (draft_latency_s == 0.080)))
 
 
 @pytest.mark.unit
@@ -613,3 +615,40 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
     # target-only rounds from then on (a probe comes rarely): either way no draft token came after the loss.
     assert lost.stats.draft_tokens == killed_at[0] > 0
     assert generations[0].stats.draft_tokens > lost.stats.draft_tokens
+
+
+def decode_batch(shared: Speculation, sessions: int, rounds: int, drafting_slowdown: float,
+              rng: random.Random) -> list[int]:
+    """Rounds of a batch of `sessions` planned together: target-only rounds take what the reports say, drafting
+    rounds `drafting_slowdown` times that (their draft and verification), drafts accepted at 0.8 a token. The
+    sessions' first two rounds run target-only, as a request's do while its draft's prefill runs."""
+    parts = [shared.for_request("code") for _ in range(sessions)]
+    for part in parts:
+        part.arrive()
+    reports, chosen = shared.costs.reports, []
+    for number in range(rounds):
+        draft = DRAFT_OPENING if number < 2 else DRAFT_OPEN
+        plans = shared.plan_batch(parts, [RoundAsk(K_MAX, draft=draft) for _ in parts])
+        for part, planned in zip(parts, plans):
+            k, batch = planned.k, planned.batch
+            accepted = next((j for j in range(k) if rng.random() >= 0.8), k)
+            scale = drafting_slowdown if k else 1.0
+            timing = RoundTiming(draft_s=scale * k * reports.draft.step_s(batch.draft_step()) if k else 0.0,
+                                 verify_s=scale * reports.target.step_s(batch.target_step(k)))
+            part.learn(planned, RoundOutcome(timing, k, accepted))
+            chosen.append(k)
+    return chosen
+
+
+@pytest.mark.unit
+def test_drafting_rounds_and_target_only_rounds_are_priced_each_as_they_ran():
+    """Eight sessions whose drafting pays twice over by the reports. Where drafting rounds run as the reports
+    say, the batch drafts. Where they take three times that (the sessions' rounds out of phase, the draft's
+    steps on the target's cores) while target-only rounds run as reported, the batch decodes target-only but
+    for probes: the drafting rounds' cost does not price the target-only ones, nor the other way round."""
+    settled = {}
+    for slowdown in (1.0, 3.0):
+        shared = speculation(gpu_target, lambda rows: 0.002)
+        chosen = decode_batch(shared, 8, 200, slowdown, random.Random(8))
+        settled[slowdown] = sum(1 for k in chosen[-800:] if k) / 800
+    assert settled[1.0] >= 0.9 and settled[3.0] <= 0.1, settled

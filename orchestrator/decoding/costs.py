@@ -30,6 +30,15 @@ longer of the two sides; a miss drafts afresh after it, both. Sequential rounds 
 sum). The draft's side is learned from the rounds whose draft was on the critical path (a hit's wait for
 its branch says nothing of what drafting costs).
 
+The target's side is learned apart for rounds that draft and rounds that do not (target-only, or a
+free proposal verified): each is priced from its own kind of round, the other's standing in until one
+was seen. Under load the two differ by more than their rows. Target-only sessions decode in phase, a
+step carrying nearly all of them; rounds that draft break that phase (a session's draft steps and its
+verification come at its own pace), so their steps carry fewer sessions, their calls wait for other
+sessions' steps, and on one machine the draft's steps take the target's cores. Learned together, the
+many target-only rounds of a loaded batch would price drafting as if it kept their phase, and a batch
+that drafts would price target-only rounds at drafting's cost (docs/design/draft-length.md).
+
 Without a report (a service that does not send one) the wall-clock cost of each round shape
 seen so far stands in.
 
@@ -102,9 +111,11 @@ class RoundCosts:
         self.reports = reports  # orchestrator.serving.step_reports.StepReports, or None
         self.decode_ahead = decode_ahead  # LoopConfig.decode_ahead: the most a target-only Verify decodes ahead
         self.draft_ratio = Ewma(RATIO_WEIGHT)
-        self.target_ratio = Ewma(RATIO_WEIGHT)
+        self.target_ratio = Ewma(RATIO_WEIGHT)  # of rounds that do not draft
+        self.drafting_target_ratio = Ewma(RATIO_WEIGHT)  # of rounds that draft (module docstring)
         self.draft_latency = Ewma(LATENCY_WEIGHT)  # seconds a drafting round waits beyond the draft's forwards
         self.target_latency = Ewma(LATENCY_WEIGHT)  # seconds a Verify takes beyond the target's forward
+        self.drafting_target_latency = Ewma(LATENCY_WEIGHT)  # the same, of a Verify with draft tokens
         self.draft_forward = Ewma(RATIO_WEIGHT)  # seconds of one draft step, as the draft reports its forwards
         self.target_forward = Ewma(RATIO_WEIGHT)  # seconds of one target step, as the target reports its forwards
         # seconds each further step of a Verify that decodes ahead adds beyond its forward (the service's own work
@@ -136,7 +147,7 @@ class RoundCosts:
         tables = self._tables()
         if tables is None:
             return 0.0
-        return self.target_latency.get(0.0) + self.target_step_s(k, batch, lookup)
+        return self._latency_of(k).get(0.0) + self.target_step_s(k, batch, lookup)
 
     def target_step_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float | None:
         """Seconds of the target's step verifying k draft tokens (and `lookup` rows): its report scaled by
@@ -144,7 +155,14 @@ class RoundCosts:
         tables = self._tables()
         if tables is None:
             return self.target_forward.value
-        return tables[0].step_s(batch.target_step(k, lookup)) * self.target_ratio.get(1.0)
+        return tables[0].step_s(batch.target_step(k, lookup)) * self._ratio_of(k).get(1.0)
+
+    def _ratio_of(self, k: int) -> Ewma:
+        """The target's ratio a round of k draft tokens is priced with: its own kind's, else the other's."""
+        return _own_else_other(self.drafting_target_ratio, self.target_ratio, bool(k))
+
+    def _latency_of(self, k: int) -> Ewma:
+        return _own_else_other(self.drafting_target_latency, self.target_latency, bool(k))
 
     def round_s(self, k: int, batch: BatchLoad, lookup: int = 0) -> float:
         """Seconds of one round of the batch at draft length k (or at k = 0 verifying `lookup` more rows),
@@ -159,7 +177,7 @@ class RoundCosts:
         """Seconds a token of target-only decoding takes: its share of a Verify that decodes ahead
         (orchestrator.decoding.decode_ahead): the first token a one-step round, each further one a step and
         the service's own work around it."""
-        round_s, latency = self.round_s(0, batch), self.target_latency.get(0.0)
+        round_s, latency = self.round_s(0, batch), self._latency_of(0).get(0.0)
         step_s = self._ahead_step_s(round_s, latency)
         per_call = tokens_per_call(latency, step_s, self.decode_ahead)
         return (round_s + (per_call - 1) * step_s) / per_call
@@ -167,7 +185,7 @@ class RoundCosts:
     def tokens_ahead(self, batch: BatchLoad, limit: int) -> int:
         """decode_ahead for the next target-only Verify, as target_only_s prices it: at most `limit`, and 0
         until a call's latency was measured (a Verify's wall time beside the forward time it reported)."""
-        latency = self.target_latency.value
+        latency = self._latency_of(0).value
         if latency is None or not self.known:
             return 0
         step_s = self._ahead_step_s(self.round_s(0, batch), latency)
@@ -213,14 +231,16 @@ class RoundCosts:
             # the round's whole wall time (before the split below takes its forward part): its share of the batch's
             self._fade(round_s, 1.0 / max(1, batch.requests))
         if verify_forward_s is not None:
-            verify_s = self._split(self.target_latency, verify_s, verify_forward_s)
+            verify_s = self._split(self.drafting_target_latency if drafted else self.target_latency, verify_s,
+                                   verify_forward_s)
             self.target_forward.update(verify_s)
         if drafted_after and draft_forward_s is not None:
             draft_s = self._split(self.draft_latency, draft_s, draft_forward_s)
         tables = self._tables()
         if tables is None:
             return
-        self.target_ratio.update(_bounded(verify_s / tables[0].step_s(batch.target_step(drafted, lookup))))
+        ratio = self.drafting_target_ratio if drafted else self.target_ratio
+        ratio.update(_bounded(verify_s / tables[0].step_s(batch.target_step(drafted, lookup))))
         if drafted_after:
             self.draft_ratio.update(_bounded(draft_s / (drafted * tables[1].step_s(batch.draft_step()))))
 
@@ -243,7 +263,7 @@ class RoundCosts:
         if forward_s is None:
             return verify_s / steps, None
         forward_s = min(max(0.0, forward_s), verify_s)
-        beyond, latency, step_forward_s = verify_s - forward_s, self.target_latency.value, forward_s / steps
+        beyond, latency, step_forward_s = verify_s - forward_s, self._latency_of(0).value, forward_s / steps
         if latency is None:
             return beyond + step_forward_s, step_forward_s
         self.target_step_overhead.update(max(0.0, beyond - latency) / (steps - 1))
@@ -266,7 +286,7 @@ class RoundCosts:
         # anew) only once the target-only rounds since the last drafting one took 1/RETRY_SHARE times what it
         # costs beyond the target's, so that such tries stay a small share of the time, however long the link.
         self.undrafted_s += round_s * share
-        excess = self.draft_latency.get(0.0) - self.target_latency.get(0.0)
+        excess = self.draft_latency.get(0.0) - self._latency_of(0).get(0.0)
         if excess > 0 and self.undrafted_s * RETRY_SHARE >= excess:
             self.draft_latency.reset()
         target_only = self.wall_by_k.get(0)
@@ -284,6 +304,11 @@ class RoundCosts:
         if nearest is not None:
             return seen[nearest] * (rows_beyond_one + 1) / (nearest + 1)
         return min(seen.values())
+
+
+def _own_else_other(drafting: Ewma, target_only: Ewma, draft: bool) -> Ewma:
+    own, other = (drafting, target_only) if draft else (target_only, drafting)
+    return own if own.value is not None or other.value is None else other
 
 
 def _bounded(ratio: float) -> float:
