@@ -23,7 +23,8 @@ from harness import WORK_TIMEOUT_S, load, make_engine, start_model_server, start
 from orchestrator.decoding.acceptance import AcceptanceMemory, PositionCounts, expected_tokens
 from orchestrator.decoding.costs import RETRY_SHARE, BatchLoad
 from orchestrator.decoding.loop import SpeculativeGeneration
-from orchestrator.decoding.plan import DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, DRAFT_OPENING, RoundAsk, RoundOutcome
+from orchestrator.decoding.plan import (DRAFT_AWAY, DRAFT_CLOSED, DRAFT_OPEN, DRAFT_OPENING, RoundAsk, RoundOutcome,
+                                        RoundPlan)
 from orchestrator.decoding.request import GenerationRequest, LoopConfig, RoundTiming
 from orchestrator.decoding.policy import MARGIN, Speculation
 from orchestrator.serving.clients import DraftClient, TargetClient, open_channel
@@ -51,17 +52,20 @@ def true_round_s(shared: Speculation, k: int, batch: BatchLoad) -> float:
 
 def simulate(policy, rounds: int, acceptance: float, rng: random.Random, context: int = 0) -> list[int]:
     """Rounds whose costs are exactly the reports' and whose drafts are accepted at `acceptance` per token."""
-    chosen = []
-    for _ in range(rounds):
-        planned = plan(policy, K_MAX, context)
-        k, batch = planned.k, planned.batch
-        accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
-        reports = policy.shared.costs.reports
-        policy.learn(planned, RoundOutcome(RoundTiming(
-            draft_s=k * reports.draft.step_s(batch.draft_step()) if k else 0.0,
-            verify_s=reports.target.step_s(batch.target_step(k))), k, accepted))
-        chosen.append(k)
-    return chosen
+    return [learn_reported_round(policy, plan(policy, K_MAX, context), acceptance, rng) for _ in range(rounds)]
+
+
+def learn_reported_round(policy, planned: RoundPlan, acceptance: float, rng: random.Random,
+                         drafting_slowdown: float = 1.0) -> int:
+    """The planned round run at the reports' costs (a drafting round's draft and verification `drafting_slowdown`
+    times them), its drafts accepted at `acceptance` per token, and learned from -> its k."""
+    k, batch = planned.k, planned.batch
+    accepted = next((j for j in range(k) if rng.random() >= acceptance), k)
+    reports, scale = policy.shared.costs.reports, drafting_slowdown if k else 1.0
+    policy.learn(planned, RoundOutcome(RoundTiming(
+        draft_s=scale * k * reports.draft.step_s(batch.draft_step()) if k else 0.0,
+        verify_s=scale * reports.target.step_s(batch.target_step(k))), k, accepted))
+    return k
 
 
 def analytic_rates(acceptance: float, target_costs, draft_costs) -> list[float]:
@@ -618,25 +622,19 @@ async def test_a_request_that_loses_its_draft_goes_on_target_only_beside_one_tha
 
 
 def decode_batch(shared: Speculation, sessions: int, rounds: int, drafting_slowdown: float,
-              rng: random.Random) -> list[int]:
+                 rng: random.Random) -> list[int]:
     """Rounds of a batch of `sessions` planned together: target-only rounds take what the reports say, drafting
     rounds `drafting_slowdown` times that (their draft and verification), drafts accepted at 0.8 a token. The
     sessions' first two rounds run target-only, as a request's do while its draft's prefill runs."""
     parts = [shared.for_request("code") for _ in range(sessions)]
     for part in parts:
         part.arrive()
-    reports, chosen = shared.costs.reports, []
+    chosen = []
     for number in range(rounds):
         draft = DRAFT_OPENING if number < 2 else DRAFT_OPEN
         plans = shared.plan_batch(parts, [RoundAsk(K_MAX, draft=draft) for _ in parts])
-        for part, planned in zip(parts, plans):
-            k, batch = planned.k, planned.batch
-            accepted = next((j for j in range(k) if rng.random() >= 0.8), k)
-            scale = drafting_slowdown if k else 1.0
-            timing = RoundTiming(draft_s=scale * k * reports.draft.step_s(batch.draft_step()) if k else 0.0,
-                                 verify_s=scale * reports.target.step_s(batch.target_step(k)))
-            part.learn(planned, RoundOutcome(timing, k, accepted))
-            chosen.append(k)
+        chosen += [learn_reported_round(part, planned, 0.8, rng, drafting_slowdown)
+                   for part, planned in zip(parts, plans)]
     return chosen
 
 
