@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -39,7 +38,6 @@ class Verification:
     forward_ns: int
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)  # one per committed token, if asked
     after: list[int] = field(default_factory=list)  # committed after verdict.next_token_id (an alternative's)
-    decode_ahead_ns: int = 0  # wall time of the steps decoded ahead (VerifyResponse.decode_ahead_ns)
 
 
 class TargetEngine:
@@ -175,13 +173,10 @@ class TargetEngine:
         # entries (the next verification then feeds its next tokens and drafts only), drop the rest.
         self.engine.rollback(session, position, committed, cached=verdict.accepted_count)
         logprobs = self._logprobs(session, deciding, committed)
-        ahead_wall_ns = 0
         if decode_ahead:
-            started = time.perf_counter_ns()
             ahead, ahead_logprobs, ahead_ns = yield from self._decode_ahead(session, decode_ahead)
             after, logprobs, forward_ns = after + ahead, logprobs + ahead_logprobs, forward_ns + ahead_ns
-            ahead_wall_ns = time.perf_counter_ns() - started if ahead else 0
-        return Verification(verdict, len(session.token_ids), forward_ns, logprobs, after, ahead_wall_ns)
+        return Verification(verdict, len(session.token_ids), forward_ns, logprobs, after)
 
     def _decode_ahead(self, session: Session, limit: int):
         """In a job: up to `limit` more tokens from the target alone, one step each, as a plain decode step

@@ -75,8 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             request_id=request.request_id, round=request.round,
             accepted_count=result.verdict.accepted_count, next_token_id=result.verdict.next_token_id,
             next_token_kind=KIND[result.verdict.bonus], committed_length=result.committed_length,
-            forward_ns=result.forward_ns, logprobs=result.logprobs, after_token_ids=result.after,
-            decode_ahead_ns=result.decode_ahead_ns)
+            forward_ns=result.forward_ns, logprobs=result.logprobs, after_token_ids=result.after)
 
     async def CloseSession(self, request: common_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext):
         return common_pb2.CloseSessionResponse(closed=self.engine.engine.close(request.request_id))

@@ -209,22 +209,21 @@ class RoundCosts:
         """A round's waits (RoundTiming), `drafted` draft-model tokens and `lookup` rows beside them verified
         in `batch`."""
         self.observe(drafted, timing.draft_s, timing.verify_s, batch, lookup, timing.draft_forward_s,
-                     timing.verify_forward_s, timing.target_steps, timing.predraft, timing.ahead_s)
+                     timing.verify_forward_s, timing.target_steps, timing.predraft)
 
     def observe(self, drafted: int, draft_s: float, verify_s: float, batch: BatchLoad, lookup: int = 0,
                 draft_forward_s: float | None = None, verify_forward_s: float | None = None,
-                target_steps: int = 1, predraft: str | None = None, ahead_s: float = 0.0) -> None:
+                target_steps: int = 1, predraft: str | None = None) -> None:
         """One round's wall-clock waits for its draft tokens and its verification, and the batch it ran in;
         with the forward time the calls reported, each wait is split into the forward and the call around it.
-        A Verify that decoded ahead (`target_steps` steps for one call, the further ones taking `ahead_s` as the
-        target reports it; 0: not reported) counts as a round of one step.
+        A Verify that decoded ahead (`target_steps` steps for one call) counts as a round of one step.
         `predraft`: HIT or MISS (orchestrator.decoding.timing) for a pipelined round that had a pre-draft."""
         round_s = verify_s
         if predraft is not None:
             self.hit_rate.update(1.0 if predraft == HIT else 0.0)
         drafted_after = drafted and predraft != HIT  # the draft's side on the critical path: it shows its cost
         if target_steps > 1:
-            verify_s, verify_forward_s = self._one_step(verify_s, verify_forward_s, target_steps, ahead_s)
+            verify_s, verify_forward_s = self._one_step(verify_s, verify_forward_s, target_steps)
         self.wall_by_k.setdefault(drafted + lookup, Ewma(WALL_WEIGHT)).update(draft_s + verify_s)
         if drafted:
             self.undrafted_s, self.last_drafted = 0.0, drafted
@@ -254,26 +253,17 @@ class RoundCosts:
         self.undrafted_s = 0.0
         return True
 
-    def _one_step(self, verify_s: float, forward_s: float | None, steps: int,
-                  ahead_s: float = 0.0) -> tuple[float, float | None]:
+    def _one_step(self, verify_s: float, forward_s: float | None, steps: int) -> tuple[float, float | None]:
         """(wait, forward) of a Verify of `steps` steps as a Verify of one step would have taken them: the
-        call's latency, and one step's forward. What the wait holds beyond those is the service's own work
-        around each further step (target_step_overhead). Were it taken as the call's latency, a drafting
-        round (one step a call) would be priced with every step's overhead of a long target-only call, and
-        more tokens ahead a call would show a longer latency, which asks for more tokens ahead.
-
-        The target reports how long its further steps took (`ahead_s`, VerifyResponse.decode_ahead_ns): the
-        wait less that is the one-step call, whatever its latency now. Without it, the latency is the one the
-        latest one-step calls showed, and such a call can only lower it: a latency that grows (a link that
-        slowed) is seen as the steps' overhead until the next one-step call. (Without a forward time, the
-        wait's share; before a one-step call, latency once.)"""
+        call's latency as one-step calls showed it, and one step's forward. What the wait holds beyond those
+        is the service's own work around each further step (target_step_overhead). Were it taken as the
+        call's latency, a drafting round (one step a call) would be priced with every step's overhead of a
+        long target-only call, and more tokens ahead a call would show a longer latency, which asks for more
+        tokens ahead. (Without a forward time, the wait's share; before a one-step call, latency once.)"""
         if forward_s is None:
             return verify_s / steps, None
         forward_s = min(max(0.0, forward_s), verify_s)
         beyond, latency, step_forward_s = verify_s - forward_s, self._latency_of(0).value, forward_s / steps
-        if 0.0 < ahead_s <= verify_s:
-            self.target_step_overhead.update(max(0.0, ahead_s / (steps - 1) - step_forward_s))
-            return max(verify_s - ahead_s, step_forward_s), step_forward_s
         if latency is None:
             return beyond + step_forward_s, step_forward_s
         self.target_step_overhead.update(max(0.0, beyond - latency) / (steps - 1))

@@ -96,7 +96,6 @@ class SpeculativeGeneration:
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
         self._alternatives: list[target_pb2.DraftAlternative] = []  # this round's, sent with its Verify
         self._target_steps = 1  # this round's Verify's target steps
-        self._ahead_s = 0.0  # the target's time in the steps after the first (VerifyResponse.decode_ahead_ns)
         self._offered = False  # whether this round had a free proposal on offer, taken or not
 
     @property
@@ -204,8 +203,7 @@ class SpeculativeGeneration:
         drafted = 0 if free else len(draft_ids)  # by the draft model
         timing = RoundTiming(draft_s=self._clock.draft_wall_s, verify_s=self._clock.target_wall_s,
                              draft_forward_s=self._clock.draft_busy_s, verify_forward_s=self._clock.target_busy_s,
-                             target_steps=self._target_steps, predraft=self._clock.predraft,
-                             ahead_s=self._ahead_s)
+                             target_steps=self._target_steps, predraft=self._clock.predraft)
         self.policy.learn(plan, RoundOutcome(timing, drafted, accepted, list(proposal.probabilities) if proposal
                                              else [], len(self._alternatives)))
         batch = committed_tokens(draft_ids, accepted, verified.next_token_id, verified.after_token_ids)
@@ -299,7 +297,6 @@ class SpeculativeGeneration:
             alternatives=self._alternatives, decode_ahead=ahead)
         wall_s, forward_s = time.monotonic() - started, verified.forward_ns / 1e9
         self._target_steps = 1 + len(verified.after_token_ids) if ahead else 1
-        self._ahead_s = verified.decode_ahead_ns / 1e9 if ahead else 0.0
         self._clock.target_call(wall_s, forward_s)
         return verified
 

@@ -76,7 +76,6 @@ class RoundTiming:
     draft_forward_s: float | None = None
     verify_forward_s: float | None = None
     target_steps: int = 1  # the Verify's target steps: more than one where it decoded ahead
-    ahead_s: float = 0.0  # the target's wall time in the steps after the first (VerifyResponse.decode_ahead_ns)
     predraft: str | None = None  # pipelined: HIT or MISS where the round had a pre-draft (timing.RoundBreakdown)
 
 

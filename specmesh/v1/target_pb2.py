@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/target.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x98\x01\n\x11TargetOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\"\x94\x01\n\x12TargetOpenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x12\n\nforward_ns\x18\x04 \x01(\x04\x12*\n\x07logprob\x18\x05 \x01(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x8f\x03\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x05 \x03(\x0b\x32\x1e.specmesh.v1.TokenDistribution\x12.\n\x0c\x64raft_source\x18\x06 \x01(\x0e\x32\x18.specmesh.v1.DraftSource\x12\x33\n\x0c\x61lternatives\x18\x07 \x03(\x0b\x32\x1d.specmesh.v1.DraftAlternative\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.specmesh.v1.VerifyRequest.TraceContextEntry\x12\x14\n\x0c\x64\x65\x63ode_ahead\x18\t \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"3\n\x10\x44raftAlternative\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\"\xa4\x02\n\x0eVerifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x03 \x01(\r\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x33\n\x0fnext_token_kind\x18\x05 \x01(\x0e\x32\x1a.specmesh.v1.NextTokenKind\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\r\x12\x12\n\nforward_ns\x18\x07 \x01(\x04\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x17\n\x0f\x61\x66ter_token_ids\x18\t \x03(\x05\x12\x17\n\x0f\x64\x65\x63ode_ahead_ns\x18\n \x01(\x04\"J\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12)\n\x05parts\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"\x80\x01\n\nVerifyPart\x12\r\n\x05index\x18\x01 \x01(\r\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.PartStatusH\x00\x42\x08\n\x06result\"M\n\x11VerifyBatchResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12&\n\x05parts\x18\x02 \x03(\x0b\x32\x17.specmesh.v1.VerifyPart*\x88\x01\n\x0b\x44raftSource\x12\x1c\n\x18\x44RAFT_SOURCE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFT_SOURCE_DRAFT_MODEL\x10\x01\x12\x1e\n\x1a\x44RAFT_SOURCE_PROMPT_LOOKUP\x10\x02\x12\x1d\n\x19\x44RAFT_SOURCE_SUFFIX_INDEX\x10\x03*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02\x32\xda\x03\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specmesh.v1.TargetOpenRequest\x1a\x1f.specmesh.v1.TargetOpenResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12K\n\x0cVerifyRounds\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse(\x01\x30\x01\x12M\n\rVerifyBatches\x12\x18.specmesh.v1.VerifyBatch\x1a\x1e.specmesh.v1.VerifyBatchResult(\x01\x30\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/target.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x98\x01\n\x11TargetOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\"\x94\x01\n\x12TargetOpenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x12\n\nforward_ns\x18\x04 \x01(\x04\x12*\n\x07logprob\x18\x05 \x01(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x8f\x03\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12;\n\x13\x64raft_distributions\x18\x05 \x03(\x0b\x32\x1e.specmesh.v1.TokenDistribution\x12.\n\x0c\x64raft_source\x18\x06 \x01(\x0e\x32\x18.specmesh.v1.DraftSource\x12\x33\n\x0c\x61lternatives\x18\x07 \x03(\x0b\x32\x1d.specmesh.v1.DraftAlternative\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.specmesh.v1.VerifyRequest.TraceContextEntry\x12\x14\n\x0c\x64\x65\x63ode_ahead\x18\t \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"3\n\x10\x44raftAlternative\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\"\x8b\x02\n\x0eVerifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_count\x18\x03 \x01(\r\x12\x15\n\rnext_token_id\x18\x04 \x01(\x05\x12\x33\n\x0fnext_token_kind\x18\x05 \x01(\x0e\x32\x1a.specmesh.v1.NextTokenKind\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\r\x12\x12\n\nforward_ns\x18\x07 \x01(\x04\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\x17\n\x0f\x61\x66ter_token_ids\x18\t \x03(\x05\"J\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12)\n\x05parts\x18\x02 \x03(\x0b\x32\x1a.specmesh.v1.VerifyRequest\"\x80\x01\n\nVerifyPart\x12\r\n\x05index\x18\x01 \x01(\r\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.VerifyResponseH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.specmesh.v1.PartStatusH\x00\x42\x08\n\x06result\"M\n\x11VerifyBatchResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12&\n\x05parts\x18\x02 \x03(\x0b\x32\x17.specmesh.v1.VerifyPart*\x88\x01\n\x0b\x44raftSource\x12\x1c\n\x18\x44RAFT_SOURCE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFT_SOURCE_DRAFT_MODEL\x10\x01\x12\x1e\n\x1a\x44RAFT_SOURCE_PROMPT_LOOKUP\x10\x02\x12\x1d\n\x19\x44RAFT_SOURCE_SUFFIX_INDEX\x10\x03*j\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02\x32\xda\x03\n\rTargetService\x12N\n\x0bOpenSession\x12\x1e.specmesh.v1.TargetOpenRequest\x1a\x1f.specmesh.v1.TargetOpenResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12K\n\x0cVerifyRounds\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse(\x01\x30\x01\x12M\n\rVerifyBatches\x12\x18.specmesh.v1.VerifyBatch\x1a\x1e.specmesh.v1.VerifyBatchResult(\x01\x30\x01\x12S\n\x0c\x43loseSession\x12 .specmesh.v1.CloseSessionRequest\x1a!.specmesh.v1.CloseSessionResponse\x12\x45\n\x0cGetModelInfo\x12\x1d.specmesh.v1.ModelInfoRequest\x1a\x16.specmesh.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTSOURCE']._serialized_start=1410
-  _globals['_DRAFTSOURCE']._serialized_end=1546
-  _globals['_NEXTTOKENKIND']._serialized_start=1548
-  _globals['_NEXTTOKENKIND']._serialized_end=1654
+  _globals['_DRAFTSOURCE']._serialized_start=1385
+  _globals['_DRAFTSOURCE']._serialized_end=1521
+  _globals['_NEXTTOKENKIND']._serialized_start=1523
+  _globals['_NEXTTOKENKIND']._serialized_end=1629
   _globals['_TARGETOPENREQUEST']._serialized_start=68
   _globals['_TARGETOPENREQUEST']._serialized_end=220
   _globals['_TARGETOPENRESPONSE']._serialized_start=223
@@ -49,13 +49,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTALTERNATIVE']._serialized_start=775
   _globals['_DRAFTALTERNATIVE']._serialized_end=826
   _globals['_VERIFYRESPONSE']._serialized_start=829
-  _globals['_VERIFYRESPONSE']._serialized_end=1121
-  _globals['_VERIFYBATCH']._serialized_start=1123
-  _globals['_VERIFYBATCH']._serialized_end=1197
-  _globals['_VERIFYPART']._serialized_start=1200
-  _globals['_VERIFYPART']._serialized_end=1328
-  _globals['_VERIFYBATCHRESULT']._serialized_start=1330
-  _globals['_VERIFYBATCHRESULT']._serialized_end=1407
-  _globals['_TARGETSERVICE']._serialized_start=1657
-  _globals['_TARGETSERVICE']._serialized_end=2131
+  _globals['_VERIFYRESPONSE']._serialized_end=1096
+  _globals['_VERIFYBATCH']._serialized_start=1098
+  _globals['_VERIFYBATCH']._serialized_end=1172
+  _globals['_VERIFYPART']._serialized_start=1175
+  _globals['_VERIFYPART']._serialized_end=1303
+  _globals['_VERIFYBATCHRESULT']._serialized_start=1305
+  _globals['_VERIFYBATCHRESULT']._serialized_end=1382
+  _globals['_TARGETSERVICE']._serialized_start=1632
+  _globals['_TARGETSERVICE']._serialized_end=2106
 # @@protoc_insertion_point(module_scope)

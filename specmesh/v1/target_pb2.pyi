@@ -94,7 +94,7 @@ class DraftAlternative(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns", "logprobs", "after_token_ids", "decode_ahead_ns")
+    __slots__ = ("request_id", "round", "accepted_count", "next_token_id", "next_token_kind", "committed_length", "forward_ns", "logprobs", "after_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +104,6 @@ class VerifyResponse(_message.Message):
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_AHEAD_NS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     round: int
     accepted_count: int
@@ -114,8 +113,7 @@ class VerifyResponse(_message.Message):
     forward_ns: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     after_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    decode_ahead_ns: int
-    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., after_token_ids: _Optional[_Iterable[int]] = ..., decode_ahead_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., accepted_count: _Optional[int] = ..., next_token_id: _Optional[int] = ..., next_token_kind: _Optional[_Union[NextTokenKind, str]] = ..., committed_length: _Optional[int] = ..., forward_ns: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., after_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("batch_id", "parts")
