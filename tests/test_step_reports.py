@@ -23,7 +23,8 @@ from orchestrator.serving.step_reports import StepReports
 from orchestrator.control.build import create_servicer
 from specmesh.server.metrics import ServiceMetrics
 from specmesh.engine.sampling_params import SamplingParams
-from specmesh.engine.step_costs import MAX_REPORTED_SIZES, MEASURED_ROWS, OUTLIER_FACTOR, StepCosts
+from specmesh.engine.step_costs import (COMPUTE_BOUND_GROWTH, MAX_REPORTED_SIZES, MEASURED_ROWS, OUTLIER_FACTOR,
+                                       StepCosts)
 from specmesh.engine.step_model import BOUNDS, PRIOR, StepShape
 from specmesh.v1 import common_pb2
 
@@ -104,6 +105,48 @@ def test_a_disturbance_at_start_up_inflates_no_size(monkeypatch):
     costs = StepCosts.measure(forward_rows, sizes=(1, 2, 4, 8), repeats=2)
     assert costs.measured == pytest.approx({1: 0.01, 2: 0.02, 4: 0.04, 8: 0.08})
     assert calls == [1, 2, 4, 8] * 2
+
+
+def _on_a_clock(monkeypatch, seconds_of_rows) -> tuple:
+    """forward_rows on a fake clock, a forward of T rows taking seconds_of_rows(T); and the rows it ran."""
+    clock, calls = [0.0], []
+
+    def forward_rows(rows: int) -> None:
+        calls.append(rows)
+        clock[0] += seconds_of_rows(rows)
+    monkeypatch.setattr("specmesh.engine.step_costs.time.perf_counter", lambda: clock[0])
+    return forward_rows, calls
+
+
+def test_the_table_goes_on_past_64_rows_until_a_step_is_compute_bound(monkeypatch):
+    """A GPU's step: the weights' read (10 ms) up to about 512 rows, then 20 us a row of compute. The table
+    doubles past MEASURED_ROWS while a doubling costs less than COMPUTE_BOUND_GROWTH times the size before,
+    so a step of 64 sessions verifying 4 draft tokens (320 rows) is priced at what it costs, not at five
+    64-row steps; past the first compute-bound size the proportion holds."""
+    def gpu(rows: int) -> float:
+        return max(0.010, rows * 20e-6)
+    forward_rows, calls = _on_a_clock(monkeypatch, gpu)
+    costs = StepCosts.measure(forward_rows, largest=4096)
+    grown = [128, 256, 512, 1024]  # 1024 rows cost 2x 512: compute-bound, the last size measured
+    assert gpu(1024) >= COMPUTE_BOUND_GROWTH * gpu(512) and gpu(512) < COMPUTE_BOUND_GROWTH * gpu(256)
+    assert list(costs.measured) == [*MEASURED_ROWS, *grown]
+    assert calls == [*MEASURED_ROWS, *grown] * 2  # the repeat times the grown sizes too
+    assert costs.planned_cost(320) == pytest.approx(0.010, rel=0.01)
+    assert costs.planned_cost(2048) == pytest.approx(gpu(2048))
+
+
+def test_a_compute_bound_step_or_the_largest_step_ends_the_table(monkeypatch):
+    """A CPU's step, in proportion to its rows: one doubling shows it, and the proportion prices the rest.
+    The largest step the engine may take bounds the sizes measured, the fixed ones too."""
+    def cpu(rows: int) -> float:
+        return 0.001 * rows
+    forward_rows, _ = _on_a_clock(monkeypatch, cpu)
+    assert list(StepCosts.measure(forward_rows, largest=2048).measured) == [*MEASURED_ROWS, 128]
+    forward_rows, calls = _on_a_clock(monkeypatch, lambda rows: 0.010)
+    assert list(StepCosts.measure(forward_rows, largest=100).measured) == list(MEASURED_ROWS)
+    forward_rows, calls = _on_a_clock(monkeypatch, lambda rows: 0.010)
+    assert list(StepCosts.measure(forward_rows, largest=40).measured) == [r for r in MEASURED_ROWS if r <= 40]
+    assert max(calls) == 32
 
 
 def test_from_proto_drops_garbage_and_never_raises():
@@ -201,7 +244,10 @@ async def test_a_calibrated_service_reports_the_model_it_fits_to_decode_steps(ti
             assert _scraped(metrics) == {}
             costs = await engine.run(engine.calibrate)
             info = await client.model_info(timeout=10)
-            assert [entry.rows for entry in info.planned_step_costs] == list(MEASURED_ROWS)
+            sizes = [entry.rows for entry in info.planned_step_costs]
+            assert sizes[:len(MEASURED_ROWS)] == list(MEASURED_ROWS)  # then doubling, within a step's largest
+            grown = sizes[len(MEASURED_ROWS) - 1:]
+            assert all(b == 2 * a for a, b in zip(grown, grown[1:])) and sizes[-1] < engine.context_window
             assert all(entry.seconds > 0 for entry in info.planned_step_costs)
             assert _coefficients(info.step_model) == PRIOR  # nothing run since calibration
             assert _scraped(metrics) == costs.seconds

@@ -259,7 +259,8 @@ class ModelEngine:
             self.graph.capture_common_shapes()
 
     def calibrate(self) -> StepCosts:
-        """Measure what steps of 1..64 rows cost here (specmesh.engine.step_costs), and plan with it."""
+        """Measure what steps of 1..64 rows cost here, and larger ones up to the largest a step may take
+        while they cost less than their rows' share (specmesh.engine.step_costs), and plan with it."""
         def forward_rows(rows: int) -> None:
             session = Session("calibration", [0] * (rows + 1), self.new_cache(), SamplingParams(), torch.Generator())
             part = Part(session, [0] * rows, 1)
@@ -267,7 +268,8 @@ class ModelEngine:
                 self.graph.step([part])
             else:
                 self._forward_rows(session, [0] * rows, 1)
-        self.costs = StepCosts.measure(forward_rows)
+        largest = min(self.config.max_step_tokens, self.context_window - 1)  # a calibration row and its next token
+        self.costs = StepCosts.measure(forward_rows, largest=largest)
         return self.costs
 
     def _prefill_allowance(self, decode_rows: int, prefills: int) -> int:

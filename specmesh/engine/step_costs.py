@@ -28,6 +28,12 @@ from specmesh.v1 import common_pb2
 # then a few to extrapolate chunk costs from: a CPU GEMM's cost jumps past 8 rows, which interpolating
 # from 8 to 12 would hide (what the table costs at start-up: docs/design/tuning.md).
 MEASURED_ROWS = tuple(range(1, 13)) + (16, 24, 32, 48, 64)
+# Past MEASURED_ROWS the table doubles its size while a doubling costs less than this many times the size
+# before it: a GPU's step of a few hundred rows costs little more than one of 64 (the weights' read
+# dominates), so priced in proportion to its rows a batch's drafting round would look several times
+# dearer than it runs. Once a doubling costs about double, the step is compute-bound and the proportion
+# holds from there on (_interpolated).
+COMPUTE_BOUND_GROWTH = 1.8
 MAX_REPORTED_SIZES = 256  # of a reported table (from_proto): a bad report stays cheap to read
 MIN_PREFILL_CHUNK = 8  # rows a prefill moves in a step at the least, whatever the budget
 EFFICIENT_CHUNK = 1.15  # a chunk that must pass the budget anyway may cost this much more than the smallest
@@ -46,18 +52,33 @@ class StepCosts:
         self._allowances: dict[tuple[int, float], int] = {}
 
     @classmethod
-    def measure(cls, forward_rows: Callable[[int], None], sizes=MEASURED_ROWS, repeats: int = 2) -> "StepCosts":
+    def measure(cls, forward_rows: Callable[[int], None], sizes=MEASURED_ROWS, repeats: int = 2,
+                largest: int | None = None) -> "StepCosts":
         """forward_rows(T) runs one forward of T new rows on a fresh cache; the fastest of `repeats`
         (noise only ever adds time). The repeats are passes over every size, not back-to-back runs
         of one, so that a disturbance of a few seconds (another process starting beside this one)
-        inflates one pass, never every sample of the sizes it hits."""
+        inflates one pass, never every sample of the sizes it hits. Given `largest` (the most rows a
+        step may take), the first pass goes on past `sizes`, doubling, up to it or until a step is
+        compute-bound (COMPUTE_BOUND_GROWTH), and the later passes time those sizes too."""
         seconds: dict[int, float] = {}
-        for _ in range(repeats):
+
+        def timed(rows: int) -> float:
+            start = time.perf_counter()
+            forward_rows(rows)
+            elapsed = time.perf_counter() - start
+            seconds[rows] = min(elapsed, seconds.get(rows, elapsed))
+            return elapsed
+
+        sizes = [rows for rows in sizes if largest is None or rows <= largest]
+        for rows in sizes:
+            timed(rows)
+        rows = sizes[-1]
+        while largest is not None and 2 * rows <= largest and timed(2 * rows) < COMPUTE_BOUND_GROWTH * seconds[rows]:
+            rows *= 2
+        sizes = list(seconds)
+        for _ in range(repeats - 1):
             for rows in sizes:
-                start = time.perf_counter()
-                forward_rows(rows)
-                elapsed = time.perf_counter() - start
-                seconds[rows] = min(elapsed, seconds.get(rows, elapsed))
+                timed(rows)
         return cls(seconds)
 
     @classmethod
@@ -132,9 +153,21 @@ class StepCosts:
             smallest = self.planned_cost(decode_rows + MIN_PREFILL_CHUNK)
             if smallest > budget:
                 budget = max(budget, EFFICIENT_CHUNK * smallest * min(1.0, correction))
-            self._allowances[key] = max((extra for extra in range(max(self.measured) + 1)
-                                         if self.planned_cost(decode_rows + extra) <= budget), default=0)
+            self._allowances[key] = self._most_rows_within(decode_rows, budget)
         return self._allowances[key]
+
+    def _most_rows_within(self, decode_rows: int, budget: float) -> int:
+        """The most rows a step of decode_rows may add and cost at most `budget` by the start-up table, up to
+        its largest size. The scan ends once a step costs twice the budget: padding makes some sizes cheaper
+        than smaller ones, never by half, and a table measured to thousands of rows is not read row by row."""
+        most = 0
+        for extra in range(max(self.measured) + 1):
+            cost = self.planned_cost(decode_rows + extra)
+            if cost <= budget:
+                most = extra
+            elif cost > 2.0 * budget:
+                break
+        return most
 
     def _cheapest_at_least(self, rows: int) -> int:
         best = rows
@@ -156,8 +189,8 @@ def _entries(seconds: dict[int, float]) -> list[common_pb2.StepCost]:
 
 def _interpolated(table: dict[int, float], rows: int) -> float:
     """Seconds for `rows` rows by `table`: its entry or linear between entries; past the largest
-    size, in proportion to it (large steps are compute-bound, and a noisy slope must never make
-    a huge chunk look cheap)."""
+    size, in proportion to it (the table is measured until a step is compute-bound or as large as a
+    step may be: StepCosts.measure; and a noisy slope must never make a huge chunk look cheap)."""
     sizes = list(table)
     if rows in table:
         return table[rows]

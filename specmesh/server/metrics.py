@@ -210,8 +210,8 @@ class ServiceMetrics:
 class StepCostCollector:
     """`specmesh_step_seconds{rows}`: the service's current step-cost table, read at scrape time.
 
-    The label takes only the table's sizes (specmesh.engine.step_costs.MEASURED_ROWS), so it stays
-    bounded; no series before the service measured its costs."""
+    The label takes only the table's sizes (specmesh.engine.step_costs: MEASURED_ROWS, then doubling
+    until a step is compute-bound), so it stays bounded; no series before the service measured its costs."""
 
     def __init__(self, labels: dict[str, str], costs: Callable[[], object]):
         self.labels, self.costs = labels, costs  # costs(): a specmesh.engine.step_costs.StepCosts or None
