@@ -69,15 +69,14 @@ class StepCosts:
             seconds[rows] = min(elapsed, seconds.get(rows, elapsed))
             return elapsed
 
-        sizes = [rows for rows in sizes if largest is None or rows <= largest]
         for rows in sizes:
-            timed(rows)
-        rows = sizes[-1]
-        while largest is not None and 2 * rows <= largest and timed(2 * rows) < COMPUTE_BOUND_GROWTH * seconds[rows]:
-            rows *= 2
-        sizes = list(seconds)
+            if largest is None or rows <= largest:
+                timed(rows)
+        size = max(seconds)
+        while largest is not None and 2 * size <= largest and timed(2 * size) < COMPUTE_BOUND_GROWTH * seconds[size]:
+            size *= 2
         for _ in range(repeats - 1):
-            for rows in sizes:
+            for rows in list(seconds):  # the first pass's sizes, grown ones included
                 timed(rows)
         return cls(seconds)
 
