@@ -407,17 +407,20 @@ async def test_the_peer_takes_turns_with_the_served_modes_and_its_rounds_are_cou
 @pytest.mark.parametrize("concurrency", [1, 3])
 async def test_repeated_passes_reverse_the_modes_order_every_other_pass(concurrency):
     """--repeats 3: on, off, then off, on, then on, off again (by prompt at concurrency 1, by whole list
-    above), every record numbered with its pass and every pass timed."""
+    above), every record numbered with its pass and every pass timed, the suffix index emptied before each."""
     client = RecordingClient()
     prompts = BUILTIN["code"][:3]
     load = LoadSettings(max_tokens=4, request_rate=math.inf, seed=0, num_speculative_tokens=None, timeout_s=5.0,
                         progress=False, repeats=3)
-    runs = await run_modes(client, prompts, Configuration(concurrency, 0.0), load, ["on", "off"])
+
+    async def fresh_pass():  # where the bench empties the server's suffix index
+        client.sent.append("fresh")
+    runs = await run_modes(client, prompts, Configuration(concurrency, 0.0), load, ["on", "off"], fresh_pass)
     orders = [("on", "off"), ("off", "on"), ("on", "off")]
-    if concurrency == 1:
-        expected = [(mode, i) for order in orders for i in range(3) for mode in order]
-    else:
-        expected = [(mode, i) for order in orders for mode in order for i in range(3)]
+    if concurrency == 1:  # a pass is the modes' turns over every prompt
+        expected = [sent for order in orders for sent in ["fresh"] + [(mode, i) for i in range(3) for mode in order]]
+    else:  # a pass is one mode's whole list: no pass finds the same prompts answered by another
+        expected = [sent for order in orders for mode in order for sent in ["fresh"] + [(mode, i) for i in range(3)]]
     assert client.sent == expected
     for mode, (records, seconds) in runs.items():
         assert [(r.repeat, r.index) for r in records] == [(p, i) for p in range(3) for i in range(3)]

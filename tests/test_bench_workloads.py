@@ -155,10 +155,9 @@ async def test_bench_runs_the_workloads_beside_code(tmp_path, tiny_llama_dir, ti
     assert all(r["output_tokens"] == sum(r["completion_tokens"]) > 4 for r in samples)
 
 
-async def test_the_bench_empties_the_suffix_index_before_each_configuration(tmp_path, tiny_llama_dir,
-                                                                            tiny_llama_perturbed_dir):
-    """With --clear-suffix-index, a configuration finds repeats only among its own requests: after the run
-    the index holds the last configuration's requests alone (both modes), not the first's too."""
+async def test_the_bench_empties_the_suffix_index_before_each_pass(tmp_path, tiny_llama_dir, tiny_llama_perturbed_dir):
+    """With --clear-suffix-index, a pass finds repeats only among its own requests: after the run the index
+    holds the last pass's requests alone (the last configuration's "off"), not its "on" nor the first's too."""
     stack = await start_stack(tiny_llama_dir, tiny_llama_perturbed_dir, k=3, adaptive_k=True)
     try:
         code = await asyncio.to_thread(specmesh_main, [
@@ -170,4 +169,4 @@ async def test_the_bench_empties_the_suffix_index_before_each_configuration(tmp_
     finally:
         await stack.stop()
     assert code == 0
-    assert state.enabled and state.cleared_documents == 4 * 2 and state.documents == 0 and state.bytes == 0
+    assert state.enabled and state.cleared_documents == 4 and state.documents == 0 and state.bytes == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -86,8 +87,8 @@ def serve_phase(args, prompts: list[BenchPrompt], configurations: list[Configura
     group, metrics_url, weights = None, args.metrics_url, {}
     try:
         endpoint = args.endpoint
-        # Where to empty the suffix index before each configuration: a stack of our own always, so that
-        # a configuration finds repeats only among its own requests; a user's server only when asked.
+        # Where to empty the suffix index before each pass (runner.run_modes): a stack of our own always, so
+        # that a pass finds repeats only among its own requests; a user's server only when asked.
         admin = endpoint if args.clear_suffix_index and args.protocol == "grpc" else None
         if endpoint is None:
             group = ProcessGroup()
@@ -135,11 +136,10 @@ async def run_served(args, endpoint: str, prompts: list[BenchPrompt], configurat
         for configuration in configurations:
             if args.num_warmups and configuration.max_concurrency > 1:
                 await warm_up(client, prompts, args.num_warmups, load, configuration.max_concurrency)
-            if admin is not None:
-                await clear_suffix_index(admin)
             client.rounds.take()  # the warm-ups' rounds are not counted
-            by_mode = await run_modes(client, prompts, configuration, load, configuration_modes(args, configuration,
-                                                                                                 peer))
+            fresh_pass = functools.partial(clear_suffix_index, admin) if admin is not None else None
+            by_mode = await run_modes(client, prompts, configuration, load,
+                                      configuration_modes(args, configuration, peer), fresh_pass)
             runs.update({(configuration.name, mode): run for mode, run in by_mode.items()})
             rounds.update({(configuration.name, mode): parts for mode, parts in client.rounds.take().items()})
     finally:

@@ -83,9 +83,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="HOST:PORT of a running server (gRPC port, or the HTTP API's with --protocol http)")
     server.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     server.add_argument("--clear-suffix-index", action="store_true",
-                        help="empty the --endpoint server's suffix index before each configuration (gRPC "
-                             "only; a stack the bench starts is always emptied), so that repeats are found "
-                             "only among the configuration's own requests")
+                        help="empty the --endpoint server's suffix index before each pass of a configuration "
+                             "(gRPC only; a stack the bench starts is always emptied), so that repeats are "
+                             "found only among the pass's own requests")
     server.add_argument("--metrics-url", default=None,
                         help="the --endpoint server's orchestrator /metrics (http://HOST:PORT/metrics), for the "
                              "table of where a decode round's time goes (a stack the bench starts: always)")

@@ -19,6 +19,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, replace
+from typing import Awaitable, Callable
 
 from tqdm import tqdm
 
@@ -83,7 +84,8 @@ def arrival_times(count: int, rate: float, seed: int) -> list[float]:
 
 
 async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, load: LoadSettings,
-                    modes: list[str]) -> dict[str, tuple[list[RequestRecord], list[float]]]:
+                    modes: list[str], fresh_pass: Callable[[], Awaitable[None]] | None = None,
+                    ) -> dict[str, tuple[list[RequestRecord], list[float]]]:
     """Every prompt `load.repeats` times in each mode; per mode, the records (by pass, in prompt order)
     and the seconds each pass took.
 
@@ -92,6 +94,11 @@ async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, l
     long run favours no mode (docs/design/benchmarking.md). Otherwise each mode needs the whole list in flight, and runs
     it in one go; over several passes the modes' order is reversed every other pass, so
     drift over the passes cancels as well (on, off, off, on).
+
+    `fresh_pass` (emptying the server's suffix index) is awaited before every pass of a mode that runs the
+    list in one go, and before every pass of the turns prompt by prompt: a pass never finds the same prompts'
+    answers from an earlier pass, which would make the suffix index propose them and the later passes of the
+    default mode faster than the first.
     """
     one_at_a_time = config.max_concurrency == 1 and math.isinf(load.request_rate)
     pass_size = 1 if one_at_a_time else max(1, len(prompts))
@@ -104,6 +111,8 @@ async def run_modes(client, prompts: list[BenchPrompt], config: Configuration, l
             seconds[mode].append(0.0)
         for first in range(0, len(prompts), pass_size):
             for mode in order:
+                if fresh_pass is not None and first == 0 and (mode == order[0] or not one_at_a_time):
+                    await fresh_pass()
                 done, took = await run_load(client, prompts[first:first + pass_size], config, load, mode,
                                             first_index=first)
                 elapsed = sum(seconds[mode])
