@@ -9,11 +9,16 @@ import grpc
 import pytest
 import torch
 
-from benchmarks.links import LinkSpec
+from benchmarks.links import DelayLine, LinkSpec
 from engine_helpers import next_logits_cached, next_logits_fresh
-from harness import make_engine, start_model_server, start_stack
+from harness import load, make_engine, start_model_server, start_stack
 from orchestrator.decoding.costs import BatchLoad, RoundCosts
 from orchestrator.decoding.decode_ahead import AHEAD_SHARE
+from orchestrator.decoding.loop import SpeculativeGeneration
+from orchestrator.decoding.plan import FixedLength, RoundAsk, RoundPlan
+from orchestrator.decoding.request import GenerationRequest, LoopConfig
+from orchestrator.decoding.suffix_index import SuffixIndex
+from orchestrator.serving.clients import TargetClient, open_channel
 from parity import target_greedy
 from specmesh.errors import InvalidArgument
 from specmesh.roles import MAX_DECODE_AHEAD
@@ -184,3 +189,46 @@ async def test_served_seeded_sampling_is_the_same_with_and_without_decoding_ahea
     (one_by_one, ahead_then), (decoded_ahead, ahead_now) = outputs
     assert not ahead_then and ahead_now
     assert decoded_ahead == one_by_one
+
+
+class PassesUpOffers(FixedLength):
+    """Target-only rounds that look at the free proposals on offer and verify none, as the default policy plans
+    where none is worth its rows: pricing is not the subject here, what the loop sends then is."""
+
+    def __init__(self):
+        super().__init__(RoundCosts())
+        self.offered = self.rounds = 0
+
+    def plan(self, ask: RoundAsk) -> RoundPlan:
+        self.rounds += 1
+        self.offered += bool(ask.offers())
+        return RoundPlan(batch=BatchLoad(1, ask.context))
+
+
+async def test_a_round_that_passes_up_a_free_proposal_still_decodes_ahead(tiny_llama_dir, device):
+    """A repeated request finds its earlier answer on offer every round; where the plan verifies none of it, the
+    round is target-only like any other, and across a link it decodes ahead, with the target's own output."""
+    prompt, max_tokens = "The quick brown fox", 24
+    expected = target_greedy(str(tiny_llama_dir), device, prompt, max_tokens)
+    tokenizer = load(str(tiny_llama_dir), device)[1]
+    prompt_ids = tokenizer.encode(prompt)
+    history = SuffixIndex()
+    history.open().extend(prompt_ids + list(expected))  # the earlier answer: proposed at every position
+    server, port = await start_model_server("target", make_engine(tiny_llama_dir, device, "target"))
+    link = await DelayLine(("127.0.0.1", port), LinkSpec(rtt_ms=10.0), name="target").start()
+    try:
+        policy = PassesUpOffers()
+        generation = SpeculativeGeneration(
+            GenerationRequest(request_id="again", prompt_token_ids=prompt_ids, max_tokens=max_tokens,
+                              sampling=SamplingParams(0.0), stop=[], num_speculative_tokens=4),
+            TargetClient(open_channel(f"127.0.0.1:{link.port}")), None, {tokenizer.eos_token_id}, LoopConfig(num_speculative_tokens=4),
+            policy=policy, history=history)
+        tokens = [token for batch in [batch async for batch in generation.tokens()] for token in batch]
+    finally:
+        await link.stop()
+        await server.stop(None)
+    assert tuple(tokens) == expected
+    # the answer was on offer at every round (but a last one of one token, which has none to propose) ...
+    assert policy.offered >= policy.rounds - 1 and policy.offered >= 1
+    stats = generation.stats
+    assert stats.suffix_tokens == 0 and stats.target_forward_passes > stats.rounds + 1  # ... and rounds decoded ahead

@@ -9,7 +9,10 @@ so the output is unchanged (identical under greedy). A draft that is only
 unreachable (UNAVAILABLE: a replica restarting, none healthy in its pool) is
 asked again after a few target-only rounds, the interval doubling while it stays
 away; the next Propose's commit catches it up, so speculation comes back within
-the request. Any other draft failure drops the draft for the rest of the request.
+the request. A draft that refused to open the session for now (RESOURCE_EXHAUSTED:
+its KV room or its queue of prefills full) waits out the same interval, and the
+session is opened again where the policy asks for it. Any other draft failure drops
+the draft for the rest of the request.
 Each round is planned by the request's policy (orchestrator.decoding.plan: the adaptive
 rule, or a fixed k) and the policy learns from its outcome. A round may verify tokens
 proposed at no model cost in place of the draft's (orchestrator.decoding.proposals);
@@ -45,7 +48,7 @@ from specmesh.roles import MAX_DRAFT_TOKENS
 from specmesh.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
-MAX_DRAFT_RETRY_TOKENS = 32  # most tokens committed target-only between two tries of an unreachable draft
+MAX_DRAFT_RETRY_TOKENS = 32  # most tokens committed target-only between two tries of a draft unreachable or full
 
 
 class SpeculativeGeneration:
@@ -87,6 +90,7 @@ class SpeculativeGeneration:
         self.logprobs: list[common_pb2.TokenLogprob] = []
         self.draft_agreed = 0  # the draft's sequence equals sequence[:draft_agreed]
         self._draft_opening: asyncio.Task | None = None
+        self._draft_open_deadline = 0.0  # time.monotonic() by which the draft's prefill must be done
         self._draft_asked = False  # the draft's session was opened, or is opening
         self._draft_back_at = 0  # an unreachable draft is asked again once the sequence is this long
         self._draft_retry_tokens = 1
@@ -96,7 +100,6 @@ class SpeculativeGeneration:
         self._stop_below = 0.0  # this round's: the draft stops where its run probability falls below it
         self._alternatives: list[target_pb2.DraftAlternative] = []  # this round's, sent with its Verify
         self._target_steps = 1  # this round's Verify's target steps
-        self._offered = False  # whether this round had a free proposal on offer, taken or not
 
     @property
     def generated(self) -> int:
@@ -170,12 +173,17 @@ class SpeculativeGeneration:
 
     def _open_draft(self) -> None:
         """Start the draft's prefill of the prompt in the background; the next Propose's commit
-        brings it the tokens generated since."""
+        brings it the tokens generated since. Its deadline allows for the prompt's rows, as the target's
+        prefill does: a burst of requests opens its drafts at once, and the draft feeds them in turn (held
+        to one round's deadline, the draft would refuse the burst's later opens)."""
         request = self.request
         self._draft_asked = True
+        timeout = self._timeout(self.config.draft_timeout_s
+                                + self.config.prefill_timeout_per_token_s * len(request.prompt_token_ids))
+        self._draft_open_deadline = time.monotonic() + timeout
         self._draft_opening = asyncio.ensure_future(self.draft.open(
-            self.session_id, request.prompt_token_ids, request.sampling,
-            timeout=self._timeout(self.config.draft_timeout_s), max_new_tokens=self._kv_new_tokens()))
+            self.session_id, request.prompt_token_ids, request.sampling, timeout=timeout,
+            max_new_tokens=self._kv_new_tokens()))
 
     async def _run_round(self) -> list[int]:
         self._round += 1
@@ -231,7 +239,6 @@ class SpeculativeGeneration:
     async def _plan_round(self) -> RoundPlan:
         """The policy's plan for this round, made with the other sessions planning now; the draft's session
         opens here where the plan says so."""
-        self._offered = False
         self._plan = await self.policy.plan_with_batch(self._ask(self._draft_state(), self._offers))
         if self._plan.open_draft:
             self._open_draft()
@@ -263,7 +270,6 @@ class SpeculativeGeneration:
             suffix = self.history.propose(self.sequence, limit)  # its own tokens too: copies of a long match
             if suffix.tokens:
                 offers.append(FreeProposal(SUFFIX, suffix.tokens, suffix.match_length))
-        self._offered = bool(offers)
         return offers
 
     async def _proposal_for_round(self, k: int) -> draft_pb2.ProposeResponse | None:
@@ -282,9 +288,10 @@ class SpeculativeGeneration:
         self._alternatives = self._choose_alternatives(proposal)
         target_only = proposal is None and free is None
         # The next token counts as one of the tokens the request may still make. While the draft's prefill
-        # runs, rounds are target-only only until it is done, and where the sequence repeats (a free proposal
-        # was on offer) the next round may well take one: decoding ahead would put off either.
-        decodes_ahead = target_only and not self._draft_prefilling() and not self._offered
+        # runs, rounds are target-only only until it is done: decoding ahead would put off its first draft.
+        # A free proposal on offer and passed up does not stop it: the plan weighed the proposal against a
+        # round of one token and found it not worth its rows, so against this round it is worth less still.
+        decodes_ahead = target_only and not self._draft_prefilling()
         limit = min(self.tokens_left - 1, self.config.decode_ahead)
         if self._draft_back_at > len(self.sequence):  # an unreachable draft: ahead no further than its next try
             limit = min(limit, self._draft_back_at - len(self.sequence) - 1)
@@ -334,9 +341,8 @@ class SpeculativeGeneration:
         position = len(self.sequence)
         commit = self._draft_commit()
         try:
-            if self._draft_opening is not None:
-                opening, self._draft_opening = self._draft_opening, None
-                await asyncio.wait_for(opening, self._timeout(self.config.draft_timeout_s))
+            if self._draft_opening is not None and not await self._draft_opened():
+                return None
             proposal = await self.draft.propose(self.session_id, self._round, commit, position, k,
                                                 timeout=self._timeout(self.config.draft_timeout_s),
                                                 stop_below=self._stop_below)
@@ -352,6 +358,23 @@ class SpeculativeGeneration:
         self._draft_retry_tokens = 1
         return proposal
 
+    async def _draft_opened(self) -> bool:
+        """Wait for the draft's prefill, within its own deadline; False where the draft refused the session
+        for now (RESOURCE_EXHAUSTED: its KV room or its prefill queue full). That is no fault of the draft's:
+        the request goes target-only for a few tokens, and its policy may then open the session again."""
+        opening, self._draft_opening = self._draft_opening, None
+        try:
+            await asyncio.wait_for(opening, max(0.001, self._draft_open_deadline - time.monotonic()))
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            log.info("request %s: the draft refused its session at round %d (%s); target-only for %d tokens",
+                     self.session_id, self._round, error.details(), self._draft_retry_tokens)
+            self._draft_asked = False  # it holds no session: the next open is a new one
+            self._draft_back_later()
+            return False
+        return True
+
     def _draft_commit(self) -> draft_pb2.Commit:
         """What brings the draft's session to the committed sequence: roll back to where it agrees, append the rest."""
         return draft_pb2.Commit(position=self.draft_agreed, token_ids=self.sequence[self.draft_agreed:])
@@ -366,6 +389,10 @@ class SpeculativeGeneration:
         """Target-only for a few rounds; the session is kept (a pooled client moves it when asked again)."""
         log.warning("request %s: draft unreachable at round %d (%s); target-only for %d tokens",
                     self.session_id, self._round, reason, self._draft_retry_tokens)
+        self._draft_back_later()
+
+    def _draft_back_later(self) -> None:
+        """Target-only for the next few tokens, twice as many as after the last time (up to a most)."""
         self.stats.draft_fallback = True
         # Counted in tokens, not rounds: a target-only round that decodes ahead commits several.
         self._draft_back_at = len(self.sequence) + 1 + self._draft_retry_tokens

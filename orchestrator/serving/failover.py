@@ -116,6 +116,15 @@ class PooledClient:
             self.pool.release(placement.replica)
             await placement.replica.client.close(request_id)
 
+    def _forget(self, request_id: str, placement: Placement) -> None:
+        """A session its replica refused to open: nothing there to close, its place in the pool given back, and
+        an open of the same id later is a new one."""
+        if self.sessions.get(request_id) is placement:
+            del self.sessions[request_id]
+        if placement.replica is not None:
+            self.pool.release(placement.replica)
+            placement.replica = None
+
     async def _call(self, request_id: str, placement: Placement, timeout: float,
                     call: Callable[[object, float], Awaitable]):
         """Run call(client, timeout) on the session's replica, moving the session when it is lost."""
@@ -170,8 +179,13 @@ class PooledClient:
                    max_new_tokens: int = 0):
         placement = self.sessions[request_id] = Placement(
             list(prompt), sampling, kv_limit=len(prompt) + max_new_tokens if max_new_tokens else 0)
-        opened = await self._call(request_id, placement, timeout, lambda client, t: _afresh(
-            client, request_id, t, lambda left: client.open(request_id, prompt, sampling, left, max_new_tokens)))
+        try:
+            opened = await self._call(request_id, placement, timeout, lambda client, t: _afresh(
+                client, request_id, t, lambda left: client.open(request_id, prompt, sampling, left, max_new_tokens)))
+        except (UpstreamError, grpc.aio.AioRpcError) as error:
+            if _code(error) == grpc.StatusCode.RESOURCE_EXHAUSTED:  # refused before the replica made anything
+                self._forget(request_id, placement)
+            raise
         placement.opened = True
         self._opened(placement, opened)
         return opened
