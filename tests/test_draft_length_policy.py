@@ -459,9 +459,11 @@ async def test_useless_draft_serves_target_only_with_identical_output(tiny_llama
     finally:
         await stack.stop()
     assert tuple(token_ids) == target_greedy(str(tiny_llama_dir), device, TINY_PROMPTS[0], 64)
-    # Mostly rounds without the draft model: target-only, or verifying prompt lookup's tokens (the tiny
-    # model's greedy output repeats itself, and lookup finds it).
-    assert last.stats.rounds > 20 and last.stats.draft_tokens < last.stats.rounds / 4
+    # Mostly rounds without the draft model: target-only, or verifying prompt lookup's or the suffix index's
+    # tokens (the tiny model's greedy output repeats itself, and both find it). Counted against the tokens,
+    # not the rounds: how many tokens a free proposal's round commits is the host's timing (how the policy
+    # priced it), and a draft kept on would ask for about four tokens for each one committed.
+    assert last.stats.rounds > 20 and last.stats.draft_tokens < len(token_ids) / 4
 
 
 async def test_busy_draft_turns_speculation_off_then_back_on(tiny_llama_deep_dir, tiny_llama_dir, device):
