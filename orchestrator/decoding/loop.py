@@ -92,7 +92,7 @@ class SpeculativeGeneration:
         self._draft_opening: asyncio.Task | None = None
         self._draft_open_deadline = 0.0  # time.monotonic() by which the draft's prefill must be done
         self._draft_asked = False  # the draft's session was opened, or is opening
-        self._draft_back_at = 0  # an unreachable draft is asked again once the sequence is this long
+        self._draft_back_at = 0  # a draft unreachable or full is asked again once the sequence is this long
         self._draft_retry_tokens = 1
         self._round = 0
         self._clock = RoundClock()
